@@ -1,0 +1,5 @@
+import sys
+
+from autofit.cli import main
+
+sys.exit(main())

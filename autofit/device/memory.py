@@ -1,0 +1,89 @@
+"""Peak-memory measurement and budget enforcement.
+
+On CUDA, PyTorch's caching allocator already counts bytes and can be capped. On a CPU it
+does neither, so `LiveBytesTracker` counts the bytes of every live tensor storage as ops
+create them (a `TorchDispatchMode` sees every op, forward, backward and optimizer) and
+raises `torch.OutOfMemoryError` when a budget is crossed, just as a capped GPU would.
+The same tracker over fake tensors is how `estimate.py` predicts memory without running.
+"""
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Counts live tensor-storage bytes; `peak_bytes` is the high-water mark.
+
+    Views share a storage and are counted once. Storages created before the tracker was
+    entered are invisible unless passed to `track`.
+    """
+
+    def __init__(self, budget_bytes: int | None = None):
+        super().__init__()
+        self.budget_bytes = budget_bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._sizes: dict[int, int] = {}
+
+    def track(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._sizes:
+            return
+        n_bytes = storage.nbytes()
+        self._sizes[key] = n_bytes
+        self.live_bytes += n_bytes
+        weakref.finalize(storage, self._free, key)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+            raise torch.OutOfMemoryError(
+                f"memory budget exceeded: allocating {n_bytes} bytes with {self.live_bytes - n_bytes} live "
+                f"would exceed the budget of {self.budget_bytes} bytes")
+
+    def _free(self, key: int) -> None:
+        self.live_bytes -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._add(leaf)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CudaMemoryStats:
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    allocator_retries: int
+    ooms: int
+
+
+def cuda_memory_stats(device: torch.device) -> CudaMemoryStats:
+    stats = torch.cuda.memory_stats(device)
+    return CudaMemoryStats(
+        peak_reserved_bytes=stats.get("reserved_bytes.all.peak", 0),
+        peak_allocated_bytes=stats.get("allocated_bytes.all.peak", 0),
+        allocator_retries=stats.get("num_alloc_retries", 0),
+        ooms=stats.get("num_ooms", 0),
+    )
+
+
+def cap_cuda_memory(device: torch.device, budget_bytes: int) -> None:
+    """Cap PyTorch's allocator so a config runs out of memory where a card of
+    `budget_bytes` would (the emulation of a smaller GPU on a bigger one)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)

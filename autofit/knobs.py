@@ -1,0 +1,204 @@
+"""`TrainConfig` and applying it to a model: block-stack discovery, activation
+checkpointing and freezing."""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autofit.errors import SpecError
+from autofit.spec import PRECISIONS, ModelSpec
+
+# The one place a private torch API is used: the checkpoint wrapper that torchtitan and
+# FSDP use. It keeps state_dict keys unchanged, which plain torch.utils.checkpoint in a
+# hand-made wrapper would not. tests/test_knobs.py fails loudly if torch moves it.
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: E402
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """One point of the search space; what a profile records and a run applies."""
+
+    precision: str = "32-true"  # 32-true | tf32 | 16-mixed | bf16-mixed | bf16-true
+    micro_batch_size: int  # samples per forward/backward
+    grad_accum_steps: int = 1  # micro batches per optimizer step
+    checkpoint_blocks: int = 0  # blocks of the block stack with activation checkpointing
+    freeze_blocks: int = 0  # embeddings + the first k blocks frozen (0: nothing frozen)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise SpecError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        for name in ("micro_batch_size", "grad_accum_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("checkpoint_blocks", "freeze_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"{name}: must be an integer >= 0, got {value!r}")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict, *, where: str = "config") -> "TrainConfig":
+        if not isinstance(raw, dict):
+            raise SpecError(f"{where}: expected a mapping, got {raw!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - fields)
+        if unknown:
+            raise SpecError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}")
+        try:
+            return cls(**raw)
+        except SpecError as exc:
+            raise SpecError(f"{where}.{exc}") from None
+        except TypeError as exc:  # a required field missing
+            raise SpecError(f"{where}: {exc}") from None
+
+    @classmethod
+    def default_for(cls, spec: ModelSpec) -> "TrainConfig":
+        """What a plain PyTorch job does: fp32, the whole global batch in one micro batch."""
+        return cls(precision="32-true", micro_batch_size=spec.train.global_batch_size)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def short(self) -> str:
+        return (f"{self.precision} mb={self.micro_batch_size}x{self.grad_accum_steps} "
+                f"ckpt={self.checkpoint_blocks} freeze={self.freeze_blocks}")
+
+
+def with_overrides(config: TrainConfig, overrides: dict[str, str], *, global_batch_size: int) -> TrainConfig:
+    """Apply `--set key=value` pairs; micro batch and accumulation stay consistent with the
+    fixed global batch (giving one derives the other)."""
+    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    values = config.to_dict()
+    for key, text in overrides.items():
+        if key not in fields:
+            raise SpecError(f"--set {key}: unknown key; allowed: {', '.join(fields)}")
+        if key == "precision":
+            values[key] = text
+        else:
+            try:
+                values[key] = int(text)
+            except ValueError:
+                raise SpecError(f"--set {key}: must be an integer, got {text!r}") from None
+    if "micro_batch_size" in overrides and "grad_accum_steps" not in overrides:
+        micro = values["micro_batch_size"]
+        if micro < 1 or global_batch_size % micro:
+            raise SpecError(f"--set micro_batch_size: must divide the global batch size "
+                            f"{global_batch_size}, got {micro}")
+        values["grad_accum_steps"] = global_batch_size // micro
+    elif "grad_accum_steps" in overrides and "micro_batch_size" not in overrides:
+        accum = values["grad_accum_steps"]
+        if accum < 1 or global_batch_size % accum:
+            raise SpecError(f"--set grad_accum_steps: must divide the global batch size "
+                            f"{global_batch_size}, got {accum}")
+        values["micro_batch_size"] = global_batch_size // accum
+    new = TrainConfig.from_dict(values)
+    check_global_batch(new, global_batch_size)
+    return new
+
+
+def check_global_batch(config: TrainConfig, global_batch_size: int) -> None:
+    if config.global_batch_size != global_batch_size:
+        raise SpecError(
+            f"micro_batch_size x grad_accum_steps must equal train.global_batch_size ({global_batch_size}), "
+            f"got {config.micro_batch_size} x {config.grad_accum_steps} = {config.global_batch_size}")
+
+
+def find_block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The largest `nn.ModuleList` whose modules all share one type: GPT blocks,
+    `transformer.h` in GPT-2, `bert.encoder.layer` in BERT."""
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        inner = [_unwrap(m) for m in module]
+        if len({type(m) for m in inner}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or (len(module), size) > (len(best[1]), best[2]):
+            best = (name, module, size)
+    return None if best is None else (best[0], best[1])
+
+
+def block_count(model: nn.Module) -> int:
+    stack = find_block_stack(model)
+    return 0 if stack is None else len(stack[1])
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+
+
+def _require_stack(model: nn.Module, what: str) -> tuple[str, nn.ModuleList]:
+    stack = find_block_stack(model)
+    if stack is None:
+        raise SpecError(f"{what}: this model has no block stack (an nn.ModuleList of same-type "
+                        f"modules), so {what} cannot be applied; set it to 0")
+    return stack
+
+
+def spread_indices(n_blocks: int, n_chosen: int) -> list[int]:
+    """`n_chosen` block indices spread evenly over `n_blocks`, always starting at block 0
+    (the first blocks' activations live longest, so they are the best ones to drop)."""
+    if n_chosen <= 0:
+        return []
+    return sorted({(i * n_blocks) // n_chosen for i in range(n_chosen)})
+
+
+def apply_checkpointing(model: nn.Module, n_blocks: int) -> list[int]:
+    """Wrap `n_blocks` blocks of the stack in non-reentrant activation checkpointing."""
+    if n_blocks == 0:
+        return []
+    name, stack = _require_stack(model, "checkpoint_blocks")
+    if n_blocks > len(stack):
+        raise SpecError(f"checkpoint_blocks: this model has {len(stack)} blocks in {name}, got {n_blocks}")
+    chosen = spread_indices(len(stack), n_blocks)
+    for i in chosen:
+        if not isinstance(stack[i], CheckpointWrapper):
+            stack[i] = checkpoint_wrapper(stack[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return chosen
+
+
+def apply_freezing(model: nn.Module, n_blocks: int) -> int:
+    """Freeze every embedding plus the first `n_blocks` blocks; returns frozen parameter count.
+
+    Embeddings are the model's input layers; a head whose weight is tied to an embedding
+    (HF GPT-2) is frozen with it, since it is the same tensor.
+    """
+    if n_blocks == 0:
+        return 0
+    name, stack = _require_stack(model, "freeze_blocks")
+    if n_blocks > len(stack):
+        raise SpecError(f"freeze_blocks: this model has {len(stack)} blocks in {name}, got {n_blocks}")
+    frozen: list[nn.Module] = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    frozen += list(stack[:n_blocks])
+    count = 0
+    for module in frozen:
+        for p in module.parameters():
+            if p.requires_grad:
+                p.requires_grad_(False)
+                count += p.numel()
+    return count
+
+
+def apply_config(model: nn.Module, config: TrainConfig) -> nn.Module:
+    """Freezing and checkpointing, in place; returns the model for chaining."""
+    apply_freezing(model, config.freeze_blocks)
+    apply_checkpointing(model, config.checkpoint_blocks)
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

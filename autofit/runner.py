@@ -1,0 +1,241 @@
+"""The training step and loop: one code path for trials, `autofit train` and profile plans.
+
+    autofit train examples/tiny-gpt.yaml --steps 60
+    autofit train examples/tiny-gpt.yaml --profile profiles/tiny-gpt--cpu.yaml --resume
+"""
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from loguru import logger
+from torch import nn
+
+from autofit._io import atomic_write
+from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
+from autofit.knobs import TrainConfig, apply_config, check_global_batch, trainable_parameters
+from autofit.precision import PrecisionPolicy, check_supported
+from autofit.spec import ModelSpec, OptimizerSpec
+from autofit.workload import Workload, batch_to, split_batch
+
+
+def make_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    """Weight decay on matrices only (not biases and norms), as nanoGPT and most LLM recipes do.
+    On CUDA the fused kernels: fastest, and no foreach temporaries the size of all gradients."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": spec.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": False}
+    if spec.name == "adamw":
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, **fused)
+    if spec.name == "adam":
+        return torch.optim.Adam(groups, lr=spec.lr, betas=spec.betas, **fused)
+    assert spec.name == "sgd", spec.name
+    return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum, **fused)
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The data of optimizer step `step`: the same for every config and after a resume."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def resolve_device(name: str | int | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if str(name) == "cpu":
+        return torch.device("cpu")
+    index = int(str(name).removeprefix("cuda:"))
+    return torch.device("cuda", index)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    loss: torch.Tensor  # mean loss over the global batch (a device tensor: reading it syncs)
+    skipped: bool  # the GradScaler found inf/NaN gradients and skipped the update
+
+
+class Runner:
+    """Builds the model with a `TrainConfig` applied and runs optimizer steps."""
+
+    def __init__(self, spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: torch.device):
+        check_global_batch(config, spec.train.global_batch_size)
+        self.spec, self.workload, self.config, self.device = spec, workload, config, device
+        self.policy: PrecisionPolicy = check_supported(config.precision, device)
+        self.policy.set_matmul_precision()
+        torch.manual_seed(spec.train.seed)
+        model = apply_config(workload.build_model(), config)
+        self.model = model.to(device=device, dtype=self.policy.param_dtype)
+        self.model.train()
+        self.params = trainable_parameters(self.model)
+        if not self.params:
+            raise ValueError("every parameter is frozen: nothing to train")
+        self.optimizer = make_optimizer(spec.optimizer, self.params, device)
+        self.scaler = self.policy.make_scaler(device.type)
+        self.skipped_steps = 0
+
+    def global_batch(self, step: int) -> list:
+        """The micro batches of optimizer step `step`, on the device."""
+        batch = self.workload.data.batch(self.spec.train.global_batch_size, step_generator(self.spec.train.seed, step))
+        if self.policy.param_dtype != torch.float32:
+            batch = _cast_floats(batch, self.policy.param_dtype)
+        return [batch_to(mb, self.device) for mb in split_batch(batch, self.config.micro_batch_size)]
+
+    def step(self, micro_batches: list) -> StepResult:
+        """One optimizer step: scaled backward per micro batch, unscale, clip, step."""
+        n_micro = len(micro_batches)
+        assert n_micro == self.config.grad_accum_steps, (n_micro, self.config.grad_accum_steps)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for micro_batch in micro_batches:
+            with self.policy.autocast(self.device.type):
+                loss = self.workload.loss_fn(self.model, micro_batch)
+            # Mean over micro batches == mean over the global batch: accumulation is exact.
+            self.scaler.scale(loss / n_micro).backward()
+            loss_sum += loss.detach().float()
+        if self.spec.train.max_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.params, self.spec.train.max_grad_norm)
+        skipped = False
+        if self.scaler.is_enabled():
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale_before
+            self.skipped_steps += int(skipped)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss=loss_sum / n_micro, skipped=skipped)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # --- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self, step: int, history: dict) -> dict:
+        return {
+            "step": step, "config": self.config.to_dict(), "spec_hash": self.spec.spec_hash,
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps, "history": history,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+
+def _cast_floats(batch, dtype: torch.dtype):
+    if isinstance(batch, dict):
+        return {k: _cast_floats(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_cast_floats(v, dtype) for v in batch)
+    return batch.to(dtype) if batch.is_floating_point() else batch
+
+
+def save_atomic(obj, path: Path) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: torch.device,
+          steps: int | None = None, checkpoint_dir: Path | None = None, resume: bool = False,
+          progress: bool = True, memory_budget_bytes: int | None = None) -> dict:
+    """The training loop around `Runner.step`; returns the metrics dict."""
+    total_steps = steps if steps is not None else spec.train.steps
+    # On a CPU the tracker is the only memory meter; it slows ops, so it watches the first
+    # two steps (by the second, weights, grads and optimizer state all exist) and no more.
+    tracker = LiveBytesTracker(budget_bytes=memory_budget_bytes) if device.type == "cpu" else None
+    with tracker if tracker is not None else contextlib.nullcontext():
+        runner = Runner(spec, workload, config, device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    logger.info("config: {}", {"model": spec.name, "device": str(device), **config.to_dict(),
+                              "steps": total_steps, "global_batch_size": spec.train.global_batch_size})
+
+    start_step, history = 0, {"losses": []}
+    ckpt_path = checkpoint_dir / "checkpoint.pt" if checkpoint_dir is not None else None
+    if resume:
+        if ckpt_path is None or not ckpt_path.exists():
+            logger.warning("--resume: no checkpoint at {}; starting from step 0", ckpt_path)
+        else:
+            state = torch.load(ckpt_path, map_location=device, weights_only=False)
+            if state["spec_hash"] != spec.spec_hash:
+                logger.warning("checkpoint was written for a different model.yaml (spec hash differs)")
+            runner.load_state_dict(state)
+            start_step, history = state["step"], state["history"]
+            logger.info("resumed from {} at step {}", ckpt_path, start_step)
+
+    samples_per_step = spec.train.global_batch_size
+    timed_s, timed_steps, losses = 0.0, 0, history["losses"]
+    bar = _progress(range(start_step, total_steps), total_steps, start_step, progress)
+    for step in bar:
+        batch = runner.global_batch(step)
+        t0 = time.perf_counter()
+        tracked = tracker is not None and step - start_step < 2
+        with tracker if tracked else contextlib.nullcontext():
+            result = runner.step(batch)
+        loss = result.loss.item()  # syncs, so the step time below is real
+        step_time_s = time.perf_counter() - t0
+        # The first step pays for warm-up and lazy allocation; tracked steps for the tracker.
+        if step > start_step and not tracked:
+            timed_s += step_time_s
+            timed_steps += 1
+        losses.append(loss)
+        if not math.isfinite(loss):
+            logger.error("step {}: loss is {}; stopping", step, loss)
+            break
+        samples_per_s = samples_per_step * timed_steps / timed_s if timed_s > 0 else float("nan")
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples_per_s:.1f}")
+        if (step + 1) % spec.train.log_every == 0:
+            logger.info("step {}/{} loss {:.4f} samples/s {:.1f}", step + 1, total_steps, loss, samples_per_s)
+        every = spec.train.checkpoint_every
+        if ckpt_path is not None and every and (step + 1) % every == 0 and step + 1 < total_steps:
+            save_atomic(runner.state_dict(step + 1, history), ckpt_path)
+    final_step = len(losses)  # the history holds one loss per step since step 0
+    healthy = not losses or math.isfinite(losses[-1])
+    if ckpt_path is not None and healthy:  # never overwrite a good checkpoint with NaN weights
+        save_atomic(runner.state_dict(final_step, history), ckpt_path)
+
+    samples_per_s = samples_per_step * timed_steps / timed_s if timed_s > 0 else None
+    if device.type == "cuda":
+        peak_memory_bytes = cuda_memory_stats(device).peak_reserved_bytes
+    else:
+        peak_memory_bytes = tracker.peak_bytes
+    return {
+        "steps": final_step,
+        "start_step": start_step,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "losses": losses,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * workload.tokens_per_sample
+        if samples_per_s is not None and workload.tokens_per_sample else None,
+        "peak_memory_bytes": peak_memory_bytes,
+        "memory_budget_bytes": memory_budget_bytes,
+        "skipped_steps": runner.skipped_steps,
+        "config": config.to_dict(),
+        "device": _device_name(device),
+        "checkpoint": str(ckpt_path) if ckpt_path is not None else None,
+    }
+
+
+def _progress(steps: range, total: int, start: int, enabled: bool):
+    if not enabled:
+        return steps
+    from tqdm.auto import tqdm
+
+    return tqdm(steps, total=total, initial=start, unit="step", dynamic_ncols=True)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"

@@ -1,0 +1,42 @@
+"""Human sizes: `24GiB`, `512MiB`, `0.9` (a fraction of a total) or plain bytes."""
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int | float, *, total_bytes: int | None = None, what: str = "size") -> int:
+    """Bytes from `24GiB`, `512MB`, `123456`, or a fraction `0.8` of `total_bytes`."""
+    if isinstance(text, bool):
+        raise ValueError(f"{what}: expected a size like 24GiB, 0.8 or a byte count, got {text!r}")
+    if isinstance(text, (int, float)):
+        text = repr(text)
+    match = _SIZE.match(str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{what}: expected a size like 24GiB, 512MiB, 0.8 or a byte count, got {text!r}")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "" and 0 < number <= 1 and "." in match.group(1):
+        if total_bytes is None:
+            raise ValueError(f"{what}: a fraction ({text}) needs a known total memory")
+        return int(number * total_bytes)
+    size_bytes = int(number * _UNITS[unit])
+    if size_bytes <= 0:
+        raise ValueError(f"{what}: must be positive, got {text!r}")
+    return size_bytes
+
+
+def format_bytes(n_bytes: int | float | None) -> str:
+    """`1.50 GiB`-style text; `-` for unknown."""
+    if n_bytes is None:
+        return "-"
+    value = float(n_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,350 @@
+"""model.yaml (schema 1) -> frozen dataclasses.
+
+Every error names the key path and what is allowed, e.g.
+`train.global_batch_size: must be a positive integer, got -4`. Unknown keys are rejected,
+with a "did you mean" when one is close.
+"""
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autofit.errors import SpecError
+
+SCHEMA_VERSION = 1
+PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
+MODEL_SOURCES = ("builtin", "hf", "python")
+DATA_KINDS = ("synthetic", "tokens", "python")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_MISSING = object()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSource:
+    kind: str  # "builtin" | "hf" | "python"
+    target: str  # builtin name, HF class name, or "module.path:function"
+    args: dict  # builtin args / HF config dict / kwargs for the python function
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSpec:
+    kind: str = "synthetic"  # "synthetic" | "tokens" | "python"
+    path: Path | None = None  # tokens: flat uint16 token file (absolute)
+    factory: str | None = None  # python: "module.path:function" returning a Dataset
+    seq_len: int | None = None  # overrides the model's sequence length
+    args: dict = field(default_factory=dict)  # kwargs for the factory
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSpec:
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.0  # sgd only
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSpec:
+    global_batch_size: int  # fixed: micro batch x accumulation = this
+    steps: int = 100
+    max_grad_norm: float | None = 1.0  # None: no clipping
+    seed: int = 0
+    checkpoint_every: int = 50  # optimizer steps between checkpoints; 0: final only
+    log_every: int = 10
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchSpec:
+    precisions: tuple[str, ...] = PRECISIONS  # the allowed set; unsupported ones are skipped
+    max_freeze_blocks: int = 0  # freezing changes what is trained: opt-in
+    activation_checkpointing: bool = True
+    memory_headroom: float = 0.05  # fraction of usable memory left free
+    trials: int = 40  # most configurations considered (measured + pruned)
+    patience: int = 12  # stop after this many measured trials without a better one
+    warmup_steps: int = 2  # optimizer steps before timing, per trial
+    measure_steps: int = 5  # timed optimizer steps per trial
+    validate_steps: int = 50  # optimizer steps of the final validation run
+    trial_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    name: str
+    model: ModelSource
+    data: DataSpec
+    optimizer: OptimizerSpec
+    train: TrainSpec
+    search: SearchSpec
+    source_dir: Path  # folder of the yaml: relative paths and python: imports resolve here
+    schema: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        """The normalised spec, as plain YAML/JSON types (paths relative to the spec's folder)."""
+        out = {"schema": self.schema, "name": self.name}
+        model = {self.model.kind: self.model.target, "args": dict(self.model.args)}
+        if self.model.kind == "hf":
+            model = {"hf": {"class": self.model.target, "config": dict(self.model.args)}}
+        out["model"] = model
+        data = dataclasses.asdict(self.data)
+        if self.data.path is not None:
+            data["path"] = _relative(self.data.path, self.source_dir)
+        out["data"] = data
+        out["optimizer"] = dataclasses.asdict(self.optimizer) | {"betas": list(self.optimizer.betas)}
+        out["train"] = dataclasses.asdict(self.train)
+        out["search"] = dataclasses.asdict(self.search) | {"precisions": list(self.search.precisions)}
+        return out
+
+    @property
+    def spec_hash(self) -> str:
+        """Hash of what tuning depends on. Train length, seed and logging cadence do not
+        change which configuration is fastest, so editing them keeps profiles valid."""
+        d = self.to_dict()
+        relevant = {
+            "model": d["model"], "data": d["data"], "optimizer": d["optimizer"],
+            "global_batch_size": d["train"]["global_batch_size"],
+            "max_grad_norm": d["train"]["max_grad_norm"], "search": d["search"],
+        }
+        blob = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
+        return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
+
+    def micro_batch_sizes(self) -> list[int]:
+        """Micro batch sizes that divide the global batch: the only candidates."""
+        n = self.train.global_batch_size
+        return [m for m in range(1, n + 1) if n % m == 0]
+
+
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Read and validate a model.yaml."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{path}: YAML syntax error{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a text file") from None
+    if raw is None:
+        raise SpecError(f"{path}: the file is empty; see examples/tiny-gpt.yaml for a complete spec")
+    try:
+        return parse_spec(raw, source_dir=path.resolve().parent)
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc}") from None
+
+
+def parse_spec(raw: Any, *, source_dir: Path) -> ModelSpec:
+    """Validate an already-parsed mapping."""
+    top = _Reader(raw, "")
+    schema = top.get("schema", int, default=SCHEMA_VERSION)
+    if schema != SCHEMA_VERSION:
+        raise SpecError(f"schema: this autofit reads schema {SCHEMA_VERSION}, got {schema}")
+    name = top.get("name", str)
+    if not _NAME.match(name):
+        raise SpecError(f"name: letters, digits, '.', '_' and '-' only (it names profile files), got {name!r}")
+    spec = ModelSpec(
+        name=name,
+        model=_model(top.section("model")),
+        data=_data(top.section("data", required=False), source_dir),
+        optimizer=_optimizer(top.section("optimizer", required=False)),
+        train=_train(top.section("train")),
+        search=_search(top.section("search", required=False)),
+        source_dir=source_dir,
+        schema=schema,
+    )
+    top.finish()
+    if spec.data.kind == "python" and spec.data.factory is None:
+        raise SpecError("data.factory: required when data.kind is python (\"module.path:function\")")
+    if spec.data.kind == "tokens" and spec.data.path is None:
+        raise SpecError("data.path: required when data.kind is tokens (a flat uint16 token file)")
+    return spec
+
+
+def _model(r: "_Reader") -> ModelSource:
+    given = [k for k in MODEL_SOURCES if k in r.raw]
+    if len(given) != 1:
+        what = "none" if not given else " and ".join(given)
+        raise SpecError(f"model: exactly one source of {', '.join(MODEL_SOURCES)} is needed, got {what}")
+    kind = given[0]
+    if kind == "hf":
+        hf = r.section("hf")
+        source = ModelSource(kind="hf", target=hf.get("class", str), args=hf.get("config", dict, default={}))
+        hf.finish()
+    else:
+        target = r.get(kind, str)
+        if kind == "python" and not re.match(r"^[\w.]+:\w+$", target):
+            raise SpecError(f"model.python: expected \"module.path:function\", got {target!r}")
+        source = ModelSource(kind=kind, target=target, args=r.get("args", dict, default={}))
+    r.finish()
+    return source
+
+
+def _data(r: "_Reader", source_dir: Path) -> DataSpec:
+    kind = r.choice("kind", DATA_KINDS, default="synthetic")
+    path = r.get("path", str, default=None)
+    factory = r.get("factory", str, default=None)
+    if factory is not None and not re.match(r"^[\w.]+:\w+$", factory):
+        raise SpecError(f"data.factory: expected \"module.path:function\", got {factory!r}")
+    data = DataSpec(
+        kind=kind,
+        path=(source_dir / path).resolve() if path is not None else None,
+        factory=factory,
+        seq_len=r.positive_int("seq_len", default=None),
+        args=r.get("args", dict, default={}),
+    )
+    r.finish()
+    return data
+
+
+def _optimizer(r: "_Reader") -> OptimizerSpec:
+    betas = r.get("betas", list, default=[0.9, 0.999])
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise SpecError(f"optimizer.betas: two numbers in [0, 1), got {betas!r}")
+    opt = OptimizerSpec(
+        name=r.choice("name", OPTIMIZERS, default="adamw"),
+        lr=r.number("lr", default=3e-4, minimum=0.0, exclusive=True),
+        weight_decay=r.number("weight_decay", default=0.0, minimum=0.0),
+        betas=(float(betas[0]), float(betas[1])),
+        momentum=r.number("momentum", default=0.0, minimum=0.0),
+    )
+    r.finish()
+    return opt
+
+
+def _train(r: "_Reader") -> TrainSpec:
+    clip = r.get("max_grad_norm", (int, float), default=1.0, nullable=True)
+    if clip is not None and clip <= 0:
+        raise SpecError(f"train.max_grad_norm: must be positive or null (no clipping), got {clip}")
+    train = TrainSpec(
+        global_batch_size=r.positive_int("global_batch_size"),
+        steps=r.positive_int("steps", default=100),
+        max_grad_norm=None if clip is None else float(clip),
+        seed=r.get("seed", int, default=0),
+        checkpoint_every=r.nonnegative_int("checkpoint_every", default=50),
+        log_every=r.positive_int("log_every", default=10),
+    )
+    r.finish()
+    return train
+
+
+def _search(r: "_Reader") -> SearchSpec:
+    precisions = r.get("precisions", list, default=list(PRECISIONS))
+    for i, p in enumerate(precisions):
+        if p not in PRECISIONS:
+            raise SpecError(f"search.precisions[{i}]: {_choice_error(p, PRECISIONS)}")
+    if not precisions:
+        raise SpecError(f"search.precisions: at least one of {', '.join(PRECISIONS)} is needed")
+    headroom = r.number("memory_headroom", default=0.05, minimum=0.0)
+    if headroom >= 0.5:
+        raise SpecError(f"search.memory_headroom: a fraction below 0.5, got {headroom}")
+    search = SearchSpec(
+        precisions=tuple(dict.fromkeys(precisions)),
+        max_freeze_blocks=r.nonnegative_int("max_freeze_blocks", default=0),
+        activation_checkpointing=r.get("activation_checkpointing", bool, default=True),
+        memory_headroom=headroom,
+        trials=r.positive_int("trials", default=40),
+        patience=r.positive_int("patience", default=12),
+        warmup_steps=r.nonnegative_int("warmup_steps", default=2),
+        measure_steps=r.positive_int("measure_steps", default=5),
+        validate_steps=r.positive_int("validate_steps", default=50),
+        trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True),
+    )
+    r.finish()
+    return search
+
+
+def _choice_error(value: Any, allowed: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(value), allowed, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"must be one of {', '.join(allowed)}, got {value!r}{hint}"
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               dict: "a mapping", list: "a list", (int, float): "a number"}
+
+
+class _Reader:
+    """Reads one mapping of the spec, remembering which keys were used."""
+
+    def __init__(self, raw: Any, prefix: str):
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise SpecError(f"{prefix or 'the file'}: expected a mapping, got {type(raw).__name__}")
+        self.raw, self.prefix, self.used = raw, prefix, set()
+
+    def _path(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def get(self, key: str, kind, *, default: Any = _MISSING, nullable: bool = False) -> Any:
+        self.used.add(key)
+        if key not in self.raw or (self.raw[key] is None and default is not _MISSING and not nullable):
+            if default is _MISSING:
+                raise SpecError(f"{self._path(key)}: required key is missing")
+            return default
+        value = self.raw[key]
+        if value is None and nullable:
+            return None
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # YAML's `true` is an int to Python; a boolean is never a valid number here.
+        if isinstance(value, bool) and bool not in kinds:
+            ok = False
+        else:
+            ok = isinstance(value, kinds) or (float in kinds and isinstance(value, int))
+        if not ok:
+            raise SpecError(f"{self._path(key)}: must be {_TYPE_NAMES.get(kind, kind)}, got {value!r}")
+        return value
+
+    def section(self, key: str, *, required: bool = True) -> "_Reader":
+        value = self.get(key, dict, default=_MISSING if required else None, nullable=not required)
+        return _Reader(value, self._path(key))
+
+    def choice(self, key: str, allowed: tuple[str, ...], *, default: Any = _MISSING) -> str:
+        value = self.get(key, str, default=default)
+        if value not in allowed:
+            raise SpecError(f"{self._path(key)}: {_choice_error(value, allowed)}")
+        return value
+
+    def positive_int(self, key: str, *, default: Any = _MISSING) -> int:
+        value = self.get(key, int, default=default)
+        if value is not None and value <= 0:
+            raise SpecError(f"{self._path(key)}: must be a positive integer, got {value}")
+        return value
+
+    def nonnegative_int(self, key: str, *, default: Any = _MISSING) -> int:
+        value = self.get(key, int, default=default)
+        if value < 0:
+            raise SpecError(f"{self._path(key)}: must be an integer >= 0, got {value}")
+        return value
+
+    def number(self, key: str, *, default: Any = _MISSING, minimum: float, exclusive: bool = False) -> float:
+        value = float(self.get(key, float, default=default))
+        if value < minimum or (exclusive and value == minimum):
+            bound = f"> {minimum}" if exclusive else f">= {minimum}"
+            raise SpecError(f"{self._path(key)}: must be {bound}, got {value}")
+        return value
+
+    def finish(self) -> None:
+        for key in self.raw:
+            if key not in self.used:
+                close = difflib.get_close_matches(str(key), sorted(self.used), n=1)
+                hint = f"; did you mean {close[0]}?" if close else f"; allowed: {', '.join(sorted(self.used))}"
+                raise SpecError(f"{self._path(str(key))}: unknown key{hint}")

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny specs written to tmp folders, and a CLI runner."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+TINY_GPT_ARGS = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 64, "seq_len": 16}
+
+
+def tiny_gpt_dict(**sections) -> dict:
+    """A 2-layer GPT spec as a dict; keyword arguments replace or extend sections."""
+    spec = {
+        "schema": 1,
+        "name": "tiny",
+        "model": {"builtin": "gpt", "args": dict(TINY_GPT_ARGS)},
+        "data": {"kind": "synthetic"},
+        "optimizer": {"name": "adamw", "lr": 1e-3},
+        "train": {"global_batch_size": 8, "steps": 10, "seed": 0, "checkpoint_every": 5, "log_every": 5},
+        "search": {"trials": 12, "warmup_steps": 1, "measure_steps": 2, "validate_steps": 3},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return spec
+
+
+def write_spec(folder: Path, spec: dict, name: str = "model.yaml") -> Path:
+    path = Path(folder) / name
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def tiny_spec_path(tmp_path) -> Path:
+    return write_spec(tmp_path, tiny_gpt_dict())
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None):
+    """Run `python -m autofit ARGS` as a user would; returns the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "autofit", *map(str, args)], cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def run_cli_json(*args: str, **kwargs) -> dict:
+    result = run_cli(*args, **kwargs)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)

@@ -1,0 +1,103 @@
+"""model.yaml validation: every malformed file gives exit code 2 and one line naming the problem."""
+
+import pytest
+
+from autofit.errors import SpecError
+from autofit.spec import load_spec, parse_spec
+from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
+
+def _with(key: str, value) -> dict:
+    spec = tiny_gpt_dict()
+    spec[key] = value
+    return spec
+
+
+MALFORMED = {
+    "wrong type": (tiny_gpt_dict(train={"global_batch_size": "eight"}), "train.global_batch_size"),
+    "negative size": (tiny_gpt_dict(train={"global_batch_size": -4}), "train.global_batch_size: must be a positive integer, got -4"),
+    "unknown key": (tiny_gpt_dict(trian={"steps": 3}), "trian: unknown key; did you mean train?"),
+    "unknown nested key": (tiny_gpt_dict(search={"max_frezee_blocks": 2}), "did you mean max_freeze_blocks"),
+    "two model sources": (_with("model", {"builtin": "gpt", "python": "m:f"}), "model: exactly one source"),
+    "no model source": (_with("model", {"args": {}}), "model: exactly one source"),
+    "bad precision": (tiny_gpt_dict(search={"precisions": ["bf16"]}), "search.precisions[0]"),
+    "bad data kind": (tiny_gpt_dict(data={"kind": "tokenz"}), "data.kind: must be one of synthetic, tokens, python, got 'tokenz'; did you mean tokens?"),
+    "tokens without path": (tiny_gpt_dict(data={"kind": "tokens"}), "data.path: required"),
+    "missing token file": (tiny_gpt_dict(data={"kind": "tokens", "path": "nope.bin"}), "data.path"),
+    "bad builtin arg": (_with("model", {"builtin": "gpt", "args": {"n_lyer": 2}}), "n_lyer"),
+    "unknown builtin": (_with("model", {"builtin": "resnet"}), "resnet"),
+    "boolean as number": (tiny_gpt_dict(optimizer={"lr": True}), "optimizer.lr"),
+    "headroom too large": (tiny_gpt_dict(search={"memory_headroom": 0.9}), "search.memory_headroom"),
+    "bad name": (tiny_gpt_dict(name="my model/v2"), "name:"),
+    "schema 2": (tiny_gpt_dict(schema=2), "schema:"),
+    "not a mapping": ([1, 2, 3], "expected a mapping"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_spec_gives_one_line_and_exit_2(tmp_path, case):
+    spec, expected = MALFORMED[case]
+    path = write_spec(tmp_path, spec)
+    result = run_cli("train", path, "--steps", "1", "--no-progress", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert expected in lines[0]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("name: x\nmodel: {builtin: gpt\n", "YAML syntax error at line"),
+    (None, "no such file"),
+    ("", "the file is empty"),
+    ("- 1\n- 2\n", "the file: expected a mapping"),
+])
+def test_unreadable_spec_files(tmp_path, text, expected):
+    path = tmp_path / "model.yaml"
+    if text is not None:
+        path.write_text(text)
+    result = run_cli("train", path, "--steps", "1", cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert expected in result.stderr
+
+
+def test_bad_cli_arguments_give_exit_2(tmp_path, tiny_spec_path):
+    for args in (["train", tiny_spec_path, "--steps", "0"], ["train", tiny_spec_path, "--device", "gpu7"],
+                 ["train", tiny_spec_path, "--steps", "x"], ["nonsense"]):
+        result = run_cli(*args, cwd=tmp_path)
+        assert result.returncode == 2, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_spec_defaults_and_round_trip(tmp_path):
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    assert spec.optimizer.name == "adamw" and spec.search.max_freeze_blocks == 0
+    again = parse_spec(spec.to_dict(), source_dir=spec.source_dir)
+    assert again == spec
+    assert spec.micro_batch_sizes() == [1, 2, 4, 8]
+
+
+def test_spec_hash_is_stable_and_tracks_what_tuning_depends_on(tmp_path):
+    a = load_spec(write_spec(tmp_path, tiny_gpt_dict(), "a.yaml"))
+    # Same content written differently (flow style, key order): same hash.
+    b_path = tmp_path / "b.yaml"
+    b_path.write_text(
+        "name: tiny\nschema: 1\ntrain: {seed: 0, global_batch_size: 8, steps: 10, checkpoint_every: 5, log_every: 5}\n"
+        "model: {args: {n_layer: 2, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16}, builtin: gpt}\n"
+        "data: {kind: synthetic}\noptimizer: {lr: 0.001, name: adamw}\n"
+        "search: {trials: 12, warmup_steps: 1, measure_steps: 2, validate_steps: 3}\n")
+    assert load_spec(b_path).spec_hash == a.spec_hash
+    longer = load_spec(write_spec(tmp_path, tiny_gpt_dict(train={"steps": 999}), "c.yaml"))
+    assert longer.spec_hash == a.spec_hash  # run length does not change the best config
+    wider = load_spec(write_spec(tmp_path, tiny_gpt_dict(train={"global_batch_size": 16}), "d.yaml"))
+    assert wider.spec_hash != a.spec_hash
+
+
+def test_example_specs_parse():
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        load_spec(path)
+
+
+def test_parse_spec_raises_spec_error_as_a_library():
+    with pytest.raises(SpecError, match="train: required key is missing"):
+        parse_spec({"name": "x", "model": {"builtin": "gpt"}}, source_dir=REPO)
