@@ -68,7 +68,173 @@ def _add_train(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
-_COMMANDS = [_add_train]
+def cmd_tune(args) -> int:
+    from autofit.tune import tune_command
+
+    outcome = tune_command(args.spec, device=args.device, memory_budget=args.memory_budget, trials=args.trials,
+                           timeout_s=args.timeout, storage=args.storage, out_dir=args.out,
+                           state_dir=args.state_dir, report=not args.no_report)
+    if args.json:
+        print(json.dumps(outcome.summary(), default=str))
+    else:
+        print(outcome.profile_path)  # the last line of stdout, for scripts
+    return 0
+
+
+def _add_tune(sub) -> None:
+    p = sub.add_parser("tune", help="search for the fastest config that fits and write a profile")
+    p.add_argument("spec", help="model.yaml")
+    p.add_argument("--device", help="cuda index or cpu (default: the first GPU, else the CPU)")
+    p.add_argument("--memory-budget", help="emulate a smaller device: 24GiB, 0.8 (of total), bytes")
+    p.add_argument("--trials", type=int, help="most configurations to consider (default: search.trials)")
+    p.add_argument("--timeout", type=float, help="stop searching after this many seconds")
+    p.add_argument("--storage", help="Optuna storage URL shared by several workers (default: SQLite in the state folder)")
+    p.add_argument("--state-dir", help="state folder (default: $AUTOFIT_STATE_DIR or ~/.local/state/autofit)")
+    p.add_argument("--out", default="profiles", help="folder for the profile (default: profiles)")
+    p.add_argument("--no-report", action="store_true", help="skip the HTML report")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of the profile path")
+    p.set_defaults(func=cmd_tune)
+
+
+_COMMANDS = [_add_train, _add_tune]
+
+
+# --- profiler: probe, trial, estimate ----------------------------------------------------
+
+def cmd_probe(args) -> int:
+    from autofit.device.probe import probe_devices
+    from autofit.sizes import format_bytes
+
+    devices = probe_devices()
+    if args.json:
+        print(json.dumps({"devices": [d.to_dict() for d in devices]}, indent=2))
+        return 0
+    for d in devices:
+        where = "cpu" if d.index is None else f"cuda:{d.index}"
+        cc = "" if d.compute_capability is None else f"  sm_{d.compute_capability[0]}{d.compute_capability[1]}"
+        precisions = ",".join(k for k, ok in d.supports.items() if ok)
+        print(f"{where:<7} {d.name}  {format_bytes(d.memory_total_bytes)} total, {format_bytes(d.memory_free_bytes)} "
+              f"free, {format_bytes(d.memory_used_by_others_bytes)} used by others{cc}  [{precisions}]")
+        print(f"        fingerprint {d.fingerprint}")
+    return 0
+
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser("probe", help="list the GPUs (through NVML, no CUDA context) and the CPU")
+    p.add_argument("--json", action="store_true", help='print {"devices": [...]} as JSON')
+    p.set_defaults(func=cmd_probe)
+
+
+def cmd_trial(args) -> int:
+    from autofit.sizes import format_bytes
+    from autofit.trial import trial_command
+
+    measurement, device = trial_command(args.spec, overrides=_parse_sets(args.set), device=args.device,
+                                        memory_budget=args.memory_budget, timeout_s=args.timeout,
+                                        warmup_steps=args.warmup_steps, measure_steps=args.measure_steps)
+    m = measurement
+    if args.json:
+        print(json.dumps({**m.to_dict(), "device": device["name"]}, indent=2))
+    else:
+        line = f"{m.status}  {m.config.short()}  peak {format_bytes(m.peak_memory_bytes)}"
+        if m.samples_per_s is not None:
+            line += f"  {m.samples_per_s:.1f} samples/s  step {m.step_time_s * 1000:.1f} ms"
+        print(line + (f"  ({m.reason})" if m.reason else ""))
+    # Not ok is a usable answer printed in full, but no usable measurement: exit 3.
+    return 0 if m.ok else 3
+
+
+def _add_trial(sub) -> None:
+    p = sub.add_parser("trial", help="measure one configuration in a child process")
+    p.add_argument("spec", help="model.yaml")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="a TrainConfig field: precision, micro_batch_size, grad_accum_steps, checkpoint_blocks, "
+                        "freeze_blocks (repeatable)")
+    p.add_argument("--device", help="GPU index or cpu (default: the first GPU, else cpu)")
+    p.add_argument("--memory-budget", help="emulate a smaller device: 24GiB, 0.8 (of total), bytes")
+    p.add_argument("--timeout", type=float, help="seconds before the child is killed (default: search.trial_timeout_s)")
+    p.add_argument("--warmup-steps", type=int, help="default: search.warmup_steps")
+    p.add_argument("--measure-steps", type=int, help="timed optimizer steps (default: search.measure_steps)")
+    p.add_argument("--json", action="store_true", help="print the measurement as JSON")
+    p.set_defaults(func=cmd_trial)
+
+
+def cmd_estimate(args) -> int:
+    from autofit.estimate import estimate_command
+    from autofit.sizes import format_bytes
+
+    out = estimate_command(args.spec, overrides=_parse_sets(args.set), memory_budget=args.memory_budget,
+                           device=args.device)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{out['parameters']:,} parameters ({out['trainable_parameters']:,} trainable), "
+              f"{out['device_kind']} estimate")
+        for part, n_bytes in out["bytes"].items():
+            print(f"  {part:<12} {format_bytes(n_bytes):>12}")
+        if "max_micro_batch_size" in out:
+            print(f"budget {format_bytes(out['budget_bytes'])}: fits={out['fits']}, "
+                  f"largest micro batch that fits: {out['max_micro_batch_size']}")
+    return 3 if out.get("max_micro_batch_size", 1) is None else 0
+
+
+def _add_estimate(sub) -> None:
+    p = sub.add_parser("estimate", help="predict peak memory without running (fake tensors, no GPU needed)")
+    p.add_argument("spec", help="model.yaml")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a TrainConfig field (repeatable)")
+    p.add_argument("--memory-budget", help="also find the largest micro batch that fits: 24GiB, 0.8, bytes")
+    p.add_argument("--device", help="GPU index or cpu: the kind of device predicted for, and the total a "
+                                    "fractional budget refers to (default: the first GPU, else cpu)")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(func=cmd_estimate)
+
+
+_COMMANDS += [_add_probe, _add_trial, _add_estimate]
+
+
+# --- profiles: the store -------------------------------------------------------------------
+
+def cmd_profiles(args) -> int:
+    from autofit.store import export_command, list_command, show_command
+
+    if args.profiles_command == "list":
+        text = list_command(store=args.store, spec_paths=tuple(args.spec or ()), as_json=args.json)
+    elif args.profiles_command == "show":
+        text = show_command(args.profile, store=args.store, device=args.device)
+    else:
+        text = export_command(args.profile, args.format, store=args.store, device=args.device,
+                              n_blocks=args.n_blocks)
+    sys.stdout.write(text)
+    return 0
+
+
+def _add_profiles(sub) -> None:
+    p = sub.add_parser("profiles", help="list, show and export tuned profiles")
+    actions = p.add_subparsers(dest="profiles_command", metavar="ACTION", parser_class=_Parser)
+    actions.required = True
+    store_help = "profile folder (default: $AUTOFIT_STORE, else ./profiles)"
+    which = "a model name (picks the profile for this device), a file in the store, or a path"
+    device_help = "match profiles for this GPU index or cpu (default: the first GPU, else the CPU)"
+    ls = actions.add_parser("list", help="a table of the store's profiles, with staleness")
+    ls.add_argument("--store", help=store_help)
+    ls.add_argument("--spec", action="append", metavar="MODEL_YAML",
+                    help="also check profiles of this model.yaml's name against its spec hash (repeatable)")
+    ls.add_argument("--json", action="store_true", help="print the rows as JSON")
+    show = actions.add_parser("show", help="print one profile")
+    show.add_argument("profile", metavar="NAME_OR_PATH", help=which)
+    show.add_argument("--store", help=store_help)
+    show.add_argument("--device", help=device_help)
+    export = actions.add_parser("export", help="one profile as yaml, json, HF TrainingArguments, Lightning or env")
+    export.add_argument("profile", metavar="NAME_OR_PATH", help=which)
+    export.add_argument("--format", default="yaml", choices=("yaml", "json", "hf", "lightning", "env"))
+    export.add_argument("--store", help=store_help)
+    export.add_argument("--device", help=device_help)
+    export.add_argument("--n-blocks", type=int, help="hf: the model's layer count, so partial checkpointing "
+                                                     "can be exported as every_n_layers")
+    p.set_defaults(func=cmd_profiles)
+
+
+_COMMANDS += [_add_profiles]
 
 
 def build_parser() -> argparse.ArgumentParser:

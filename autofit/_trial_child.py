@@ -1,0 +1,218 @@
+"""The trial child: builds the workload, applies one `TrainConfig`, runs the `Runner`'s
+steps and writes what it measured as JSON (the fields of `autofit.trial.Measurement`).
+
+    python -m autofit._trial_child request.json result.json
+
+Started by `autofit.trial.measure`, never imported by the parent: it creates a CUDA context.
+"""
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from autofit._io import atomic_write_text
+from autofit.device.memory import LiveBytesTracker, cap_cuda_memory, cuda_memory_stats
+from autofit.knobs import TrainConfig
+from autofit.runner import Runner
+from autofit.spec import parse_spec
+from autofit.workload import build_workload
+
+TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist
+# Allocation failures that surface as library errors rather than torch.OutOfMemoryError.
+_OOM_MARKERS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA out of memory")
+
+
+class _Trial:
+    def __init__(self, request: dict):
+        self.config = TrainConfig.from_dict(request["config"])
+        self.spec = parse_spec(request["spec"], source_dir=Path(request["source_dir"]))
+        self.budget_bytes = request["budget_bytes"]
+        self.warmup_steps, self.measure_steps = request["warmup_steps"], request["measure_steps"]
+        self.device = torch.device("cpu") if request["device"] == "cpu" else torch.device("cuda", int(request["device"]))
+        self.tracker = LiveBytesTracker(budget_bytes=self.budget_bytes) if self.device.type == "cpu" else None
+        self.overhead_bytes: int | None = 0 if self.device.type == "cpu" else None
+
+    # ---- device setup ------------------------------------------------------------------------
+
+    def prepare_cuda(self) -> str | None:
+        """Measure the context and library workspaces, then cap the allocator at the rest of
+        the budget. Returns a reason when the budget cannot even hold the context."""
+        before = _nvml_before(self.device.index)
+        torch.cuda.set_device(self.device)
+        # cuBLAS/cuBLASLt create their handles and workspaces on the first matmul per dtype.
+        x = torch.ones((256, 256), device=self.device)
+        dtypes = [torch.float32, torch.float16]
+        if torch.cuda.is_bf16_supported():
+            dtypes.append(torch.bfloat16)
+        for dtype in dtypes:
+            y = x.to(dtype)
+            (y @ y).sum().item()
+        del x, y
+        torch.cuda.synchronize(self.device)
+        self.overhead_bytes = _nvml_overhead(before, torch.cuda.memory_reserved(self.device))
+        if self.budget_bytes is None:
+            return None
+        allocator_bytes = self.budget_bytes - (self.overhead_bytes or 0)
+        if allocator_bytes <= 0:
+            return (f"the budget of {self.budget_bytes} bytes does not even hold the CUDA context "
+                    f"({self.overhead_bytes} bytes)")
+        cap_cuda_memory(self.device, allocator_bytes)
+        return None
+
+    # ---- the measurement -----------------------------------------------------------------------
+
+    def run(self) -> dict:
+        if self.device.type == "cuda":
+            reason = self.prepare_cuda()
+            if reason is not None:
+                return {"status": "oom", "reason": reason}
+            # The peak counts from the model's arrival on: a real run has a first step too,
+            # and its lazily created optimizer state and workspaces can make it the worst.
+            torch.cuda.reset_peak_memory_stats(self.device)
+        logger.info("trial: {} on {}", self.config.short(), self.device)
+        workload = build_workload(self.spec)
+        if self.tracker is not None:
+            with self.tracker:
+                runner = Runner(self.spec, workload, self.config, device=self.device)
+        else:
+            runner = Runner(self.spec, workload, self.config, device=self.device)
+        losses, step = [], 0
+        if self.tracker is not None:
+            # The tracker sees every op and slows them: a pass of its own, before timing. Its
+            # steps are real optimizer steps and count as warm-up.
+            with self.tracker:
+                for step in range(TRACKED_STEPS):
+                    logger.info("tracked step {}", step)
+                    losses.append(runner.step(runner.global_batch(step)).loss.detach())
+            step = TRACKED_STEPS
+        while step < self.warmup_steps:
+            logger.info("warm-up step {}", step)
+            losses.append(runner.step(runner.global_batch(step)).loss.detach())
+            step += 1
+        step_times_s, skipped = [], 0
+        for step in range(step, step + self.measure_steps):
+            logger.info("timed step {}", step)
+            batch = None  # the previous step's batch is freed before the next is built
+            batch = runner.global_batch(step)  # built (and copied to the device) before the clock
+            runner.synchronize()
+            started = time.perf_counter()
+            result = runner.step(batch)
+            runner.synchronize()
+            step_times_s.append(time.perf_counter() - started)
+            losses.append(result.loss.detach())
+            skipped += int(result.skipped)
+        return self._result(workload, [x.item() for x in losses], step_times_s, skipped)
+
+    def _result(self, workload, losses: list[float], step_times_s: list[float], skipped: int) -> dict:
+        step_time_s = statistics.median(step_times_s)
+        samples_per_s = self.spec.train.global_batch_size / step_time_s if step_time_s > 0 else None
+        tokens_per_s = (samples_per_s * workload.tokens_per_sample
+                        if samples_per_s is not None and workload.tokens_per_sample else None)
+        out = {"status": "ok", "losses": losses, "step_times_s": step_times_s, "step_time_s": step_time_s,
+               "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "scaler_skipped_steps": skipped}
+        bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
+        if bad is not None:
+            out |= {"status": "unhealthy", "reason": f"loss is {losses[bad]} at step {bad}"}
+        elif skipped * 2 > len(step_times_s):
+            out |= {"status": "unhealthy", "reason": f"the GradScaler skipped {skipped} of {len(step_times_s)} "
+                                                     f"timed steps (fp16 overflow in the gradients)"}
+        return out
+
+    def memory(self) -> dict:
+        """Peak bytes from model construction to the end (or to the failure): tracked tensor
+        bytes on a CPU, the caching allocator's reserved and allocated peaks on CUDA."""
+        out = {"overhead_bytes": self.overhead_bytes}
+        if self.tracker is not None:
+            return out | {"peak_memory_bytes": self.tracker.peak_bytes, "peak_allocated_bytes": self.tracker.peak_bytes}
+        if not torch.cuda.is_initialized():
+            return out
+        stats = cuda_memory_stats(self.device)
+        if stats.allocator_retries:
+            logger.warning("{} allocator retries: memory is fragmented near the cap", stats.allocator_retries)
+        return out | {"peak_memory_bytes": stats.peak_reserved_bytes, "peak_allocated_bytes": stats.peak_allocated_bytes,
+                      "allocator_retries": stats.allocator_retries}
+
+
+# ---- CUDA context overhead, through NVML ---------------------------------------------------
+
+
+def _nvml_before(cuda_index: int) -> dict | None:
+    """The device's used memory before this process has a context, and its UUID."""
+    from autofit.device.probe import select_device
+
+    try:
+        info = select_device(cuda_index)
+    except Exception as exc:  # NVML missing or the index not visible: overhead unknown
+        logger.warning("NVML cannot see GPU {}: {}; the CUDA context overhead is not measured", cuda_index, exc)
+        return None
+    return {"uuid": info.uuid, "used_bytes": info.memory_used_bytes}
+
+
+def _nvml_overhead(before: dict | None, reserved_bytes: int) -> int | None:
+    """Device memory this process holds beyond PyTorch's allocator: the CUDA context,
+    cuBLAS/cuDNN handles and module images. NVML's per-process figure when it has one (not
+    inside some containers); else the device's used memory before and after."""
+    if before is None:
+        return None
+    import pynvml as nvml
+
+    try:
+        nvml.nvmlInit()
+        handle = nvml.nvmlDeviceGetHandleByUUID(before["uuid"])
+        mine = [p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                if p.pid == os.getpid() and p.usedGpuMemory is not None]
+        process_bytes = mine[0] if mine else nvml.nvmlDeviceGetMemoryInfo(handle).used - before["used_bytes"]
+        nvml.nvmlShutdown()
+    except nvml.NVMLError as exc:
+        logger.warning("NVML: {}; the CUDA context overhead is not measured", exc)
+        return None
+    return max(0, process_bytes - reserved_bytes)
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MARKERS)
+
+
+def run_request(request: dict) -> dict:
+    """The Measurement fields for one request; every failure becomes a status."""
+    started = time.perf_counter()
+    out = {"config": request["config"], "budget_bytes": request["budget_bytes"]}
+    trial = None
+    try:
+        trial = _Trial(request)
+        out |= trial.run()
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        if _is_oom(exc):
+            logger.info("out of memory: {}", first_line)
+            out |= {"status": "oom", "reason": f"out of memory: {first_line}"}
+        else:
+            logger.opt(exception=exc).error("trial failed")
+            out |= {"status": "error", "reason": f"{type(exc).__name__}: {first_line}"}
+    if trial is not None:
+        out |= trial.memory()
+    return out | {"wall_s": time.perf_counter() - started}
+
+
+def main(request_path: str, result_path: str) -> int:
+    logger.remove()
+    logger.add(sys.stderr, level="INFO", format="{message}")  # the parent quotes the last line
+    request = json.loads(Path(request_path).read_text())
+    atomic_write_text(result_path, json.dumps(run_request(request), default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

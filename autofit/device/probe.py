@@ -1,0 +1,329 @@
+"""Device inventory through NVML, with the CPU as a device of its own.
+
+    autofit probe            # a table
+    autofit probe --json     # {"devices": [...]}
+
+The parent process never initialises CUDA: a CUDA context costs hundreds of MiB on every
+GPU it touches and would be inherited by nothing but the tuner itself. NVML reads the
+same facts (names, memory, capability, other processes) without one. Only trial children,
+which die after each measurement, create CUDA contexts.
+"""
+
+import dataclasses
+import os
+import platform
+import re
+from dataclasses import dataclass
+
+import torch
+
+from autofit.errors import DeviceError
+from autofit.precision import unsupported_reason
+
+_TORCH_VERSION = str(torch.__version__)  # TorchVersion is a str subclass YAML cannot dump
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceInfo:
+    """What a device offers a training job, read without creating a CUDA context."""
+
+    index: int | None  # CUDA ordinal the trial child uses; None for the CPU
+    kind: str  # "cuda" | "cpu" (where trials run)
+    name: str  # as NVML reports it, e.g. "NVIDIA H100 80GB HBM3"
+    uuid: str | None
+    memory_total_bytes: int
+    memory_free_bytes: int
+    memory_used_bytes: int
+    memory_used_by_others_bytes: int  # other processes' memory: not ours to use
+    compute_capability: tuple[int, int] | None
+    mig_mode: str | None  # "enabled" | "disabled" | None (not a MIG-capable GPU)
+    driver_version: str | None
+    cuda_version: str | None  # the highest CUDA version the driver supports
+    torch_version: str
+    supports: dict  # {"bf16": bool, "tf32": bool, "fp8": bool, "fp16": bool}
+    fingerprint: str  # equal for identical cards, different otherwise: the profile store key
+    slug: str  # short file-name-safe name
+    emulated: bool = False  # a GPU kind whose trials run on the CPU (inventory emulation)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["compute_capability"] = (None if self.compute_capability is None
+                                     else f"{self.compute_capability[0]}.{self.compute_capability[1]}")
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceInfo":
+        d = dict(d)
+        cc = d.get("compute_capability")
+        if isinstance(cc, str):
+            major, minor = cc.split(".")
+            d["compute_capability"] = (int(major), int(minor))
+        elif cc is not None:
+            d["compute_capability"] = tuple(cc)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def slugify(text: str) -> str:
+    """`NVIDIA H100 80GB HBM3` -> `nvidia-h100-80gb-hbm3`."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def fingerprint(*, name: str, memory_total_bytes: int, mig_profile: str | None, driver_version: str | None,
+                torch_version: str, kind: str = "cuda") -> str:
+    """Identity of a device kind for the profile store.
+
+    Memory is rounded to GiB because two cards of one model report totals that differ by a
+    few MiB of reserved memory. Only the driver's major version counts: patch releases do
+    not change kernels' speed, a major release can. Torch's major.minor likewise.
+    """
+    memory_gib = round(memory_total_bytes / 2**30)
+    parts = [slugify(name), f"{memory_gib}gib"]
+    if kind == "cuda":
+        parts.append(slugify(mig_profile) if mig_profile else "nomig")
+    if driver_version:
+        parts.append(f"drv{driver_version.split('.')[0]}")
+    torch_mm = ".".join(torch_version.split("+")[0].split(".")[:2])
+    parts.append(f"torch{torch_mm}")
+    return "-".join(parts)
+
+
+def _supports(kind: str, compute_capability: tuple[int, int] | None) -> dict:
+    """What the precisions need, from the same rules `precision.py` applies."""
+    def ok(precision: str) -> bool:
+        return unsupported_reason(precision, device_kind=kind, compute_capability=compute_capability) is None
+    fp8 = kind == "cuda" and compute_capability is not None and compute_capability >= (8, 9)
+    return {"bf16": ok("bf16-mixed"), "tf32": ok("tf32"), "fp8": fp8, "fp16": ok("16-mixed")}
+
+
+# ---- CPU ---------------------------------------------------------------------------------------
+
+
+def _meminfo_bytes() -> tuple[int, int]:
+    """(total, available) host RAM; MemAvailable counts reclaimable page cache as free."""
+    values = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                values[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    if "MemTotal" in values:
+        return values["MemTotal"], values.get("MemAvailable", values.get("MemFree", 0))
+    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return pages * page_size, os.sysconf("SC_AVPHYS_PAGES") * page_size
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cpu_device() -> DeviceInfo:
+    total, available = _meminfo_bytes()
+    cores = _cpu_count()
+    name = f"{_cpu_name()} ({cores} cores)"
+    return DeviceInfo(
+        index=None, kind="cpu", name=name, uuid=None,
+        memory_total_bytes=total, memory_free_bytes=available, memory_used_bytes=total - available,
+        memory_used_by_others_bytes=total - available, compute_capability=None, mig_mode=None,
+        driver_version=None, cuda_version=None, torch_version=_TORCH_VERSION,
+        supports=_supports("cpu", None),
+        # Core count is part of a CPU's identity: throughput scales with it.
+        fingerprint=fingerprint(name=f"cpu-{_cpu_name()}-{cores}c", memory_total_bytes=total, mig_profile=None,
+                                driver_version=None, torch_version=_TORCH_VERSION, kind="cpu"),
+        slug="cpu",
+    )
+
+
+# ---- NVML --------------------------------------------------------------------------------------
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _visible_nvml_indices(count: int, uuids: list[str]) -> list[int]:
+    """NVML indices in the order CUDA numbers them for a child.
+
+    Trial children run with CUDA_DEVICE_ORDER=PCI_BUS_ID, which is NVML's order; a
+    CUDA_VISIBLE_DEVICES list (indices or UUID prefixes) then selects and renumbers.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    chosen = []
+    for item in (s.strip() for s in visible.split(",")):
+        if not item:
+            break
+        if item.isdigit():
+            index = int(item)
+        else:
+            index = next((i for i, u in enumerate(uuids) if u.startswith(item)), None)
+        # CUDA stops at the first invalid entry; so does this.
+        if index is None or index >= count or index in chosen:
+            break
+        chosen.append(index)
+    return chosen
+
+
+def _others_bytes(nvml, handle, memory_used_bytes: int) -> int:
+    """Memory of the processes on this GPU. Inside a container NVML may hide them (no pid
+    namespace access); then every used byte is assumed to belong to someone else."""
+    try:
+        processes = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        processes += list(nvml.nvmlDeviceGetGraphicsRunningProcesses(handle))
+    except nvml.NVMLError:
+        return memory_used_bytes
+    seen, total = set(), 0
+    for p in processes:
+        used = getattr(p, "usedGpuMemory", None)
+        if p.pid in seen or p.pid == os.getpid():
+            continue
+        seen.add(p.pid)
+        if used is None:  # per-process accounting unavailable (Windows WDDM, some containers)
+            return memory_used_bytes
+        total += used
+    return total
+
+
+def _mig(nvml, handle) -> tuple[str | None, str | None, object]:
+    """(mig mode, MIG profile of the first instance, the handle whose memory a process gets)."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError:
+        return None, None, handle
+    if current != nvml.NVML_DEVICE_MIG_ENABLE:
+        return "disabled", None, handle
+    # A process on a MIG GPU sees one instance; its size is what a job can use.
+    try:
+        instance = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0)
+        profile = _text(nvml.nvmlDeviceGetName(instance)).rsplit(" ", 1)[-1]  # "... MIG 1g.10gb"
+        return "enabled", profile, instance
+    except nvml.NVMLError:
+        return "enabled", "mig", handle
+
+
+def _nvml_devices() -> list[DeviceInfo]:
+    try:
+        import pynvml as nvml
+    except ImportError:
+        return []
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError:  # no driver, no GPU: the CPU is the device
+        return []
+    try:
+        driver = _text(nvml.nvmlSystemGetDriverVersion())
+        try:
+            cuda_int = nvml.nvmlSystemGetCudaDriverVersion()
+            cuda_version = f"{cuda_int // 1000}.{(cuda_int % 1000) // 10}"
+        except nvml.NVMLError:
+            cuda_version = None
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
+        devices = []
+        for cuda_index, nvml_index in enumerate(_visible_nvml_indices(len(handles), uuids)):
+            devices.append(_nvml_device(nvml, handles[nvml_index], cuda_index, uuids[nvml_index], driver,
+                                        cuda_version))
+        return devices
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _nvml_device(nvml, handle, cuda_index: int, uuid: str, driver: str, cuda_version: str | None) -> DeviceInfo:
+    name = _text(nvml.nvmlDeviceGetName(handle))
+    mig_mode, mig_profile, memory_handle = _mig(nvml, handle)
+    memory = nvml.nvmlDeviceGetMemoryInfo(memory_handle)
+    try:
+        capability = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
+    except nvml.NVMLError:
+        capability = None
+    others = min(_others_bytes(nvml, handle, memory.used), memory.used)
+    return DeviceInfo(
+        index=cuda_index, kind="cuda", name=name, uuid=uuid,
+        memory_total_bytes=memory.total, memory_free_bytes=memory.free, memory_used_bytes=memory.used,
+        memory_used_by_others_bytes=others, compute_capability=capability, mig_mode=mig_mode,
+        driver_version=driver, cuda_version=cuda_version, torch_version=_TORCH_VERSION,
+        supports=_supports("cuda", capability),
+        fingerprint=fingerprint(name=name, memory_total_bytes=memory.total, mig_profile=mig_profile,
+                                driver_version=driver, torch_version=_TORCH_VERSION),
+        slug=slugify(name) if mig_profile is None else f"{slugify(name)}-{slugify(mig_profile)}",
+    )
+
+
+# ---- public ------------------------------------------------------------------------------------
+
+
+def probe_devices() -> list[DeviceInfo]:
+    """Every GPU NVML sees (in CUDA's numbering), then the CPU, last."""
+    return [*_nvml_devices(), cpu_device()]
+
+
+def select_device(selector: str | int | None) -> DeviceInfo:
+    """None: the first GPU, else the CPU; "cpu"; a CUDA index ("0", 0, "cuda:0")."""
+    devices = probe_devices()
+    gpus = [d for d in devices if d.kind == "cuda"]
+    if selector is None:
+        return gpus[0] if gpus else devices[-1]
+    text = str(selector).strip().lower()
+    if text == "cpu":
+        return devices[-1]
+    index_text = text.removeprefix("cuda:").removeprefix("cuda")
+    available = ", ".join([str(d.index) for d in gpus] + ["cpu"])
+    if not index_text.isdigit():
+        raise DeviceError(f"--device: expected a GPU index or cpu, got {selector!r}; available: {available}")
+    index = int(index_text)
+    for d in gpus:
+        if d.index == index:
+            return d
+    found = f"{len(gpus)} GPU(s)" if gpus else "no GPU (no NVIDIA driver or device found)"
+    raise DeviceError(f"--device: there is no GPU {index}: this machine has {found}; available: {available}")
+
+
+def emulated_device(name: str, memory_total_bytes: int, compute_capability: tuple[int, int] | None = None
+                    ) -> DeviceInfo:
+    """A GPU kind that is not here, whose trials run on the CPU under its memory size.
+
+    `kind` is "cpu" because that is where its trials run (so precisions are judged as the
+    CPU runs them); name, memory and fingerprint are the emulated card's, with an
+    `-emulated` suffix so its profiles never pass for ones measured on the real card.
+    """
+    if memory_total_bytes <= 0:
+        raise DeviceError(f"emulated device {name!r}: memory must be positive, got {memory_total_bytes}")
+    return DeviceInfo(
+        index=None, kind="cpu", name=name, uuid=None,
+        memory_total_bytes=memory_total_bytes, memory_free_bytes=memory_total_bytes, memory_used_bytes=0,
+        memory_used_by_others_bytes=0, compute_capability=compute_capability, mig_mode=None,
+        driver_version=None, cuda_version=None, torch_version=_TORCH_VERSION,
+        supports=_supports("cpu", None),
+        fingerprint=fingerprint(name=name, memory_total_bytes=memory_total_bytes, mig_profile=None,
+                                driver_version=None, torch_version=_TORCH_VERSION) + "-emulated",
+        slug=slugify(name), emulated=True,
+    )
+
+
+def usable_budget_bytes(device: DeviceInfo, *, headroom: float, memory_budget: int | None = None,
+                        overhead_bytes: int = 0) -> int:
+    """Bytes a training job may really use: total (or the emulated `memory_budget`, if
+    smaller) minus other processes' memory, minus the CUDA context and library workspaces
+    (`overhead_bytes`, measured by a trial child), minus `headroom` of what is left."""
+    assert 0.0 <= headroom < 1.0, headroom
+    available = device.memory_total_bytes - device.memory_used_by_others_bytes
+    if memory_budget is not None:
+        available = min(available, memory_budget)
+    return max(0, int((available - overhead_bytes) * (1.0 - headroom)))

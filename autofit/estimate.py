@@ -1,0 +1,228 @@
+"""Peak memory of a `TrainConfig` without running it and without a GPU.
+
+    autofit estimate examples/tiny-gpt.yaml --set precision=bf16-true --memory-budget 24GiB --json
+
+The real `Runner` (same model, knobs, precision policy, optimizer, step) runs two optimizer
+steps on fake tensors: `FakeTensorMode` gives every tensor a shape, dtype and device but no
+storage, so a 7B-parameter model costs kilobytes and seconds. `LiveBytesTracker`, the CPU
+trials' memory meter, counts the bytes those tensors would hold. Two steps, because the
+optimizer state exists only from the first `optimizer.step()` on. Known blind spots and how
+the search corrects them: docs/estimator.md.
+"""
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._pytree import tree_leaves
+
+from autofit.device.memory import LiveBytesTracker
+from autofit.errors import AutofitError
+from autofit.knobs import TrainConfig, check_global_batch
+from autofit.runner import Runner, make_optimizer
+from autofit.spec import ModelSpec
+from autofit.workload import Workload, build_workload
+
+DEVICE_KINDS = ("cpu", "cuda")
+ESTIMATED_STEPS = 2  # optimizer state exists from the first optimizer.step() on
+# Memory is the same for every micro batch after the second: the first allocates the
+# gradients, the second adds to them. Simulating two keeps long accumulations cheap.
+_MICRO_BATCHES = 2
+
+
+class EstimateError(AutofitError):
+    """The model cannot run on fake tensors (data-dependent shapes, `.item()` in forward);
+    a trial measures it instead."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Predicted device bytes of one configuration. The parts are sizes, not a partition of
+    the peak: without accumulation the gradients and activations never fully coexist, so
+    `temporaries` (peak minus the parts) is floored at 0."""
+
+    parameters: int  # count, frozen included
+    trainable_parameters: int
+    parameters_bytes: int  # weights and buffers, in the precision's parameter dtype
+    gradients_bytes: int  # one gradient per trainable parameter
+    optimizer_bytes: int  # optimizer state (AdamW: two moments and a step count per tensor)
+    activations_bytes: int  # saved for backward by one micro batch's forward (autocast weight copies included)
+    temporaries_bytes: int  # everything else live at the peak: logits' gradient, optimizer scratch
+    peak_bytes: int
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "bytes": {"parameters": self.parameters_bytes, "gradients": self.gradients_bytes,
+                      "optimizer": self.optimizer_bytes, "activations": self.activations_bytes,
+                      "temporaries": self.temporaries_bytes, "peak": self.peak_bytes},
+        }
+
+
+def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = "cpu") -> MemoryEstimate:
+    """Peak bytes of training `spec` with `config`, on a device of kind `device_kind`.
+
+    "cpu" predicts what a CPU trial tracks, model construction included. "cuda" leaves out
+    construction (the model is built in host memory, then moved) and uses the fused
+    optimizer the runner picks on CUDA.
+    """
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
+    check_global_batch(config, spec.train.global_batch_size)
+    return _estimate(spec, build_workload(spec), config, device_kind)
+
+
+def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int, *,
+                         device_kind: str = "cpu") -> int | None:
+    """Largest divisor of the global batch whose estimated peak fits `budget_bytes`, with
+    `config`'s precision, checkpointing and freezing (accumulation follows); None when even
+    a micro batch of 1 does not fit. Memory grows with the micro batch, so a binary search
+    over the divisors finds the boundary."""
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
+    workload = build_workload(spec)
+    global_batch = spec.train.global_batch_size
+    sizes = spec.micro_batch_sizes()
+
+    def fits(micro: int) -> bool:
+        trial = config.replace(micro_batch_size=micro, grad_accum_steps=global_batch // micro)
+        return _estimate(spec, workload, trial, device_kind).peak_bytes <= budget_bytes
+
+    lo, hi = 0, len(sizes) - 1  # invariant: everything below lo fits, everything above hi does not
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(sizes[mid]):
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return sizes[hi] if hi >= 0 else None
+
+
+def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str) -> MemoryEstimate:
+    micro_batches = min(config.grad_accum_steps, _MICRO_BATCHES)
+    small_spec = dataclasses.replace(spec, train=dataclasses.replace(
+        spec.train, global_batch_size=config.micro_batch_size * micro_batches))
+    small_config = config.replace(grad_accum_steps=micro_batches)
+    # Real (meta) tensors are let in: a model's constant tensors become fake on first use.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = LiveBytesTracker()
+    activations = _ActivationMeter(tracker)
+    workload = dataclasses.replace(workload, build_model=functools.partial(_build_on_meta, workload.build_model),
+                                   loss_fn=functools.partial(activations.loss, workload.loss_fn))
+    matmul_precision = torch.get_float32_matmul_precision()
+    # The runner seeds torch and sets matmul precision for its process; here that process
+    # is the caller's, so both are put back afterwards.
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with fake_mode, tracker:
+                runner = Runner(small_spec, workload, small_config, device=torch.device("cpu"))
+            # GradScaler reads its found-inf flag with .item(), which a fake tensor has no
+            # value for; a disabled scaler differs only by a few scalars.
+            runner.scaler = torch.amp.GradScaler("cpu", enabled=False)
+            if device_kind == "cuda":
+                runner.optimizer = make_optimizer(spec.optimizer, runner.params, torch.device("cuda"))
+                tracker.reset_peak()
+            for step in range(ESTIMATED_STEPS):
+                # Batches come from the real data source (it may read files or call numpy),
+                # then become fake tensors that the tracker counts as device inputs.
+                real = runner.global_batch(step)
+                with fake_mode:
+                    batch = [_to_fake(fake_mode, mb) for mb in real]
+                with fake_mode, tracker:
+                    tracker.track(t for mb in batch for t in tree_leaves(mb))
+                    runner.step(batch)
+                    del batch
+        except AutofitError:
+            raise
+        except Exception as exc:
+            raise EstimateError(f"estimate: {spec.name} cannot run on fake tensors "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                f"measure it with `autofit trial` instead") from exc
+        finally:
+            torch.set_float32_matmul_precision(matmul_precision)
+    return _breakdown(runner, tracker.peak_bytes, activations.peak_bytes)
+
+
+def _build_on_meta(build_model):
+    """The model on the meta device, as plain tensors: the runner's `.to(device, dtype)` then
+    makes fake CPU parameters of them. A model built as fake tensors cannot be moved at
+    all (`Module._apply` swaps fake parameters, and fake tensors carry weak references that
+    forbid the swap). The tracker still counts the fp32 build, as a CPU trial would."""
+    with unset_fake_temporarily(), torch.device("meta"):
+        return build_model()
+
+
+class _ActivationMeter:
+    """Wraps the loss function: live bytes after the forward minus before it are what the
+    forward left alive for backward (the loss itself is a few bytes)."""
+
+    def __init__(self, tracker: LiveBytesTracker):
+        self.tracker, self.peak_bytes = tracker, 0
+
+    def loss(self, loss_fn, model, batch):
+        before = self.tracker.live_bytes
+        loss = loss_fn(model, batch)
+        self.peak_bytes = max(self.peak_bytes, self.tracker.live_bytes - before)
+        return loss
+
+
+def _to_fake(fake_mode: FakeTensorMode, batch):
+    if isinstance(batch, dict):
+        return {k: fake_mode.from_tensor(v) for k, v in batch.items()}
+    return tuple(fake_mode.from_tensor(t) for t in batch)
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += storage.nbytes()
+    return total
+
+
+def _breakdown(runner: Runner, peak_bytes: int, activations_bytes: int) -> MemoryEstimate:
+    model, params = runner.model, runner.params
+    state = [t for s in runner.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    parameters_bytes = _storage_bytes([*model.parameters(), *model.buffers()])
+    gradients_bytes = sum(p.numel() * p.element_size() for p in params)
+    optimizer_bytes = _storage_bytes(state)
+    parts = parameters_bytes + gradients_bytes + optimizer_bytes + activations_bytes
+    return MemoryEstimate(
+        parameters=sum(p.numel() for p in model.parameters()),
+        trainable_parameters=sum(p.numel() for p in params),
+        parameters_bytes=parameters_bytes, gradients_bytes=gradients_bytes, optimizer_bytes=optimizer_bytes,
+        activations_bytes=activations_bytes, temporaries_bytes=max(0, peak_bytes - parts), peak_bytes=peak_bytes,
+    )
+
+
+def estimate_command(spec_path, *, overrides: dict[str, str] | None = None, memory_budget: str | None = None,
+                     device: str | None = None) -> dict:
+    """`autofit estimate`: the predicted peak of the spec's default config with `--set`
+    overrides, and with a budget the largest micro batch that fits it."""
+    from autofit.commands import parse_budget
+    from autofit.device.probe import select_device
+    from autofit.knobs import with_overrides
+    from autofit.spec import load_spec
+
+    spec = load_spec(spec_path)
+    config = with_overrides(TrainConfig.default_for(spec), overrides or {}, global_batch_size=spec.train.global_batch_size)
+    info = select_device(device)
+    estimate = estimate_memory(spec, config, device_kind=info.kind)
+    out = {"config": config.to_dict(), "device_kind": info.kind, **estimate.to_dict()}
+    budget = parse_budget(memory_budget, total_bytes=info.memory_total_bytes)
+    if budget is not None:
+        out["budget_bytes"] = budget
+        out["fits"] = estimate.peak_bytes <= budget
+        out["max_micro_batch_size"] = max_micro_batch_size(spec, config, budget, device_kind=info.kind)
+    return out

@@ -1,0 +1,224 @@
+"""`Profile`: what was chosen, on what device, and what it measured (profile.yaml, schema 1).
+
+A profile is written atomically, is human-readable, and loads back into equal objects.
+"""
+
+import dataclasses
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from loguru import logger
+
+from autofit._io import atomic_write_text
+from autofit.errors import ProfileError, SpecError
+from autofit.knobs import TrainConfig
+from autofit.spec import ModelSpec
+
+PROFILE_SCHEMA = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileModel:
+    name: str
+    spec_hash: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileDevice:
+    name: str
+    memory_bytes: int
+    compute_capability: str | None  # "9.0"; None on a CPU
+    driver: str | None
+    torch: str
+    fingerprint: str
+    slug: str  # file-name-safe device name
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measured:
+    samples_per_s: float
+    tokens_per_s: float | None
+    peak_memory_bytes: int
+    step_time_s: float
+    validated_steps: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchSummary:
+    trials: int  # configurations considered
+    measured: int  # of those, run in a child
+    pruned: int  # rejected by the memory estimate without running
+    oom: int
+    unhealthy: int
+    failed: int  # error or timeout
+    wall_s: float
+    sampler: str
+    storage: str
+    baseline: dict = field(default_factory=dict)  # the 32-true largest-fitting baseline, if measured
+    speedup: float | None = None  # winner samples/s over that baseline
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    model: ProfileModel
+    device: ProfileDevice
+    budget_bytes: int
+    config: TrainConfig
+    measured: Measured
+    search: SearchSummary
+    created: str
+    autofit: str
+    schema: int = PROFILE_SCHEMA
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.model.name}--{self.device.slug}.yaml"
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": self.schema,
+            "model": dataclasses.asdict(self.model),
+            "device": dataclasses.asdict(self.device),
+            "budget_bytes": self.budget_bytes,
+            "config": self.config.to_dict(),
+            "measured": dataclasses.asdict(self.measured),
+            "search": dataclasses.asdict(self.search),
+            "created": self.created,
+            "autofit": self.autofit,
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_text(path, self.to_yaml())
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, where: str = "profile") -> "Profile":
+        if not isinstance(raw, dict):
+            raise ProfileError(f"{where}: expected a mapping, got {type(raw).__name__}")
+        if raw.get("schema") != PROFILE_SCHEMA:
+            raise ProfileError(f"{where}: schema: this autofit reads profile schema {PROFILE_SCHEMA}, "
+                               f"got {raw.get('schema')!r}")
+        try:
+            config = TrainConfig.from_dict(raw.get("config"), where="config")
+        except SpecError as exc:
+            raise ProfileError(f"{where}: {exc}") from None
+        return cls(
+            model=_section(ProfileModel, raw, "model", where),
+            device=_section(ProfileDevice, raw, "device", where),
+            budget_bytes=_field(raw, "budget_bytes", int, where),
+            config=config,
+            measured=_section(Measured, raw, "measured", where),
+            search=_section(SearchSummary, raw, "search", where),
+            created=_field(raw, "created", str, where),
+            autofit=_field(raw, "autofit", str, where),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        path = Path(path)
+        if not path.is_file():
+            raise ProfileError(f"{path}: no such profile file")
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ProfileError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        return cls.from_dict(raw, where=str(path))
+
+    def check_spec(self, spec: ModelSpec) -> bool:
+        """False (with a warning) when the profile was tuned for another version of the spec."""
+        if self.model.name != spec.name:
+            raise ProfileError(f"profile is for model {self.model.name!r}, the spec is {spec.name!r}")
+        if self.config.global_batch_size != spec.train.global_batch_size:
+            raise ProfileError(
+                f"profile's micro batch x accumulation = {self.config.global_batch_size}, but "
+                f"train.global_batch_size is {spec.train.global_batch_size}: re-run `autofit tune`")
+        if self.model.spec_hash != spec.spec_hash:
+            logger.warning("profile {} is stale: the model.yaml changed since it was tuned "
+                           "(re-run `autofit tune` to refresh it)", self.file_name)
+            return False
+        return True
+
+    def device_differences(self, device: "ProfileDevice") -> list[str]:
+        """What differs between the tuned-on device and `device` (empty: same kind)."""
+        diffs = []
+        for name in ("name", "memory_bytes", "compute_capability", "driver", "torch"):
+            mine, theirs = getattr(self.device, name), getattr(device, name)
+            if name == "driver":
+                mine, theirs = _major(mine), _major(theirs)
+            if mine != theirs:
+                diffs.append(f"{name}: profile {mine!r}, here {theirs!r}")
+        return diffs
+
+    # --- using a profile: thin doors to plan.py and export.py (imported lazily: both
+    # import the runner and torch's training stack, which reading a profile does not need)
+
+    def apply(self, model, optimizer_factory=None, *, device=None, max_grad_norm: float | None = None):
+        """A `TrainingPlan`: `model` with this profile's checkpointing, freezing, dtype and
+        device applied, plus autocast, GradScaler and the runner's step for a custom loop.
+        `max_grad_norm` None means no clipping (the profile does not record the spec's)."""
+        from autofit.plan import TrainingPlan
+
+        return TrainingPlan(model, self.config, optimizer_factory, device=device, max_grad_norm=max_grad_norm)
+
+    def to_hf_training_args(self, *, n_blocks: int | None = None) -> dict:
+        """kwargs for `transformers.TrainingArguments`; see `autofit.export.hf_notes`."""
+        from autofit.export import to_hf_training_args
+
+        return to_hf_training_args(self, n_blocks=n_blocks)
+
+    def to_lightning(self) -> dict:
+        """kwargs for `lightning.Trainer`; see `autofit.export.lightning_notes`."""
+        from autofit.export import to_lightning
+
+        return to_lightning(self)
+
+    def to_env(self) -> dict[str, str]:
+        """AUTOFIT_* environment variables."""
+        from autofit.export import to_env
+
+        return to_env(self)
+
+
+def _major(version: str | None) -> str | None:
+    return None if version is None else version.split(".")[0]
+
+
+def _field(raw: dict, key: str, kind, where: str):
+    value = raw.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ProfileError(f"{where}: {key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _section(cls, raw: dict, key: str, where: str):
+    value = raw.get(key)
+    if not isinstance(value, dict):
+        raise ProfileError(f"{where}: {key}: expected a mapping, got {value!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ProfileError(f"{where}: {key}.{unknown[0]}: unknown key")
+    try:
+        return cls(**value)
+    except TypeError as exc:
+        raise ProfileError(f"{where}: {key}: {exc}") from None
+
+
+def device_from_info(info) -> ProfileDevice:
+    """The profile's record of a probed `DeviceInfo`."""
+    cc = info.compute_capability
+    return ProfileDevice(
+        name=info.name, memory_bytes=info.memory_total_bytes,
+        compute_capability=None if cc is None else f"{cc[0]}.{cc[1]}",
+        driver=info.driver_version, torch=str(info.torch_version),
+        fingerprint=info.fingerprint, slug=info.slug,
+    )
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")

@@ -1,0 +1,200 @@
+"""Measuring one `TrainConfig` in a fresh child process -> `Measurement`.
+
+    autofit trial examples/tiny-gpt.yaml --set precision=bf16-mixed --set micro_batch_size=4 --json
+
+Each trial is its own process (`python -m autofit._trial_child request.json result.json`, in its
+own process group): an out-of-memory error, a CUDA context broken by a crash, a hang or a
+segfault dies with the child, and the parent reads a result file or records why there is
+none. The child runs the real `Runner` step, so what is measured is what `autofit train` runs.
+"""
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loguru import logger
+
+from autofit.knobs import TrainConfig, check_global_batch
+from autofit.spec import ModelSpec
+
+STATUSES = ("ok", "oom", "unhealthy", "error", "timeout")
+_POLL_S = 0.1
+_LOG_TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """What one trial measured. Byte counts are the trial's own (allocator or tracked
+    tensors); `overhead_bytes` is the CUDA context and library workspaces beside them."""
+
+    status: str  # ok | oom | unhealthy | error | timeout
+    config: TrainConfig
+    peak_memory_bytes: int | None = None  # peak reserved on CUDA, peak tracked live bytes on CPU
+    peak_allocated_bytes: int | None = None
+    overhead_bytes: int | None = None  # non-torch device memory: CUDA context, cuBLAS/cuDNN
+    budget_bytes: int | None = None  # the device memory the trial was allowed, overhead included
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None  # median over the timed steps
+    step_times_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # every optimizer step from step 0, in order
+    scaler_skipped_steps: int = 0  # GradScaler skips among the timed steps
+    allocator_retries: int = 0  # cudaMalloc retries after freeing the cache: fragmentation
+    reason: str | None = None  # why the status is not ok
+    wall_s: float = 0.0  # the whole trial, process start to result
+
+    def __post_init__(self):
+        assert self.status in STATUSES, self.status
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["config"] = self.config.to_dict()
+        # JSON has no NaN; the reason names the bad value.
+        out["losses"] = [x if math.isfinite(x) else None for x in self.losses]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Measurement":
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in d.items() if k in known}
+        values["config"] = d["config"] if isinstance(d["config"], TrainConfig) else TrainConfig.from_dict(d["config"])
+        values["losses"] = [math.nan if x is None else float(x) for x in d.get("losses", [])]
+        return cls(**values)
+
+
+def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
+            warmup_steps: int | None = None, measure_steps: int | None = None, timeout_s: float | None = None,
+            stop_event=None) -> Measurement:
+    """Measure `config` in a child process; never raises for what happens inside it.
+
+    `device` is "cpu" or a CUDA index. `budget_bytes` is the device memory the trial may
+    use in total: on CUDA the child measures its context overhead and caps PyTorch's
+    allocator at the rest; on a CPU the tracked live bytes are held to it. Setting
+    `stop_event` (a threading.Event) kills the child: status error, reason "stopped".
+    """
+    check_global_batch(config, spec.train.global_batch_size)
+    device = _device_arg(device)
+    timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
+    request = {
+        "spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
+        "device": device, "budget_bytes": budget_bytes,
+        "warmup_steps": spec.search.warmup_steps if warmup_steps is None else warmup_steps,
+        "measure_steps": spec.search.measure_steps if measure_steps is None else measure_steps,
+    }
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
+        request_path, result_path, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "log")
+        request_path.write_text(json.dumps(request, default=str))
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "autofit._trial_child", str(request_path), str(result_path)],
+                                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                    env=_child_env(device), start_new_session=True)
+            try:
+                ended = _wait(proc, timeout_s, stop_event)
+            finally:
+                _kill_group(proc)  # also reaps whatever the child started, on any exit path
+        log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
+        wall_s = time.perf_counter() - started
+        if ended == "ok" and result_path.exists():
+            result = Measurement.from_dict(json.loads(result_path.read_text()))
+            measurement = dataclasses.replace(result, wall_s=wall_s)
+        else:
+            status, reason = _failure(ended, proc.returncode, timeout_s, log_tail)
+            measurement = Measurement(status=status, config=config, budget_bytes=budget_bytes, reason=reason,
+                                      wall_s=wall_s)
+    if measurement.status not in ("ok", "oom"):
+        logger.debug("trial {} log tail:\n{}", config.short(), log_tail)
+    return measurement
+
+
+def _device_arg(device: str | int) -> str:
+    text = str(device).strip().lower().removeprefix("cuda:")
+    if text != "cpu" and not text.isdigit():
+        raise ValueError(f"device: expected 'cpu' or a CUDA index, got {device!r}")
+    return text
+
+
+def _child_env(device: str) -> dict:
+    env = dict(os.environ)
+    # NVML numbers GPUs by PCI bus; so must CUDA, or probe's index 0 is another card.
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU trial must not create a CUDA context by accident
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float, stop_event) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            proc.wait(timeout=_POLL_S)
+            return "ok"
+        except subprocess.TimeoutExpired:
+            pass
+        if stop_event is not None and stop_event.is_set():
+            return "stopped"
+        if time.monotonic() > deadline:
+            return "timeout"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+
+
+def _failure(ended: str, returncode: int | None, timeout_s: float, log_tail: str) -> tuple[str, str]:
+    last = next((line.strip() for line in reversed(log_tail.splitlines()) if line.strip()), "")
+    where = f"; last output: {last}" if last else ""
+    if ended == "stopped":
+        return "error", "stopped"
+    if ended == "timeout":
+        return "timeout", f"no result after {timeout_s:g} s; the child was killed{where}"
+    if returncode is not None and returncode < 0:
+        name = signal.Signals(-returncode).name
+        hint = " (the kernel's OOM killer: out of host memory?)" if name == "SIGKILL" else ""
+        return "error", f"the child was killed by {name}{hint}{where}"
+    return "error", f"the child exited with code {returncode} without a result{where}"
+
+
+def trial_command(spec_path: str | Path, *, overrides: dict[str, str] | None = None, device: str | None = None,
+                  memory_budget: str | None = None, timeout_s: float | None = None,
+                  warmup_steps: int | None = None, measure_steps: int | None = None) -> tuple[Measurement, dict]:
+    """`autofit trial`: the spec's default config with `--set` overrides, measured once.
+    Returns the measurement and the device it ran on."""
+    from autofit.commands import parse_budget
+    from autofit.device.probe import select_device, usable_budget_bytes
+    from autofit.errors import SpecError
+    from autofit.knobs import with_overrides
+    from autofit.spec import load_spec
+
+    spec = load_spec(spec_path)
+    config = with_overrides(TrainConfig.default_for(spec), overrides or {}, global_batch_size=spec.train.global_batch_size)
+    for name, value in (("--timeout", timeout_s), ("--warmup-steps", warmup_steps), ("--measure-steps", measure_steps)):
+        if value is not None and (value < 0 or (value == 0 and name != "--warmup-steps")):
+            raise SpecError(f"{name}: must be positive, got {value}")
+    info = select_device(device)
+    requested = parse_budget(memory_budget, total_bytes=info.memory_total_bytes)
+    # A CPU trial without a budget is held only by the machine's RAM; a GPU trial always
+    # by what the other processes on the card leave free.
+    budget = None if info.kind == "cpu" and requested is None else usable_budget_bytes(
+        info, headroom=0.0, memory_budget=requested)
+    measurement = measure(spec, config, device="cpu" if info.kind == "cpu" else str(info.index), budget_bytes=budget,
+                          warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=timeout_s)
+    return measurement, info.to_dict()

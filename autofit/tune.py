@@ -1,0 +1,238 @@
+"""`autofit tune`: search, validate the winner in a longer run, write the profile and report.
+
+    autofit tune examples/tiny-gpt.yaml
+    autofit tune model.yaml --device 0 --memory-budget 24GiB --trials 60 --storage postgresql://…
+"""
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from autofit import __version__
+from autofit.device.probe import DeviceInfo, usable_budget_bytes
+from autofit.errors import NothingFitsError
+from autofit.estimate import estimate_memory
+from autofit.knobs import block_count
+from autofit.precision import supported_precisions
+from autofit.profile import Measured, Profile, ProfileModel, SearchSummary, device_from_info, utc_now
+from autofit.report import format_trial_line, trials_table, write_html_report
+from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, make_study
+from autofit.sizes import format_bytes
+from autofit.spec import ModelSpec
+from autofit.trial import Measurement, measure
+from autofit.workload import build_workload
+
+
+def default_state_dir() -> Path:
+    """Where studies live: $AUTOFIT_STATE_DIR, else $XDG_STATE_HOME/autofit (~/.local/state/autofit)."""
+    if os.environ.get("AUTOFIT_STATE_DIR"):
+        return Path(os.environ["AUTOFIT_STATE_DIR"])
+    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "autofit"
+
+
+def study_name(spec: ModelSpec, device: DeviceInfo, budget_bytes: int) -> str:
+    """One study per (spec, device kind, budget): a rerun of the same command resumes it."""
+    return f"{spec.name}-{spec.spec_hash.removeprefix('sha256:')[:12]}-{device.fingerprint}-{budget_bytes}"
+
+
+def search_space(spec: ModelSpec, device: DeviceInfo) -> SearchSpace:
+    # The block count comes from a model built on the meta device: no memory, any size.
+    with torch.device("meta"):
+        n_blocks = block_count(build_workload(spec).build_model())
+    precisions = supported_precisions(spec.search.precisions, device_kind=device.kind,
+                                      compute_capability=device.compute_capability)
+    if not precisions:
+        raise NothingFitsError(f"none of search.precisions ({', '.join(spec.search.precisions)}) "
+                               f"runs on {device.name}")
+    return SearchSpace(
+        global_batch_size=spec.train.global_batch_size, precisions=tuple(precisions),
+        micro_batch_sizes=tuple(spec.micro_batch_sizes()),
+        max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
+        max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
+    )
+
+
+@dataclass(kw_only=True)
+class TuneOutcome:
+    profile: Profile
+    profile_path: Path
+    report_path: Path | None
+    result: SearchResult
+    validated: Measurement
+
+    def summary(self) -> dict:
+        return {
+            "profile_path": str(self.profile_path),
+            "report_path": None if self.report_path is None else str(self.report_path),
+            "best": self.validated.to_dict(),
+            "search": _asdict(self.profile.search),
+            "trials": [_record_dict(r) for r in self.result.records],
+        }
+
+
+def _asdict(obj) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
+def _record_dict(r: TrialRecord) -> dict:
+    return {"number": r.number, "config": r.config.to_dict(), "status": r.status, "reason": r.reason,
+            "predicted_peak_bytes": r.predicted_peak_bytes, "peak_memory_bytes": r.peak_memory_bytes,
+            "samples_per_s": r.samples_per_s if r.measurement is not None else None}
+
+
+def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Path, storage: str | None,
+         execute_on: str | None = None, trials: int | None = None, timeout_s: float | None = None,
+         stop_event: threading.Event | None = None,
+         on_trial: Callable[[TrialRecord, TrialRecord | None, int], None] | None = None,
+         report: bool = True) -> TuneOutcome:
+    """Search, validate and save. `execute_on` is where trials run ("cpu" or a CUDA index;
+    default: the device itself; an emulated GPU runs on the CPU under its budget).
+    Raises NothingFitsError when no configuration fits or none gives a usable result."""
+    execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
+    space = search_space(spec, device)
+    max_trials = trials or spec.search.trials
+    name = study_name(spec, device, budget_bytes)
+    study = make_study(study_name=name, storage=storage, seed=spec.train.seed)
+    logger.info("tuning {} on {} ({}): budget {}, {} configs in the space, up to {} trials",
+                spec.name, device.name, execute_on, format_bytes(budget_bytes), space.size, max_trials)
+
+    def run_trial(config) -> Measurement:
+        return measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event)
+
+    def predict(config) -> int:
+        return estimate_memory(spec, config, device_kind="cuda" if device.kind == "cuda" else "cpu").peak_bytes
+
+    def report_trial(record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
+        logger.info(format_trial_line(record, best, considered, max_trials, budget_bytes))
+        if on_trial is not None:
+            on_trial(record, best, considered)
+
+    tuner = Tuner(space, study=study, budget_bytes=budget_bytes, measure=run_trial, estimate=predict,
+                  max_trials=max_trials, patience=spec.search.patience, timeout_s=timeout_s,
+                  on_trial=report_trial, should_stop=(stop_event.is_set if stop_event else None))
+    result = tuner.run()
+    logger.info("search stopped: {}; {} trials ({} measured, {} pruned, {} oom) in {:.0f}s",
+                result.stop_reason, len(result.records), result.measured, result.count("pruned"),
+                result.count("oom"), result.wall_s)
+    if stop_event is not None and stop_event.is_set():
+        raise InterruptedError("tune stopped before validation; rerun to resume the study")
+    if not result.ranked:
+        raise NothingFitsError(_nothing_fits_message(result, tuner, space))
+
+    winner, validated = _validate(spec, result, run_trial_steps=lambda c: measure(
+        spec, c, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
+        measure_steps=spec.search.validate_steps))
+    baseline = _baseline(result)
+    profile = Profile(
+        model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
+        device=device_from_info(device),
+        budget_bytes=budget_bytes,
+        config=winner.config,
+        measured=Measured(samples_per_s=validated.samples_per_s, tokens_per_s=validated.tokens_per_s,
+                          peak_memory_bytes=_total_peak(validated), step_time_s=validated.step_time_s,
+                          validated_steps=spec.search.validate_steps),
+        search=SearchSummary(
+            trials=len(result.records), measured=result.measured, pruned=result.count("pruned"),
+            oom=result.count("oom"), unhealthy=result.count("unhealthy"),
+            failed=result.count("error") + result.count("timeout"), wall_s=round(result.wall_s, 1),
+            sampler=type(study.sampler).__name__, storage=_redact(storage or "in-memory"),
+            baseline={} if baseline is None else {"config": baseline.config.to_dict(),
+                                                  "samples_per_s": baseline.samples_per_s},
+            speedup=None if baseline is None else round(winner.samples_per_s / baseline.samples_per_s, 3),
+        ),
+        created=utc_now(),
+        autofit=__version__,
+    )
+    profile_path = profile.save(Path(out_dir) / profile.file_name)
+    report_path = None
+    if report:
+        report_path = write_html_report(profile_path.with_suffix(".report.html"), profile, result, winner)
+    logger.info("\n{}", trials_table(result, winner))
+    if baseline is not None:
+        logger.info("speed-up over {} (32-true, largest micro batch that fits): {:.2f}x",
+                    baseline.config.short(), profile.search.speedup)
+    return TuneOutcome(profile=profile, profile_path=profile_path, report_path=report_path, result=result,
+                       validated=validated)
+
+
+def _total_peak(m: Measurement) -> int:
+    return (m.peak_memory_bytes or 0) + (m.overhead_bytes or 0)
+
+
+def _validate(spec: ModelSpec, result: SearchResult, run_trial_steps) -> tuple[TrialRecord, Measurement]:
+    """Re-run the best configs longer in fresh children; the first that stays ok and inside
+    the budget wins. Short trials can miss slow leaks and late allocator growth."""
+    for record in result.ranked[:5]:
+        logger.info("validating {} over {} steps", record.config.short(), spec.search.validate_steps)
+        m = run_trial_steps(record.config)
+        if m.status == "ok" and _total_peak(m) <= result.budget_bytes:
+            return record, m
+        logger.warning("validation of {} failed: {} ({}); trying the next best", record.config.short(),
+                       m.status, m.reason or f"peak {format_bytes(_total_peak(m))} over budget")
+    raise NothingFitsError("no configuration passed validation: the best five all failed their longer run")
+
+
+def _baseline(result: SearchResult) -> TrialRecord | None:
+    """What a user without autofit runs: 32-true, no checkpointing or freezing, the largest
+    micro batch that fits."""
+    plain = [r for r in result.records if r.config.precision == "32-true" and r.config.checkpoint_blocks == 0
+             and r.config.freeze_blocks == 0 and r.feasible(result.budget_bytes)]
+    return max(plain, key=lambda r: r.config.micro_batch_size, default=None)
+
+
+def _nothing_fits_message(result: SearchResult, tuner: Tuner, space: SearchSpace) -> str:
+    peaks = [(r.peak_memory_bytes or r.predicted_peak_bytes or 0, r) for r in result.records
+             if r.status in ("oom", "ok", "pruned")]
+    smallest = min(peaks, key=lambda p: p[0], default=None)
+    frugal = space.config(min(space.precisions, key=lambda p: ("bf16-true", "bf16-mixed", "16-mixed").index(p)
+                              if p in ("bf16-true", "bf16-mixed", "16-mixed") else 9),
+                          space.micro_batch_sizes[0], space.max_checkpoint_blocks, space.max_freeze_blocks)
+    factor, _ = tuner.correction(frugal, result.records)
+    needed = int(tuner.predicted_peak(frugal) * factor)
+    unhealthy = result.count("unhealthy") + result.count("error") + result.count("timeout")
+    seen = (f"; the smallest peak seen was {format_bytes(smallest[0])} ({smallest[1].config.short()})"
+            if smallest else "")
+    extra = f"; {unhealthy} trials failed or were unhealthy" if unhealthy else ""
+    return (f"nothing fits the budget of {format_bytes(result.budget_bytes)}{seen}; the smallest "
+            f"configuration ({frugal.short()}) needs about {format_bytes(needed)}{extra}")
+
+
+def _redact(url: str) -> str:
+    """Never write a database password into a profile."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def tune_command(spec_path: str | Path, *, device: str | None = None, memory_budget: str | None = None,
+                 trials: int | None = None, timeout_s: float | None = None, storage: str | None = None,
+                 out_dir: str | Path = "profiles", state_dir: str | Path | None = None,
+                 report: bool = True) -> TuneOutcome:
+    """`autofit tune`: probe, budget, search, validate, save."""
+    from autofit.commands import parse_budget
+    from autofit.device.probe import select_device
+    from autofit.errors import SpecError
+    from autofit.spec import load_spec
+
+    spec = load_spec(spec_path)
+    if trials is not None and trials < 1:
+        raise SpecError(f"--trials: must be a positive integer, got {trials}")
+    if timeout_s is not None and timeout_s <= 0:
+        raise SpecError(f"--timeout: must be positive seconds, got {timeout_s}")
+    info = select_device(device)
+    emulated = parse_budget(memory_budget, total_bytes=info.memory_total_bytes)
+    budget_bytes = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=emulated)
+    if storage is None:
+        folder = Path(state_dir) if state_dir is not None else default_state_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        storage = f"sqlite:///{folder.resolve() / 'studies.db'}"
+    return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=Path(out_dir), storage=storage,
+                trials=trials, timeout_s=timeout_s, report=report)
