@@ -4,9 +4,12 @@ __version__ = "0.1.0"
 
 from autofit.errors import AutofitError, DeviceError, NothingFitsError, ProfileError, SpecError, TrialError
 from autofit.knobs import TrainConfig
+from autofit.plan import TrainingPlan
+from autofit.profile import Profile
 from autofit.spec import ModelSpec, load_spec
+from autofit.store import ProfileStore, load_profile
 
 __all__ = [
-    "AutofitError", "DeviceError", "ModelSpec", "NothingFitsError", "ProfileError", "SpecError",
-    "TrainConfig", "TrialError", "__version__", "load_spec",
+    "AutofitError", "DeviceError", "ModelSpec", "NothingFitsError", "Profile", "ProfileError", "ProfileStore",
+    "SpecError", "TrainConfig", "TrainingPlan", "TrialError", "__version__", "load_profile", "load_spec",
 ]

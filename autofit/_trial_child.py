@@ -26,7 +26,8 @@ from autofit.workload import build_workload
 
 TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist
 # Allocation failures that surface as library errors rather than torch.OutOfMemoryError.
-_OOM_MARKERS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA out of memory")
+_OOM_MARKERS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA out of memory",
+                "CUDA error: out of memory")
 
 
 class _Trial:
@@ -35,7 +36,8 @@ class _Trial:
         self.spec = parse_spec(request["spec"], source_dir=Path(request["source_dir"]))
         self.budget_bytes = request["budget_bytes"]
         self.warmup_steps, self.measure_steps = request["warmup_steps"], request["measure_steps"]
-        self.device = torch.device("cpu") if request["device"] == "cpu" else torch.device("cuda", int(request["device"]))
+        device = request["device"]
+        self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(device))
         self.tracker = LiveBytesTracker(budget_bytes=self.budget_bytes) if self.device.type == "cpu" else None
         self.overhead_bytes: int | None = 0 if self.device.type == "cpu" else None
 
@@ -130,13 +132,15 @@ class _Trial:
         bytes on a CPU, the caching allocator's reserved and allocated peaks on CUDA."""
         out = {"overhead_bytes": self.overhead_bytes}
         if self.tracker is not None:
-            return out | {"peak_memory_bytes": self.tracker.peak_bytes, "peak_allocated_bytes": self.tracker.peak_bytes}
+            peak = self.tracker.peak_bytes  # no caching allocator on a CPU: reserved is allocated
+            return out | {"peak_memory_bytes": peak, "peak_allocated_bytes": peak}
         if not torch.cuda.is_initialized():
             return out
         stats = cuda_memory_stats(self.device)
         if stats.allocator_retries:
             logger.warning("{} allocator retries: memory is fragmented near the cap", stats.allocator_retries)
-        return out | {"peak_memory_bytes": stats.peak_reserved_bytes, "peak_allocated_bytes": stats.peak_allocated_bytes,
+        return out | {"peak_memory_bytes": stats.peak_reserved_bytes,
+                      "peak_allocated_bytes": stats.peak_allocated_bytes,
                       "allocator_retries": stats.allocator_retries}
 
 

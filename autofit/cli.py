@@ -90,7 +90,7 @@ def _add_tune(sub) -> None:
     p.add_argument("--timeout", type=float, help="stop searching after this many seconds")
     p.add_argument("--storage", help="Optuna storage URL shared by several workers (default: SQLite in the state folder)")
     p.add_argument("--state-dir", help="state folder (default: $AUTOFIT_STATE_DIR or ~/.local/state/autofit)")
-    p.add_argument("--out", default="profiles", help="folder for the profile (default: profiles)")
+    p.add_argument("--out", help="profile store folder (default: $AUTOFIT_STORE or ./profiles)")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the profile path")
     p.set_defaults(func=cmd_tune)
@@ -235,6 +235,41 @@ def _add_profiles(sub) -> None:
 
 
 _COMMANDS += [_add_profiles]
+
+
+# --- the service: serve, status ----------------------------------------------------------
+
+def cmd_serve(args) -> int:
+    from autofit.daemon import serve_command
+
+    return serve_command(args.config, inventory_path=args.inventory)
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="keep every model in a folder tuned for every kind of GPU here (a service)")
+    p.add_argument("--config", help="service config (default: $AUTOFIT_CONFIG, else /etc/autofit/autofit.yaml)")
+    p.add_argument("--inventory", metavar="FILE",
+                   help="emulation: read GPU kinds from this YAML/JSON file ({\"gpus\": [{\"name\": ..., "
+                        "\"memory_total_bytes\": ...}]}) instead of NVML; trials run on the CPU under each "
+                        "card's memory")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_status(args) -> int:
+    from autofit.service_state import status_command
+
+    sys.stdout.write(status_command(args.config, as_json=args.json))
+    return 0
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="what `autofit serve` sees, queues, runs and has tuned")
+    p.add_argument("--config", help="service config (default: $AUTOFIT_CONFIG, else /etc/autofit/autofit.yaml)")
+    p.add_argument("--json", action="store_true", help="print the service's state file as JSON")
+    p.set_defaults(func=cmd_status)
+
+
+_COMMANDS += [_add_serve, _add_status]
 
 
 def build_parser() -> argparse.ArgumentParser:

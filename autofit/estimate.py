@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from autofit.device.memory import LiveBytesTracker
 from autofit.errors import AutofitError
-from autofit.knobs import TrainConfig, check_global_batch
+from autofit.knobs import TrainConfig, check_global_batch, trainable_parameters
 from autofit.runner import Runner, make_optimizer
 from autofit.spec import ModelSpec
 from autofit.workload import Workload, build_workload
@@ -107,7 +107,22 @@ def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int
     return sizes[hi] if hi >= 0 else None
 
 
+_CACHE_SIZE = 512
+_cache: dict[tuple, MemoryEstimate] = {}
+
+
 def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str) -> MemoryEstimate:
+    """Memoised in this process: the search, `max_micro_batch_size` and the CLI ask for the
+    same configurations again, and each answer costs a fake training step (~0.5 s)."""
+    key = (spec.spec_hash, str(spec.source_dir), config, device_kind)
+    if key not in _cache:
+        if len(_cache) >= _CACHE_SIZE:
+            _cache.pop(next(iter(_cache)))  # oldest first
+        _cache[key] = _simulate(spec, workload, config, device_kind)
+    return _cache[key]
+
+
+def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str) -> MemoryEstimate:
     micro_batches = min(config.grad_accum_steps, _MICRO_BATCHES)
     small_spec = dataclasses.replace(spec, train=dataclasses.replace(
         spec.train, global_batch_size=config.micro_batch_size * micro_batches))
@@ -116,21 +131,22 @@ def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = LiveBytesTracker()
     activations = _ActivationMeter(tracker)
-    workload = dataclasses.replace(workload, build_model=functools.partial(_build_on_meta, workload.build_model),
+    build = _MetaBuild(workload.build_model)
+    workload = dataclasses.replace(workload, build_model=build,
                                    loss_fn=functools.partial(activations.loss, workload.loss_fn))
-    matmul_precision = torch.get_float32_matmul_precision()
+    matmul_precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     # The runner seeds torch and sets matmul precision for its process; here that process
     # is the caller's, so both are put back afterwards.
     with torch.random.fork_rng(devices=[]):
         try:
             with fake_mode, tracker:
                 runner = Runner(small_spec, workload, small_config, device=torch.device("cpu"))
+                build.retie(runner, device_kind)
             # GradScaler reads its found-inf flag with .item(), which a fake tensor has no
             # value for; a disabled scaler differs only by a few scalars.
             runner.scaler = torch.amp.GradScaler("cpu", enabled=False)
             if device_kind == "cuda":
-                runner.optimizer = make_optimizer(spec.optimizer, runner.params, torch.device("cuda"))
-                tracker.reset_peak()
+                tracker.reset_peak()  # a GPU run builds the model in host memory
             for step in range(ESTIMATED_STEPS):
                 # Batches come from the real data source (it may read files or call numpy),
                 # then become fake tensors that the tracker counts as device inputs.
@@ -149,16 +165,43 @@ def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
                                 f"measure it with `autofit trial` instead") from exc
         finally:
             torch.set_float32_matmul_precision(matmul_precision)
+            torch.backends.cudnn.allow_tf32 = cudnn_tf32
     return _breakdown(runner, tracker.peak_bytes, activations.peak_bytes)
 
 
-def _build_on_meta(build_model):
-    """The model on the meta device, as plain tensors: the runner's `.to(device, dtype)` then
-    makes fake CPU parameters of them. A model built as fake tensors cannot be moved at
-    all (`Module._apply` swaps fake parameters, and fake tensors carry weak references that
-    forbid the swap). The tracker still counts the fp32 build, as a CPU trial would."""
-    with unset_fake_temporarily(), torch.device("meta"):
-        return build_model()
+class _MetaBuild:
+    """Builds the model on the meta device, as plain tensors: the runner's `.to(device,
+    dtype)` then makes fake CPU parameters of them. (A model built as fake tensors cannot be
+    moved at all: `Module._apply` swaps fake parameters, and fake tensors carry weak
+    references that forbid the swap.) The tracker still counts the fp32 build, as a CPU
+    trial would.
+
+    That `.to()` gives every module a new Parameter, which unties tied weights (GPT-2's
+    head and embedding); `retie` restores them, or the estimate would count one twice."""
+
+    def __init__(self, build_model):
+        self.build_model = build_model
+        self.ties: list[list[tuple[torch.nn.Module, str]]] = []
+
+    def __call__(self) -> torch.nn.Module:
+        with unset_fake_temporarily(), torch.device("meta"):
+            model = self.build_model()
+        owners: dict[int, list] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), []).append((module, name))
+        self.ties = [o for o in owners.values() if len(o) > 1]
+        return model
+
+    def retie(self, runner: Runner, device_kind: str) -> None:
+        for (first, first_name), *rest in self.ties:
+            for module, name in rest:
+                module._parameters[name] = first._parameters[first_name]
+        runner.params = trainable_parameters(runner.model)
+        # Rebuilt over the tied parameters, and as the runner builds it on `device_kind`
+        # (fused on CUDA: no per-parameter scratch).
+        runner.optimizer = make_optimizer(runner.spec.optimizer, runner.params, torch.device(device_kind))
 
 
 class _ActivationMeter:
@@ -216,7 +259,8 @@ def estimate_command(spec_path, *, overrides: dict[str, str] | None = None, memo
     from autofit.spec import load_spec
 
     spec = load_spec(spec_path)
-    config = with_overrides(TrainConfig.default_for(spec), overrides or {}, global_batch_size=spec.train.global_batch_size)
+    config = with_overrides(TrainConfig.default_for(spec), overrides or {},
+                            global_batch_size=spec.train.global_batch_size)
     info = select_device(device)
     estimate = estimate_memory(spec, config, device_kind=info.kind)
     out = {"config": config.to_dict(), "device_kind": info.kind, **estimate.to_dict()}

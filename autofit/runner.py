@@ -53,6 +53,31 @@ def resolve_device(name: str | int | None) -> torch.device:
     return torch.device("cuda", index)
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, params: list[nn.Parameter],
+                   max_grad_norm: float | None) -> bool:
+    """The end of every optimizer step, after the micro batches' backward: unscale, clip,
+    step through the GradScaler, zero the grads. True when the scaler skipped the update.
+
+    `Runner.step` and `TrainingPlan.step` both call this, so a profile applied to a
+    user's own loop steps exactly as it did while it was measured.
+    """
+    if max_grad_norm is not None:
+        # Clip the true gradients, not the loss-scaled ones.
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    skipped = False
+    if scaler.is_enabled():
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        # The scaler only lowers its scale when it found inf/NaN grads and skipped the step.
+        skipped = scaler.get_scale() < scale_before
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return skipped
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
     loss: torch.Tensor  # mean loss over the global batch (a device tensor: reading it syncs)
@@ -96,19 +121,8 @@ class Runner:
             # Mean over micro batches == mean over the global batch: accumulation is exact.
             self.scaler.scale(loss / n_micro).backward()
             loss_sum += loss.detach().float()
-        if self.spec.train.max_grad_norm is not None:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.params, self.spec.train.max_grad_norm)
-        skipped = False
-        if self.scaler.is_enabled():
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < scale_before
-            self.skipped_steps += int(skipped)
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        skipped = optimizer_step(self.optimizer, self.scaler, self.params, self.spec.train.max_grad_norm)
+        self.skipped_steps += int(skipped)
         return StepResult(loss=loss_sum / n_micro, skipped=skipped)
 
     def synchronize(self) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from autofit.errors import DeviceError
 from autofit.knobs import TrainConfig, check_global_batch
 from autofit.spec import ModelSpec
 
@@ -99,16 +100,16 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
         request_path, result_path, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "log")
         request_path.write_text(json.dumps(request, default=str))
         with open(log_path, "wb") as log_file:
-            proc = subprocess.Popen([sys.executable, "-m", "autofit._trial_child", str(request_path), str(result_path)],
-                                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            command = [sys.executable, "-m", "autofit._trial_child", str(request_path), str(result_path)]
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                     env=_child_env(device), start_new_session=True)
             try:
                 ended = _wait(proc, timeout_s, stop_event)
             finally:
-                _kill_group(proc)  # also reaps whatever the child started, on any exit path
+                _kill_group(proc)  # on every path, so nothing the child started outlives the trial
         log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         wall_s = time.perf_counter() - started
-        if ended == "ok" and result_path.exists():
+        if ended == "exited" and result_path.exists():
             result = Measurement.from_dict(json.loads(result_path.read_text()))
             measurement = dataclasses.replace(result, wall_s=wall_s)
         else:
@@ -123,7 +124,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
 def _device_arg(device: str | int) -> str:
     text = str(device).strip().lower().removeprefix("cuda:")
     if text != "cpu" and not text.isdigit():
-        raise ValueError(f"device: expected 'cpu' or a CUDA index, got {device!r}")
+        raise DeviceError(f"device: expected 'cpu' or a CUDA index, got {device!r}")
     return text
 
 
@@ -139,20 +140,22 @@ def _child_env(device: str) -> dict:
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float, stop_event) -> str:
+    """Until the child exits (left unreaped), the stop event is set, or time runs out."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            proc.wait(timeout=_POLL_S)
-            return "ok"
-        except subprocess.TimeoutExpired:
-            pass
+        # WNOWAIT: the exited child stays a zombie, so its pid (the group id) cannot be
+        # reused by an unrelated process before _kill_group has signalled the group.
+        if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return "exited"
         if stop_event is not None and stop_event.is_set():
             return "stopped"
         if time.monotonic() > deadline:
             return "timeout"
+        time.sleep(_POLL_S)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the child and anything it started (data loader workers, compilers), then reap."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -167,7 +170,10 @@ def _failure(ended: str, returncode: int | None, timeout_s: float, log_tail: str
     if ended == "timeout":
         return "timeout", f"no result after {timeout_s:g} s; the child was killed{where}"
     if returncode is not None and returncode < 0:
-        name = signal.Signals(-returncode).name
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
         hint = " (the kernel's OOM killer: out of host memory?)" if name == "SIGKILL" else ""
         return "error", f"the child was killed by {name}{hint}{where}"
     return "error", f"the child exited with code {returncode} without a result{where}"
@@ -185,7 +191,8 @@ def trial_command(spec_path: str | Path, *, overrides: dict[str, str] | None = N
     from autofit.spec import load_spec
 
     spec = load_spec(spec_path)
-    config = with_overrides(TrainConfig.default_for(spec), overrides or {}, global_batch_size=spec.train.global_batch_size)
+    config = with_overrides(TrainConfig.default_for(spec), overrides or {},
+                            global_batch_size=spec.train.global_batch_size)
     for name, value in (("--timeout", timeout_s), ("--warmup-steps", warmup_steps), ("--measure-steps", measure_steps)):
         if value is not None and (value < 0 or (value == 0 and name != "--warmup-steps")):
             raise SpecError(f"{name}: must be positive, got {value}")

@@ -16,7 +16,7 @@ from loguru import logger
 from autofit import __version__
 from autofit.device.probe import DeviceInfo, usable_budget_bytes
 from autofit.errors import NothingFitsError
-from autofit.estimate import estimate_memory
+from autofit.estimate import EstimateError, estimate_memory
 from autofit.knobs import block_count
 from autofit.precision import supported_precisions
 from autofit.profile import Measured, Profile, ProfileModel, SearchSummary, device_from_info, utc_now
@@ -24,6 +24,7 @@ from autofit.report import format_trial_line, trials_table, write_html_report
 from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, make_study
 from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec
+from autofit.store import ProfileStore, default_root
 from autofit.trial import Measurement, measure
 from autofit.workload import build_workload
 
@@ -35,9 +36,12 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "autofit"
 
 
-def study_name(spec: ModelSpec, device: DeviceInfo, budget_bytes: int) -> str:
-    """One study per (spec, device kind, budget): a rerun of the same command resumes it."""
-    return f"{spec.name}-{spec.spec_hash.removeprefix('sha256:')[:12]}-{device.fingerprint}-{budget_bytes}"
+def study_name(spec: ModelSpec, device: DeviceInfo, emulated_budget_bytes: int | None = None) -> str:
+    """One study per (spec, device kind[, emulated budget]): a rerun of the same command
+    resumes it. The measured budget is not part of the key: other processes' memory moves
+    it a little between runs, and measured peaks stay true whatever the budget."""
+    name = f"{spec.name}-{spec.spec_hash.removeprefix('sha256:')[:12]}-{device.fingerprint}"
+    return name if emulated_budget_bytes is None else f"{name}-budget{emulated_budget_bytes}"
 
 
 def search_space(spec: ModelSpec, device: DeviceInfo) -> SearchSpace:
@@ -89,16 +93,17 @@ def _record_dict(r: TrialRecord) -> dict:
 
 def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Path, storage: str | None,
          execute_on: str | None = None, trials: int | None = None, timeout_s: float | None = None,
-         stop_event: threading.Event | None = None,
+         emulated_budget_bytes: int | None = None, stop_event: threading.Event | None = None,
          on_trial: Callable[[TrialRecord, TrialRecord | None, int], None] | None = None,
          report: bool = True) -> TuneOutcome:
     """Search, validate and save. `execute_on` is where trials run ("cpu" or a CUDA index;
     default: the device itself; an emulated GPU runs on the CPU under its budget).
+    `emulated_budget_bytes` (from --memory-budget) keys a study apart from the full card's.
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
     space = search_space(spec, device)
     max_trials = trials or spec.search.trials
-    name = study_name(spec, device, budget_bytes)
+    name = study_name(spec, device, emulated_budget_bytes)
     study = make_study(study_name=name, storage=storage, seed=spec.train.seed)
     logger.info("tuning {} on {} ({}): budget {}, {} configs in the space, up to {} trials",
                 spec.name, device.name, execute_on, format_bytes(budget_bytes), space.size, max_trials)
@@ -106,8 +111,18 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     def run_trial(config) -> Measurement:
         return measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event)
 
+    estimator_failed: list[EstimateError] = []
+
     def predict(config) -> int:
-        return estimate_memory(spec, config, device_kind="cuda" if device.kind == "cuda" else "cpu").peak_bytes
+        """Predicted peak; 0 (unknown: measure it) for a model the estimator cannot run."""
+        if estimator_failed:
+            return 0
+        try:
+            return estimate_memory(spec, config, device_kind="cuda" if device.kind == "cuda" else "cpu").peak_bytes
+        except EstimateError as exc:
+            logger.warning("{}; tuning on measurements alone, without pruning", exc)
+            estimator_failed.append(exc)
+            return 0
 
     def report_trial(record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
         logger.info(format_trial_line(record, best, considered, max_trials, budget_bytes))
@@ -150,7 +165,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         created=utc_now(),
         autofit=__version__,
     )
-    profile_path = profile.save(Path(out_dir) / profile.file_name)
+    profile_path = ProfileStore(Path(out_dir)).save(profile)
     report_path = None
     if report:
         report_path = write_html_report(profile_path.with_suffix(".report.html"), profile, result, winner)
@@ -214,7 +229,7 @@ def _redact(url: str) -> str:
 
 def tune_command(spec_path: str | Path, *, device: str | None = None, memory_budget: str | None = None,
                  trials: int | None = None, timeout_s: float | None = None, storage: str | None = None,
-                 out_dir: str | Path = "profiles", state_dir: str | Path | None = None,
+                 out_dir: str | Path | None = None, state_dir: str | Path | None = None,
                  report: bool = True) -> TuneOutcome:
     """`autofit tune`: probe, budget, search, validate, save."""
     from autofit.commands import parse_budget
@@ -234,5 +249,6 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
         folder = Path(state_dir) if state_dir is not None else default_state_dir()
         folder.mkdir(parents=True, exist_ok=True)
         storage = f"sqlite:///{folder.resolve() / 'studies.db'}"
-    return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=Path(out_dir), storage=storage,
-                trials=trials, timeout_s=timeout_s, report=report)
+    out_dir = Path(out_dir) if out_dir is not None else default_root()
+    return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
+                trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated)

@@ -56,3 +56,29 @@ def run_cli_json(*args: str, **kwargs) -> dict:
     result = run_cli(*args, **kwargs)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def faulty_spec(folder: Path, fault: str) -> Path:
+    """A spec whose `python:` model misbehaves (tests/fixtures/faulty.py: crash, hang, nan,
+    item), written to `folder` with the fixture module beside it."""
+    import shutil
+
+    shutil.copy(FIXTURES / "faulty.py", Path(folder) / "faulty.py")
+    spec = tiny_gpt_dict(name=f"faulty-{fault}", data={"kind": "python", "factory": "faulty:dataset"})
+    spec["model"] = {"python": f"faulty:{fault}"}
+    return write_spec(folder, spec)
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """`autofit ARGS` in this process (no interpreter start-up): (exit code, stdout, stderr)."""
+    from autofit.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # argparse's own exits
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -4,7 +4,7 @@ import pytest
 
 from autofit.errors import SpecError
 from autofit.spec import load_spec, parse_spec
-from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
+from conftest import REPO, run_cli, run_main, tiny_gpt_dict, write_spec
 
 def _with(key: str, value) -> dict:
     spec = tiny_gpt_dict()
@@ -34,15 +34,24 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_malformed_spec_gives_one_line_and_exit_2(tmp_path, case):
+def test_malformed_spec_gives_one_line_and_exit_2(tmp_path, capsys, case):
     spec, expected = MALFORMED[case]
     path = write_spec(tmp_path, spec)
-    result = run_cli("train", path, "--steps", "1", "--no-progress", cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
+    code, _, err = run_main(capsys, "train", path, "--steps", "1", "--no-progress",
+                            "--checkpoint-dir", tmp_path / "ckpt")
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
     assert expected in lines[0]
+
+
+def test_malformed_spec_as_a_real_process(tmp_path):
+    """The same contract end to end, once, through the installed entry point's module."""
+    path = write_spec(tmp_path, MALFORMED["negative size"][0])
+    result = run_cli("train", path, "--steps", "1", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"autofit: error: {path}: {MALFORMED['negative size'][1]}"]
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -51,22 +60,22 @@ def test_malformed_spec_gives_one_line_and_exit_2(tmp_path, case):
     ("", "the file is empty"),
     ("- 1\n- 2\n", "the file: expected a mapping"),
 ])
-def test_unreadable_spec_files(tmp_path, text, expected):
+def test_unreadable_spec_files(tmp_path, capsys, text, expected):
     path = tmp_path / "model.yaml"
     if text is not None:
         path.write_text(text)
-    result = run_cli("train", path, "--steps", "1", cwd=tmp_path)
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert expected in result.stderr
+    code, _, err = run_main(capsys, "train", path, "--steps", "1")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert expected in err
 
 
-def test_bad_cli_arguments_give_exit_2(tmp_path, tiny_spec_path):
+def test_bad_cli_arguments_give_exit_2(tmp_path, capsys, tiny_spec_path):
     for args in (["train", tiny_spec_path, "--steps", "0"], ["train", tiny_spec_path, "--device", "gpu7"],
                  ["train", tiny_spec_path, "--steps", "x"], ["nonsense"]):
-        result = run_cli(*args, cwd=tmp_path)
-        assert result.returncode == 2, (args, result.stderr)
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        code, _, err = run_main(capsys, *args)
+        assert code == 2, (args, err)
+        assert len(err.strip().splitlines()) == 1, err
 
 
 def test_spec_defaults_and_round_trip(tmp_path):

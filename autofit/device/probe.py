@@ -34,7 +34,7 @@ class DeviceInfo:
     memory_total_bytes: int
     memory_free_bytes: int
     memory_used_bytes: int
-    memory_used_by_others_bytes: int  # other processes' memory: not ours to use
+    memory_used_by_others_bytes: int  # used, but not by us or our trial children: never usable by a trial
     compute_capability: tuple[int, int] | None
     mig_mode: str | None  # "enabled" | "disabled" | None (not a MIG-capable GPU)
     driver_version: str | None
@@ -181,24 +181,33 @@ def _visible_nvml_indices(count: int, uuids: list[str]) -> list[int]:
     return chosen
 
 
+def _parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])  # the name in () may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _others_bytes(nvml, handle, memory_used_bytes: int) -> int:
-    """Memory of the processes on this GPU. Inside a container NVML may hide them (no pid
-    namespace access); then every used byte is assumed to belong to someone else."""
+    """Used memory that is not ours: everything but this process and its trial children.
+
+    Counting from "used" rather than summing other processes' entries keeps the memory the
+    driver reserves, and processes NVML cannot attribute (inside a container), on the
+    others' side, where they belong: none of it is usable by a trial."""
     try:
         processes = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
         processes += list(nvml.nvmlDeviceGetGraphicsRunningProcesses(handle))
     except nvml.NVMLError:
         return memory_used_bytes
-    seen, total = set(), 0
+    me, ours, seen = os.getpid(), 0, set()
     for p in processes:
-        used = getattr(p, "usedGpuMemory", None)
-        if p.pid in seen or p.pid == os.getpid():
+        if p.pid in seen or p.usedGpuMemory is None:
             continue
         seen.add(p.pid)
-        if used is None:  # per-process accounting unavailable (Windows WDDM, some containers)
-            return memory_used_bytes
-        total += used
-    return total
+        if p.pid == me or _parent_pid(p.pid) == me:
+            ours += p.usedGpuMemory
+    return max(0, memory_used_bytes - ours)
 
 
 def _mig(nvml, handle) -> tuple[str | None, str | None, object]:
@@ -253,7 +262,7 @@ def _nvml_device(nvml, handle, cuda_index: int, uuid: str, driver: str, cuda_ver
         capability = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
     except nvml.NVMLError:
         capability = None
-    others = min(_others_bytes(nvml, handle, memory.used), memory.used)
+    others = _others_bytes(nvml, handle, memory.used)
     return DeviceInfo(
         index=cuda_index, kind="cuda", name=name, uuid=uuid,
         memory_total_bytes=memory.total, memory_free_bytes=memory.free, memory_used_bytes=memory.used,

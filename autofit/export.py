@@ -1,0 +1,165 @@
+"""A profile in the words of the tools users already run: Hugging Face `TrainingArguments`,
+Lightning `Trainer` kwargs, and environment variables.
+
+    autofit profiles export tiny-gpt --format hf          # YAML, notes as comments
+    TrainingArguments(output_dir="out", **profile.to_hf_training_args())
+    lightning.Trainer(**profile.to_lightning())
+
+Each `to_*` returns only what the target accepts, so it can be splatted as is; what the
+target cannot express (partial checkpointing, freezing, ...) is listed by `*_notes`.
+"""
+
+import dataclasses
+import json
+import shlex
+from typing import Any
+
+import yaml
+
+from autofit.errors import ProfileError
+from autofit.knobs import TrainConfig
+from autofit.precision import get_policy
+
+FORMATS = ("yaml", "json", "hf", "lightning", "env")
+
+# Lightning's precision names are autofit's, except tf32: to Lightning that is 32-true
+# plus a process-wide matmul setting.
+_LIGHTNING_PRECISION = {"32-true": "32-true", "tf32": "32-true", "16-mixed": "16-mixed",
+                        "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
+
+
+def _config(profile) -> TrainConfig:
+    """Exports take a Profile or a bare TrainConfig (e.g. one not tuned yet)."""
+    if isinstance(profile, TrainConfig):
+        return profile
+    return profile.config
+
+
+def _hf_field_names() -> set[str] | None:
+    """TrainingArguments' fields in the installed transformers; None when it is absent."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return None
+    return {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
+    config = _config(profile)
+    policy = get_policy(config.precision)
+    fields = _hf_field_names()
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old
+    # name is a deprecated alias) and added every_n_layers; older releases know only the old.
+    new_names = fields is not None and "activation_checkpointing" in fields
+    ckpt_key = "activation_checkpointing" if new_names else "gradient_checkpointing"
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": config.micro_batch_size,
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "bf16": config.precision in ("bf16-mixed", "bf16-true"),
+        "fp16": config.precision == "16-mixed",
+        # Explicit either way: the profile was measured with TF32 on or off, not the default.
+        "tf32": policy.tf32,
+        ckpt_key: config.checkpoint_blocks > 0,
+    }
+    notes = []
+    k = config.checkpoint_blocks
+    if k > 0:
+        # autofit's non-reentrant checkpointing; HF's default is still reentrant on some versions.
+        ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
+        if n_blocks is not None and k < n_blocks and new_names and n_blocks % k == 0:
+            # Blocks 0, n/k, 2n/k, ...: the very blocks `knobs.spread_indices` picks.
+            ckpt_kwargs["every_n_layers"] = n_blocks // k
+        elif n_blocks is None or k < n_blocks:
+            of = f"of {n_blocks} " if n_blocks is not None else ""
+            notes.append(
+                f"checkpoint_blocks={k}: the profile checkpoints {k} {of}blocks; TrainingArguments here "
+                f"checkpoints every block, which fits in no more memory but is slower. For the exact "
+                f"choice, apply it to the model (autofit.knobs.apply_checkpointing(model, {k})) and set "
+                f"{ckpt_key}=False" + ("" if n_blocks is not None else
+                                       ", or pass n_blocks= so an evenly spread choice can be exported"))
+        args[f"{ckpt_key}_kwargs"] = ckpt_kwargs
+    if config.freeze_blocks > 0:
+        notes.append(f"freeze_blocks={config.freeze_blocks}: TrainingArguments cannot freeze parameters; "
+                     f"freeze them before building the Trainer: "
+                     f"autofit.knobs.apply_freezing(model, {config.freeze_blocks})")
+    if config.precision == "bf16-true":
+        notes.append("bf16-true: bf16=True only autocasts; the Trainer keeps fp32 weights and optimizer "
+                     "state unless the model is cast first: model.to(torch.bfloat16)")
+    if config.precision == "tf32":
+        notes.append("tf32: TrainingArguments(tf32=True) needs an Ampere or newer GPU and fails elsewhere")
+    if fields is not None:
+        unknown = sorted(set(args) - fields)
+        assert not unknown, f"this transformers' TrainingArguments lacks {unknown}"
+    return args, notes
+
+
+def to_hf_training_args(profile, *, n_blocks: int | None = None) -> dict:
+    """Keyword arguments for `transformers.TrainingArguments` (add output_dir and the rest).
+
+    `n_blocks`, the model's number of layers, lets a partial checkpointing choice be
+    expressed as `every_n_layers` where transformers supports it.
+    """
+    return _hf(profile, n_blocks)[0]
+
+
+def hf_notes(profile, *, n_blocks: int | None = None) -> list[str]:
+    """What `to_hf_training_args` cannot express, and how to get it anyway."""
+    return _hf(profile, n_blocks)[1]
+
+
+def to_lightning(profile) -> dict:
+    """Keyword arguments for `lightning.Trainer`."""
+    config = _config(profile)
+    return {"precision": _LIGHTNING_PRECISION[config.precision],
+            "accumulate_grad_batches": config.grad_accum_steps}
+
+
+def lightning_notes(profile) -> list[str]:
+    config = _config(profile)
+    # The batch size is the DataLoader's in Lightning, not the Trainer's.
+    notes = [f"micro_batch_size={config.micro_batch_size}: pass it to your DataLoader(batch_size=...)"]
+    if config.precision == "tf32":
+        notes.append("tf32: Lightning calls this 32-true; also call torch.set_float32_matmul_precision('high')")
+    if config.checkpoint_blocks or config.freeze_blocks:
+        notes.append(f"checkpoint_blocks={config.checkpoint_blocks}, freeze_blocks={config.freeze_blocks}: "
+                     f"apply them to the model in configure_model() with "
+                     f"autofit.knobs.apply_config(model, profile.config)")
+    return notes
+
+
+def to_env(profile) -> dict[str, str]:
+    """AUTOFIT_* variables, for job scripts and launchers that read the environment."""
+    config = _config(profile)
+    env = {
+        "AUTOFIT_PRECISION": config.precision,
+        "AUTOFIT_MICRO_BATCH_SIZE": str(config.micro_batch_size),
+        "AUTOFIT_GRAD_ACCUM_STEPS": str(config.grad_accum_steps),
+        "AUTOFIT_GLOBAL_BATCH_SIZE": str(config.global_batch_size),
+        "AUTOFIT_CHECKPOINT_BLOCKS": str(config.checkpoint_blocks),
+        "AUTOFIT_FREEZE_BLOCKS": str(config.freeze_blocks),
+    }
+    if not isinstance(profile, TrainConfig):
+        env["AUTOFIT_MODEL"] = profile.model.name
+        env["AUTOFIT_DEVICE_FINGERPRINT"] = profile.device.fingerprint
+    return env
+
+
+def render(profile, fmt: str, *, n_blocks: int | None = None) -> str:
+    """`autofit profiles export` output. Notes are comments, so the YAML and env outputs
+    still load (`yaml.safe_load`, `set -a; . file`, docker --env-file, systemd)."""
+    if fmt == "yaml":
+        return profile.to_yaml()
+    if fmt == "json":
+        return json.dumps(profile.to_dict(), indent=2) + "\n"
+    if fmt == "hf":
+        args, notes = _hf(profile, n_blocks)
+        return _comments(notes) + yaml.safe_dump(args, sort_keys=False)
+    if fmt == "lightning":
+        return _comments(lightning_notes(profile)) + yaml.safe_dump(to_lightning(profile), sort_keys=False)
+    if fmt == "env":
+        return "".join(f"{key}={shlex.quote(value)}\n" for key, value in to_env(profile).items())
+    raise ProfileError(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def _comments(notes: list[str]) -> str:
+    return "".join(f"# note: {note}\n" for note in notes)

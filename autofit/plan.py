@@ -1,0 +1,149 @@
+"""`TrainingPlan`: a tuned configuration applied to the caller's own model and loop.
+
+    profile = autofit.load_profile("tiny-gpt")
+    plan = profile.apply(model, lambda params: torch.optim.AdamW(params, lr=3e-4), max_grad_norm=1.0)
+    for batch in loader:                                  # micro batches of plan.micro_batch_size
+        with plan.autocast():
+            loss = loss_fn(plan.model, plan.to_device(batch))
+        if plan.backward(loss):                           # every grad_accum_steps micro batches
+            plan.step()
+
+The step is the built-in runner's own (`autofit.runner.optimizer_step`), so the loop trains
+exactly as `autofit train --profile` does and as the profile was measured.
+"""
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from autofit.errors import DeviceError, ProfileError
+from autofit.knobs import TrainConfig, apply_config, trainable_parameters
+from autofit.precision import PrecisionPolicy, check_supported
+from autofit.runner import _cast_floats, optimizer_step, resolve_device
+from autofit.workload import Batch, batch_to
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class TrainingPlan:
+    """What a training loop needs to run one `TrainConfig`: the prepared model, its
+    trainable parameters, autocast, the GradScaler, the batch shape and the step."""
+
+    def __init__(self, model: nn.Module, config: TrainConfig, optimizer_factory: OptimizerFactory | None = None,
+                 *, device: torch.device | str | int | None = None, max_grad_norm: float | None = None):
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ProfileError(f"max_grad_norm: must be positive or None (no clipping), got {max_grad_norm!r}")
+        self.config = config
+        self.device = _device(device)
+        self.max_grad_norm = max_grad_norm
+        # Same order as `Runner.__init__`: the policy is checked before any weight moves, and
+        # freezing/checkpointing are applied before the cast so the wrappers move with the model.
+        self.policy: PrecisionPolicy = check_supported(config.precision, self.device)
+        self.policy.set_matmul_precision()
+        apply_config(model, config)
+        self.model = model.to(device=self.device, dtype=self.policy.param_dtype)
+        self.model.train()
+        self.parameters = trainable_parameters(self.model)
+        if not self.parameters:
+            raise ProfileError(f"freeze_blocks={config.freeze_blocks} froze every parameter of "
+                               f"{type(model).__name__}: nothing to train")
+        # Built from the trainable parameters only: frozen ones get no optimizer state.
+        self.optimizer = optimizer_factory(self.parameters) if optimizer_factory is not None else None
+        self.scaler = self.policy.make_scaler(self.device.type)
+        self.skipped_steps = 0
+        self._micro_batches = 0  # backward passes since the last optimizer step
+
+    # --- what the loop reads ----------------------------------------------------------
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.config.micro_batch_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.config.grad_accum_steps
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.config.global_batch_size
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward pass's autocast (a no-op for 32-true, tf32 and bf16-true)."""
+        return self.policy.autocast(self.device.type)
+
+    def to_device(self, batch: Batch) -> Batch:
+        """A batch on the plan's device; under bf16-true its float inputs in bf16 too,
+        since bf16 weights cannot multiply fp32 activations (token ids stay integers)."""
+        if self.policy.param_dtype != torch.float32:
+            batch = _cast_floats(batch, self.policy.param_dtype)
+        return batch_to(batch, self.device)
+
+    # --- the step ---------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Scaled backward of one micro batch's mean loss. Returns True when this completes
+        an accumulation window, i.e. it is time for `step()`."""
+        # Dividing by the window length makes the accumulated gradient the global batch's
+        # mean, exactly as `Runner.step` does.
+        self.scaler.scale(loss / self.grad_accum_steps).backward()
+        self._micro_batches += 1
+        return self._micro_batches >= self.grad_accum_steps
+
+    def step(self, loss: torch.Tensor | None = None) -> bool | None:
+        """The optimizer step: unscale, clip, GradScaler step and update, zero the grads.
+
+        With `loss`, first its `backward`, and the optimizer step only once the window is
+        full, so a loop may call `plan.step(loss)` once per micro batch. Returns whether the
+        GradScaler skipped the update (inf/NaN gradients), or None while still accumulating.
+        """
+        if loss is not None and not self.backward(loss):
+            return None
+        if self.optimizer is None:
+            raise ProfileError("this plan has no optimizer: pass optimizer_factory to profile.apply(), "
+                               "or call plan.backward() and step your own optimizer via "
+                               "autofit.runner.optimizer_step(optimizer, plan.scaler, plan.parameters, ...)")
+        skipped = optimizer_step(self.optimizer, self.scaler, self.parameters, self.max_grad_norm)
+        self.skipped_steps += int(skipped)
+        self._micro_batches = 0
+        return skipped
+
+    def state_dict(self) -> dict:
+        """Model, optimizer and scaler state: what a checkpoint of this loop needs."""
+        return {"model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+    def describe(self) -> dict:
+        """The effective setup as a plain dict, for the loop's log line."""
+        n_trainable = sum(p.numel() for p in self.parameters)
+        n_total = sum(p.numel() for p in self.model.parameters())
+        return {**self.config.to_dict(), "device": str(self.device), "max_grad_norm": self.max_grad_norm,
+                "trainable_params": n_trainable, "frozen_params": n_total - n_trainable,
+                "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None}
+
+    def __repr__(self) -> str:
+        return f"TrainingPlan({self.config.short()}, device={self.device})"
+
+
+def _device(device: torch.device | str | int | None) -> torch.device:
+    """None: the first GPU if there is one, else the CPU (as `autofit train` picks)."""
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return resolve_device(device)
+    except ValueError:
+        raise DeviceError(f"device: expected a CUDA index, cuda:N or cpu, got {device!r}") from None

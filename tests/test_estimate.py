@@ -1,0 +1,139 @@
+"""The estimator: peak memory without running, checked against what a CPU trial tracks."""
+
+import itertools
+import json
+import time
+
+import pytest
+import torch
+
+from autofit._trial_child import run_request
+from autofit.estimate import EstimateError, estimate_memory, max_micro_batch_size
+from autofit.knobs import TrainConfig
+from autofit.spec import load_spec
+from autofit.workload import build_workload
+from autofit.sizes import format_bytes
+from conftest import faulty_spec, run_cli, run_cli_json, tiny_gpt_dict, write_spec
+
+GPT_7B = {"n_layer": 32, "n_head": 32, "n_embd": 4096, "vocab_size": 32000, "seq_len": 2048}
+
+
+@pytest.fixture
+def one_thread():
+    # Tiny ops on several OpenMP threads wait on each other on a small shared machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tracked_peak(spec, config: TrainConfig) -> int:
+    """The trial child's own measurement, in this process: same code, no process start."""
+    measured = run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
+                            "device": "cpu", "budget_bytes": None, "warmup_steps": 0, "measure_steps": 1})
+    assert measured["status"] == "ok", measured["reason"]
+    return measured["peak_memory_bytes"]
+
+
+@pytest.fixture
+def tiny_spec(tmp_path):
+    return load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+
+
+@pytest.mark.parametrize("precision, bytes_per_param", [("32-true", 16), ("bf16-true", 8)])
+def test_7b_model_states_on_a_small_machine(tmp_path, precision, bytes_per_param):
+    # 6.7e9 parameters: 100 GiB of fp32 training state on a machine with a quarter of that.
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(model={"builtin": "gpt", "args": GPT_7B},
+                                                        train={"global_batch_size": 1})))
+    started = time.perf_counter()
+    e = estimate_memory(spec, TrainConfig(precision=precision, micro_batch_size=1))
+    print(f"\n7B {precision}: {e.parameters:,} parameters, peak {format_bytes(e.peak_bytes)} "
+          f"in {time.perf_counter() - started:.1f} s")
+    assert 6.6e9 < e.parameters == e.trainable_parameters < 6.8e9
+    assert e.model_state_bytes / e.parameters == pytest.approx(bytes_per_param, rel=0.01)
+    assert e.parameters_bytes == e.gradients_bytes == e.parameters * bytes_per_param // 4
+    assert e.activations_bytes > 0 and e.peak_bytes > e.parameters_bytes + e.optimizer_bytes
+
+
+def test_estimate_matches_the_tracked_peak_of_trials(tiny_spec, one_thread):
+    rows, errors = [], []
+    for precision, checkpoint, micro in itertools.product(
+            ("32-true", "16-mixed", "bf16-mixed", "bf16-true"), (0, 2), (2, 8)):
+        config = TrainConfig(precision=precision, micro_batch_size=micro, grad_accum_steps=8 // micro,
+                             checkpoint_blocks=checkpoint)
+        predicted = estimate_memory(tiny_spec, config).peak_bytes
+        measured = _tracked_peak(tiny_spec, config)
+        error = predicted / measured - 1
+        rows.append(f"{config.short():<34} {predicted:>10,} {measured:>10,} {error:>+7.2%}")
+        errors.append(abs(error))
+    print("\nconfig                             estimated   measured   error\n" + "\n".join(rows))
+    assert max(errors) < 0.10
+
+
+def test_tied_weights_are_counted_once(tmp_path, one_thread):
+    pytest.importorskip("transformers")
+    gpt2 = {"hf": {"class": "GPT2LMHeadModel",
+                   "config": {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 16}}}
+    spec = load_spec(write_spec(tmp_path, {**tiny_gpt_dict(), "model": gpt2}))
+    config = TrainConfig(precision="32-true", micro_batch_size=4, grad_accum_steps=2)
+    e = estimate_memory(spec, config)
+    real = build_workload(spec).build_model()
+    assert e.parameters == sum(p.numel() for p in real.parameters())  # the head shares wte's weight
+    measured = _tracked_peak(spec, config)
+    assert e.peak_bytes == pytest.approx(measured, rel=0.02)
+
+
+def test_max_micro_batch_size_is_monotone_and_tight(tiny_spec):
+    base = TrainConfig(precision="bf16-mixed", micro_batch_size=1, grad_accum_steps=8, checkpoint_blocks=1)
+    sizes = tiny_spec.micro_batch_sizes()
+    peaks = [estimate_memory(tiny_spec, base.replace(micro_batch_size=m, grad_accum_steps=8 // m)).peak_bytes
+             for m in sizes]
+    assert peaks == sorted(peaks)
+    budgets = [peaks[0] - 1] + [(a + b) // 2 for a, b in zip(peaks, peaks[1:])] + [peaks[-1]]
+    answers = [max_micro_batch_size(tiny_spec, base, budget) for budget in budgets]
+    assert answers == [None, 1, 2, 4, 8]
+    for budget, answer in zip(budgets[1:], answers[1:]):
+        i = sizes.index(answer)
+        assert peaks[i] <= budget
+        assert i + 1 == len(sizes) or peaks[i + 1] > budget
+
+
+def test_estimate_leaves_the_callers_process_alone(tiny_spec):
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    estimate_memory(tiny_spec, TrainConfig(precision="tf32", micro_batch_size=8))
+    assert torch.get_float32_matmul_precision() == precision
+    assert torch.backends.cudnn.allow_tf32 == cudnn_tf32
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_device_kind_cuda_uses_the_fused_optimizer_and_skips_construction(tiny_spec):
+    config = TrainConfig(precision="bf16-true", micro_batch_size=8)
+    cpu, cuda = estimate_memory(tiny_spec, config), estimate_memory(tiny_spec, config, device_kind="cuda")
+    assert cuda.model_state_bytes == cpu.model_state_bytes
+    assert cuda.peak_bytes <= cpu.peak_bytes
+    with pytest.raises(ValueError, match="device_kind"):
+        estimate_memory(tiny_spec, config, device_kind="tpu")
+
+
+def test_a_model_fake_tensors_cannot_run_is_a_clear_error(tmp_path):
+    spec = load_spec(faulty_spec(tmp_path, "item"))
+    with pytest.raises(EstimateError, match="cannot run on fake tensors.*autofit trial"):
+        estimate_memory(spec, TrainConfig(micro_batch_size=8))
+
+
+def test_cli_estimate_json(tiny_spec_path):
+    out = run_cli_json("estimate", tiny_spec_path, "--set", "precision=bf16-true", "--set", "micro_batch_size=2",
+                       "--device", "cpu", "--memory-budget", "8MiB", "--json")
+    assert out["parameters"] == out["trainable_parameters"] > 0
+    assert set(out["bytes"]) == {"parameters", "gradients", "optimizer", "activations", "temporaries", "peak"}
+    assert out["config"]["grad_accum_steps"] == 4
+    assert out["max_micro_batch_size"] == 8 and out["fits"] is True
+
+
+def test_cli_estimate_nothing_fits_exits_3(tiny_spec_path):
+    result = run_cli("estimate", tiny_spec_path, "--device", "cpu", "--memory-budget", "1000", "--json")
+    assert result.returncode == 3, result.stderr
+    assert json.loads(result.stdout)["max_micro_batch_size"] is None

@@ -1,0 +1,118 @@
+"""Exports: a profile becomes real TrainingArguments, Lightning Trainer kwargs and env variables."""
+
+import json
+import shlex
+
+import pytest
+import yaml
+
+from autofit.errors import ProfileError
+from autofit.export import hf_notes, lightning_notes, to_hf_training_args
+from autofit.knobs import TrainConfig
+from autofit.spec import parse_spec
+from autofit.store import ProfileStore, export_command
+from conftest import REPO, run_cli, tiny_gpt_dict
+from test_profile import make_profile
+
+
+def _profile(**config):
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    return make_profile(spec, TrainConfig(**{"micro_batch_size": 4, "grad_accum_steps": 2, **config}))
+
+
+def _checkpointing(args) -> bool:
+    # transformers 5 calls it activation_checkpointing; the old name mirrors it.
+    return args.gradient_checkpointing
+
+
+# tf32 is left out: TrainingArguments(tf32=True) refuses to build without an Ampere GPU.
+@pytest.mark.parametrize("precision, bf16, fp16", [
+    ("32-true", False, False), ("16-mixed", False, True), ("bf16-mixed", True, False), ("bf16-true", True, False),
+])
+def test_hf_export_builds_real_training_arguments(tmp_path, precision, bf16, fp16):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # TrainingArguments needs it to resolve its device
+    profile = _profile(precision=precision, checkpoint_blocks=2)
+    kwargs = profile.to_hf_training_args(n_blocks=2)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+    assert args.per_device_train_batch_size == 4 and args.gradient_accumulation_steps == 2
+    assert (args.bf16, args.fp16, args.tf32) == (bf16, fp16, False)
+    assert _checkpointing(args) is True
+    notes = hf_notes(profile, n_blocks=2)
+    assert any("bf16-true" in n and "model.to(torch.bfloat16)" in n for n in notes) == (precision == "bf16-true")
+
+
+def test_hf_export_says_what_it_cannot_express(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    partial = _profile(checkpoint_blocks=1, freeze_blocks=1)
+    notes = hf_notes(partial)
+    assert any("checkpoint_blocks=1" in n and "apply_checkpointing" in n for n in notes)
+    assert any("freeze_blocks=1" in n and "apply_freezing(model, 1)" in n for n in notes)
+    # No checkpointing: no checkpointing and no note about it.
+    plain = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                           **to_hf_training_args(_profile()))
+    assert _checkpointing(plain) is False and hf_notes(_profile()) == []
+    tf32 = to_hf_training_args(_profile(precision="tf32"))
+    assert tf32["tf32"] is True and any("Ampere" in n for n in hf_notes(_profile(precision="tf32")))
+
+    # Where transformers checkpoints every n-th layer, an evenly spread choice needs no note.
+    if "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__:
+        kwargs = to_hf_training_args(_profile(checkpoint_blocks=2), n_blocks=4)
+        assert kwargs["activation_checkpointing_kwargs"] == {"use_reentrant": False, "every_n_layers": 2}
+        assert hf_notes(_profile(checkpoint_blocks=2), n_blocks=4) == []
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+        assert args.activation_checkpointing_kwargs["every_n_layers"] == 2
+
+
+@pytest.mark.parametrize("precision, lightning", [
+    ("32-true", "32-true"), ("tf32", "32-true"), ("16-mixed", "16-mixed"), ("bf16-mixed", "bf16-mixed"),
+    ("bf16-true", "bf16-true"),
+])
+def test_lightning_export(precision, lightning):
+    profile = _profile(precision=precision, checkpoint_blocks=1)
+    assert profile.to_lightning() == {"precision": lightning, "accumulate_grad_batches": 2}
+    notes = lightning_notes(profile)
+    assert any("batch_size" in n and "4" in n for n in notes)
+    assert any("apply_config" in n for n in notes)
+    assert any("set_float32_matmul_precision" in n for n in notes) == (precision == "tf32")
+
+
+def test_env_export():
+    profile = _profile(precision="bf16-mixed", checkpoint_blocks=1)
+    env = profile.to_env()
+    assert env == {
+        "AUTOFIT_PRECISION": "bf16-mixed", "AUTOFIT_MICRO_BATCH_SIZE": "4", "AUTOFIT_GRAD_ACCUM_STEPS": "2",
+        "AUTOFIT_GLOBAL_BATCH_SIZE": "8", "AUTOFIT_CHECKPOINT_BLOCKS": "1", "AUTOFIT_FREEZE_BLOCKS": "0",
+        "AUTOFIT_MODEL": "tiny", "AUTOFIT_DEVICE_FINGERPRINT": profile.device.fingerprint,
+    }
+    assert all(isinstance(v, str) for v in env.values())
+
+
+def test_export_formats_and_cli(tmp_path):
+    profile = _profile(precision="bf16-mixed", checkpoint_blocks=1, freeze_blocks=1)
+    store = ProfileStore(tmp_path / "profiles")
+    store.save(profile)
+
+    def export(fmt: str) -> str:
+        return export_command("tiny", fmt, store=store.root, device="cpu")
+
+    assert yaml.safe_load(export("yaml")) == profile.to_dict()
+    assert json.loads(export("json")) == profile.to_dict()
+    hf = export("hf")
+    assert "# note: freeze_blocks=1" in hf  # notes are comments: the output still loads
+    assert yaml.safe_load(hf)["per_device_train_batch_size"] == 4
+    assert yaml.safe_load(export("lightning")) == {"precision": "bf16-mixed", "accumulate_grad_batches": 2}
+    with pytest.raises(ProfileError, match="--format"):
+        export("xml")
+
+    # The CLI prints the same text; env lines are KEY=VALUE, as shells and env files read them.
+    result = run_cli("profiles", "export", "tiny", "--format", "env", "--store", store.root, "--device", "cpu",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    env = dict(shlex.split(line)[0].split("=", 1) for line in result.stdout.splitlines())
+    assert env == profile.to_env()
+    shown = run_cli("profiles", "show", "tiny--cpu", "--store", store.root, "--device", "cpu", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"# {store.root / 'tiny--cpu.yaml'}\n")
+    assert yaml.safe_load(shown.stdout) == profile.to_dict()

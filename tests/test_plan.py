@@ -1,0 +1,136 @@
+"""`profile.apply(model)`: a loop written with the plan trains exactly like `autofit train --profile`."""
+
+import pytest
+import torch
+
+import autofit
+from autofit.errors import ProfileError
+from autofit.knobs import TrainConfig
+from autofit.runner import make_optimizer, step_generator, train
+from autofit.spec import load_spec, parse_spec
+from autofit.store import ProfileStore
+from autofit.workload import build_workload, split_batch
+from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
+from test_profile import make_profile
+
+STEPS = 4
+CPU = torch.device("cpu")
+
+
+def _plan_loop(spec, profile, steps: int):
+    """What a user writes: build the model, apply the profile, loop over micro batches."""
+    workload = build_workload(spec)
+    torch.manual_seed(spec.train.seed)  # the runner seeds before building, so the weights match
+    plan = profile.apply(workload.build_model(), lambda params: make_optimizer(spec.optimizer, params, CPU),
+                         device="cpu", max_grad_norm=spec.train.max_grad_norm)
+    for step in range(steps):
+        # The runner's batches: one global batch per step from the step's own generator.
+        batch = workload.data.batch(spec.train.global_batch_size, step_generator(spec.train.seed, step))
+        for micro_batch in split_batch(batch, plan.micro_batch_size):
+            with plan.autocast():
+                loss = workload.loss_fn(plan.model, plan.to_device(micro_batch))
+            if plan.backward(loss):
+                plan.step()
+    return plan
+
+
+@pytest.mark.parametrize("precision, checkpoint_blocks, freeze_blocks", [
+    ("32-true", 1, 1),
+    ("bf16-mixed", 2, 0),
+    ("16-mixed", 0, 0),
+])
+def test_plan_loop_matches_autofit_train(tmp_path, precision, checkpoint_blocks, freeze_blocks):
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    config = TrainConfig(precision=precision, micro_batch_size=2, grad_accum_steps=4,
+                         checkpoint_blocks=checkpoint_blocks, freeze_blocks=freeze_blocks)
+    store = ProfileStore(tmp_path / "profiles")
+    store.save(make_profile(spec, config))
+    profile = autofit.load_profile(spec.name, store=store, device="cpu")
+    assert profile.config == config
+
+    metrics = train(spec, build_workload(spec), profile.config, device=CPU, steps=STEPS,
+                    checkpoint_dir=tmp_path / "run", progress=False)
+    expected = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["model"]
+    plan = _plan_loop(spec, profile, STEPS)
+    got = plan.model.state_dict()
+    assert plan.skipped_steps == metrics["skipped_steps"]
+
+    assert got.keys() == expected.keys()
+    initial = build_workload(spec).build_model().state_dict()
+    moved = 0
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), f"{name} differs from the runner's after {STEPS} steps"
+        moved += not torch.equal(tensor, initial[name])  # checkpoint wrappers keep the keys
+    assert moved > 0
+
+
+def test_frozen_parameters_are_excluded_and_stay_put():
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    workload = build_workload(spec)
+    model = workload.build_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile = make_profile(spec, TrainConfig(micro_batch_size=4, grad_accum_steps=2, freeze_blocks=1))
+    plan = profile.apply(model, lambda params: torch.optim.SGD(params, lr=0.1), device="cpu")
+
+    trainable = {name for name, p in plan.model.named_parameters() if any(p is q for q in plan.parameters)}
+    assert not any(n.startswith(("wte.", "wpe.", "blocks.0.")) for n in trainable)
+    assert {"lm_head.weight", "blocks.1.mlp.0.weight"} <= trainable
+    assert sum(len(g["params"]) for g in plan.optimizer.param_groups) == len(plan.parameters)
+
+    batch = workload.data.batch(8, torch.Generator().manual_seed(0))
+    results = []
+    for micro_batch in split_batch(batch, plan.micro_batch_size):
+        with plan.autocast():
+            loss = workload.loss_fn(plan.model, plan.to_device(micro_batch))
+        results.append(plan.step(loss))  # step(loss): backward, and the optimizer step once the window is full
+    assert results == [None, False]
+    after = plan.model.state_dict()
+    assert torch.equal(after["wte.weight"], before["wte.weight"])
+    assert torch.equal(after["blocks.0.mlp.0.weight"], before["blocks.0.mlp.0.weight"])
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])
+
+
+def test_plan_exposes_what_the_loop_needs():
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    profile = make_profile(spec, TrainConfig(precision="bf16-true", micro_batch_size=4, grad_accum_steps=2))
+    plan = profile.apply(build_workload(spec).build_model(), device="cpu", max_grad_norm=1.0)
+    assert (plan.micro_batch_size, plan.grad_accum_steps, plan.precision) == (4, 2, "bf16-true")
+    assert plan.max_grad_norm == 1.0 and plan.optimizer is None
+    assert all(p.dtype == torch.bfloat16 for p in plan.model.parameters())  # bf16-true casts the weights
+    assert not plan.scaler.is_enabled()  # bf16 needs no loss scaling: the scaler is a pass-through
+    inputs = plan.to_device((torch.randn(2, 3), torch.arange(2)))
+    assert inputs[0].dtype == torch.bfloat16 and inputs[1].dtype == torch.int64
+    assert plan.describe()["frozen_params"] == 0
+    with pytest.raises(ProfileError, match="optimizer_factory"):
+        plan.step()
+
+
+def test_freezing_everything_is_a_clear_error():
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    # A user's model with no parameter outside its two-block stack.
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]))
+    profile = make_profile(spec, TrainConfig(micro_batch_size=8, freeze_blocks=2))
+    with pytest.raises(ProfileError, match="nothing to train"):
+        profile.apply(model, device="cpu")
+
+
+def test_profile_from_autofit_tune_trains_like_autofit_train(tmp_path):
+    """End to end: `autofit tune` writes the profile, `load_profile` finds it, and the plan
+    loop ends with the same weights as `autofit train --profile`."""
+    spec_path = write_spec(tmp_path, tiny_gpt_dict(search={
+        "precisions": ["32-true"], "activation_checkpointing": False, "trials": 1, "patience": 1,
+        "warmup_steps": 1, "measure_steps": 1, "validate_steps": 2}))
+    store = tmp_path / "profiles"
+    tuned = run_cli("tune", spec_path, "--device", "cpu", "--out", store, "--state-dir", tmp_path / "state",
+                    "--no-report", cwd=tmp_path)
+    assert tuned.returncode == 0, tuned.stderr
+    spec = load_spec(spec_path)
+    profile = autofit.load_profile("tiny", store=store, device="cpu")
+    assert profile.check_spec(spec)
+
+    trained = run_cli("train", spec_path, "--profile", store / profile.file_name, "--steps", str(STEPS),
+                      "--checkpoint-dir", tmp_path / "run", "--no-progress", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    expected = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["model"]
+    got = _plan_loop(spec, profile, STEPS).model.state_dict()
+    assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
