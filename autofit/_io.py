@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,9 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes 0600 files; a profile written by the service's user must stay
+        # readable to the training jobs of others, as a plain open() would have made it.
+        os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -31,6 +35,22 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
         finally:
             os.close(dir_fd)
     return path
+
+
+def _mode_for(path: Path) -> int:
+    """The replaced file's mode, else what open() would give under this process's umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    # Read, not set: os.umask() would change it for every thread for a moment.
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    return 0o022
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -6,6 +6,7 @@
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,7 +243,8 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
 
 
 def _progress(steps: range, total: int, start: int, enabled: bool):
-    if not enabled:
+    # In a log file a bar is noise; the periodic log lines carry the same figures.
+    if not enabled or not sys.stderr.isatty():
         return steps
     from tqdm.auto import tqdm
 

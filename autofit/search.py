@@ -337,6 +337,12 @@ class Tuner:
                 continue
             duplicates = 0
             record = self._evaluate(trial.number, config, records)
+            if self.should_stop() and record.status not in ("ok", "oom", "pruned"):
+                # Cut short by a stop request: not a result. Failing the trial leaves the
+                # config unmeasured, so a resumed study measures it.
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                stop_reason = "stopped"
+                break
             self._tell(trial, record)
             records = self.records()  # other workers sharing the study may have finished trials too
             new_best = _best(records, self.budget_bytes)

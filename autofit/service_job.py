@@ -72,8 +72,9 @@ class TuneJob:
 
     def _work(self, store_dir: Path, storage: str) -> None:
         try:
-            self.resumed = self.trials_done = finished_trials(
-                storage, study_name(self.spec, self.gpu.device, self.budget_bytes))
+            # The study is keyed by spec and GPU kind (an emulated card's fingerprint names its
+            # memory), as tune() keys it: the same pair always resumes the same study.
+            self.resumed = self.trials_done = finished_trials(storage, study_name(self.spec, self.gpu.device))
 
             def on_trial(record, best, considered: int) -> None:
                 self.trials_done = self.resumed + considered

@@ -1,0 +1,125 @@
+"""autofit.yaml: the configuration of `autofit serve` (example: systemd/autofit.yaml).
+
+    models_dir: models            # *.yaml model specs; every one is kept tuned
+    store_dir: /var/lib/autofit/profiles
+    state_dir: /var/lib/autofit   # lock, state.json, the default SQLite study storage
+    poll_interval_s: 30
+    idle: {max_utilization: 5, min_idle_s: 120}
+
+Relative paths are relative to the config file, so a config and its models folder can be
+moved together. Errors name the key, as model.yaml errors do, and exit with code 2.
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from autofit.errors import SpecError
+from autofit.spec import _Reader
+
+DEFAULT_CONFIG = Path("/etc/autofit/autofit.yaml")
+CONFIG_ENV = "AUTOFIT_CONFIG"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IdleRule:
+    """When a GPU counts as free for tuning: no other compute process on it, and its
+    utilisation below `max_utilization` percent for `min_idle_s` seconds in a row."""
+
+    max_utilization: float = 5.0  # percent, as NVML reports it (0-100)
+    min_idle_s: float = 120.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServiceConfig:
+    path: Path  # the config file itself, absolute
+    models_dir: Path  # *.yaml model specs
+    store_dir: Path  # the profile store the service writes into
+    state_dir: Path  # lock file, state.json, default study storage
+    storage: str | None = None  # Optuna storage URL; None: SQLite in state_dir
+    poll_interval_s: float = 30.0
+    memory_headroom: float | None = None  # None: each spec's search.memory_headroom
+    idle: IdleRule = IdleRule()
+    trials: int | None = None  # per tune; None: each spec's search.trials
+
+    @property
+    def storage_url(self) -> str:
+        return self.storage or f"sqlite:///{self.state_dir / 'studies.db'}"
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "models_dir": str(self.models_dir), "store_dir": str(self.store_dir),
+                "state_dir": str(self.state_dir), "storage": _redact(self.storage_url),
+                "poll_interval_s": self.poll_interval_s, "memory_headroom": self.memory_headroom,
+                "idle": {"max_utilization": self.idle.max_utilization, "min_idle_s": self.idle.min_idle_s},
+                "trials": self.trials}
+
+
+def resolve_config_path(path: str | Path | None) -> Path:
+    """--config, else $AUTOFIT_CONFIG, else /etc/autofit/autofit.yaml."""
+    return Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
+
+
+def load_service_config(path: str | Path | None) -> ServiceConfig:
+    """Read and validate the service config; a SpecError names the file and the key."""
+    path = resolve_config_path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such config file" if not path.exists() else f"{path}: not a file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError(f"{path}: YAML syntax error{where}: {getattr(exc, 'problem', None) or exc}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a text file") from None
+    try:
+        return _parse(raw, path.resolve())
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc}") from None
+
+
+def _parse(raw, path: Path) -> ServiceConfig:
+    top = _Reader(raw, "")
+    base = path.parent
+
+    def folder(key: str, default: str) -> Path:
+        text = top.get(key, str, default=default)
+        if not text.strip():
+            raise SpecError(f"{key}: must be a folder path, got an empty string")
+        return (base / Path(text).expanduser()).resolve()
+
+    models_dir = folder("models_dir", "models")
+    store_dir = folder("store_dir", "profiles")
+    state_dir = folder("state_dir", "state")
+    storage = top.get("storage", str, default=None, nullable=True)
+    if storage is not None and "://" not in storage:
+        raise SpecError(f"storage: an Optuna storage URL such as sqlite:///path.db or "
+                        f"postgresql://user@host/db, got {storage!r}")
+    poll_interval_s = top.number("poll_interval_s", default=30.0, minimum=0.0, exclusive=True)
+    headroom = top.get("memory_headroom", float, default=None, nullable=True)
+    if headroom is not None and not 0.0 <= headroom < 0.5:
+        raise SpecError(f"memory_headroom: a fraction in [0, 0.5), or null for each spec's own, got {headroom}")
+    trials = top.get("trials", int, default=None, nullable=True)
+    if trials is not None and trials <= 0:
+        raise SpecError(f"trials: must be a positive integer, or null for each spec's search.trials, got {trials}")
+    idle_reader = top.section("idle", required=False)
+    max_utilization = idle_reader.number("max_utilization", default=5.0, minimum=0.0)
+    if max_utilization > 100:
+        raise SpecError(f"idle.max_utilization: a percentage in [0, 100], got {max_utilization}")
+    idle = IdleRule(max_utilization=max_utilization,
+                    min_idle_s=idle_reader.number("min_idle_s", default=120.0, minimum=0.0))
+    idle_reader.finish()
+    top.finish()
+    return ServiceConfig(path=path, models_dir=models_dir, store_dir=store_dir, state_dir=state_dir,
+                         storage=storage, poll_interval_s=poll_interval_s,
+                         memory_headroom=None if headroom is None else float(headroom), idle=idle, trials=trials)
+
+
+def _redact(url: str) -> str:
+    """Never show a database password in status output or logs."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url

@@ -1,0 +1,200 @@
+"""What `autofit serve` knows, on disk: state.json in the state folder, and `autofit status`.
+
+    autofit status --config /etc/autofit/autofit.yaml          # a summary
+    autofit status --config /etc/autofit/autofit.yaml --json   # the state file, plus "alive"
+
+The service rewrites the file atomically whenever something changes (and every few seconds
+as a heartbeat), so `status` reads a complete file while the service runs, after it stops,
+and after a crash, without ever taking the service's lock. The per-pair history in it (tune
+counts, "nothing fits", failures and their back-off) survives restarts; the inventory,
+queue and running tunes describe the last moment the service was alive.
+"""
+
+import dataclasses
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from autofit._io import atomic_write_text
+from autofit.errors import AutofitError
+from autofit.service_config import load_service_config
+from autofit.sizes import format_bytes
+
+STATE_SCHEMA = 1
+STATE_FILE = "state.json"
+PAIR_STATUSES = ("queued", "tuning", "ready", "nothing fits", "failed", "interrupted", "inactive")
+
+
+@dataclass(kw_only=True, slots=True)
+class PairState:
+    """One (model, GPU kind) pair: what the service did about it, across restarts."""
+
+    model: str
+    fingerprint: str  # the GPU kind (device fingerprint)
+    device: str  # the GPU's name, for people
+    status: str = "queued"  # one of PAIR_STATUSES
+    detail: str | None = None  # why queued / interrupted / failed, in words
+    spec_hash: str | None = None  # of the spec as last read
+    tunes: int = 0  # tunes started, ever (a resumed study counts again)
+    completed: int = 0  # tunes that ended with a profile
+    profile: dict | None = None  # the store's newest profile for the pair: path, config, speed, stale reasons
+    nothing_fits: dict | None = None  # {spec_hash, headroom, message}: not retried until either changes
+    failure: dict | None = None  # {count, spec_hash, error, retry_after_unix_s}: retried with back-off
+    last_tune: dict | None = None  # {gpu, started, ended, result, trials}
+
+    def __post_init__(self):
+        assert self.status in PAIR_STATUSES, self.status
+
+    @property
+    def key(self) -> str:
+        return pair_key(self.model, self.fingerprint)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PairState":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def pair_key(model: str, fingerprint: str) -> str:
+    return f"{model}@{fingerprint}"
+
+
+def state_path(state_dir: Path) -> Path:
+    return Path(state_dir) / STATE_FILE
+
+
+def read_state(state_dir: Path) -> dict | None:
+    """The last state written, or None when there is none yet."""
+    path = state_path(state_dir)
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise AutofitError(f"cannot read {path}: {exc.strerror} (run as the service's user, or root)") from None
+    except ValueError:
+        raise AutofitError(f"{path}: not a state file written by autofit serve") from None
+    if not isinstance(state, dict) or state.get("schema") != STATE_SCHEMA:
+        raise AutofitError(f"{path}: state schema {state.get('schema') if isinstance(state, dict) else None!r}, "
+                           f"this autofit reads {STATE_SCHEMA}")
+    return state
+
+
+def write_state(state_dir: Path, state: dict) -> None:
+    atomic_write_text(state_path(state_dir), json.dumps(state, indent=2, default=str) + "\n")
+
+
+def iso_utc(unix_s: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_s))
+
+
+class StateLock:
+    """One service per state folder: an flock, which the kernel drops when the process
+    dies, so a crash never leaves a stale lock behind."""
+
+    def __init__(self, state_dir: Path):
+        self.path = Path(state_dir) / "autofit.lock"
+        self._file = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock_file = open(self.path, "a+")
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.seek(0)
+            holder = lock_file.read().strip() or "?"
+            lock_file.close()
+            raise AutofitError(f"another autofit serve (pid {holder}) is already running with state folder "
+                               f"{self.path.parent} (lock {self.path})") from None
+        # The pid is for the error message above; the flock is the lock.
+        lock_file.seek(0)
+        lock_file.truncate()
+        lock_file.write(f"{os.getpid()}\n")
+        lock_file.flush()
+        self._file = lock_file
+
+    def release(self) -> None:
+        if self._file is not None:
+            # The file stays: deleting a lock file lets a third process lock a fresh inode.
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user (the service's): it exists
+        return True
+    return True
+
+
+def status_command(config_path: str | Path | None, *, as_json: bool = False) -> str:
+    """`autofit status`: the state file of the service that uses this config."""
+    config = load_service_config(config_path)
+    state = read_state(config.state_dir)
+    if state is None:
+        raise AutofitError(f"no service state in {config.state_dir}: `autofit serve --config {config.path}` "
+                           f"has not run with this config yet")
+    service = state.setdefault("service", {})
+    # "running" is what the service last wrote; a kill -9 leaves it true with a dead pid.
+    service["alive"] = bool(service.get("running")) and _alive(service.get("pid"))
+    if as_json:
+        return json.dumps(state, indent=2) + "\n"
+    return render_status(state)
+
+
+def render_status(state: dict) -> str:
+    service = state.get("service", {})
+    if service.get("alive"):
+        health = "healthy" if service.get("healthy") else "UNHEALTHY (no watchdog pings)"
+        head = f"autofit serve: running, pid {service.get('pid')}, {health}"
+    else:
+        head = f"autofit serve: not running (last pid {service.get('pid')})"
+    lines = [f"{head}; state updated {service.get('updated')}", f"  {service.get('status', '')}"]
+    inventory = state.get("inventory", {})
+    lines.append(f"GPUs ({inventory.get('source')}):")
+    if inventory.get("error"):
+        lines.append(f"  inventory error: {inventory['error']}")
+    for gpu in inventory.get("gpus", []):
+        lines.append(f"  {gpu['slot']:<6} {gpu['name']:<28} {format_bytes(gpu['memory_total_bytes']):>10}  "
+                     f"{gpu['state']}")
+    if not inventory.get("gpus"):
+        lines.append("  none")
+    queue = state.get("queue", [])
+    lines.append("queue: " + (", ".join(f"{q['model']} on {q['device']}" for q in queue) or "empty"))
+    for tune in state.get("running", []):
+        stopping = f" (stopping: {tune['stopping']})" if tune.get("stopping") else ""
+        lines.append(f"running: {tune['gpu']}: {tune['model']}, trial {tune['trial']}/{tune['trials']}, "
+                     f"since {tune['started']}{stopping}")
+    lines.append("profiles per (model, GPU kind):")
+    rows = [("MODEL", "GPU KIND", "STATUS", "TUNES", "PROFILE")]
+    for pair in state.get("pairs", []):
+        rows.append((pair["model"], pair["device"], pair["status"], str(pair["tunes"]), _profile_text(pair)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    errors = state.get("spec_errors", [])
+    if errors:
+        lines.append("spec errors (skipped):")
+        lines += [f"  {e['error']}" for e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def _profile_text(pair: dict) -> str:
+    profile = pair.get("profile")
+    detail = f" [{pair['detail']}]" if pair.get("detail") else ""
+    if not profile:
+        return "-" + detail
+    stale = f", stale: {'; '.join(profile['stale'])}" if profile.get("stale") else ""
+    return f"{Path(profile['path']).name} ({profile['config']}, {profile['samples_per_s']:.1f} samples/s{stale}){detail}"

@@ -1,0 +1,456 @@
+"""`autofit serve` as a real process on emulated GPUs (trials on the CPU), and its parts.
+
+The service tests start `python -m autofit serve` with a config, a models folder and an
+inventory file, change those files while it runs, and read what it did from its state file,
+its profile store, its Optuna study and the notify datagrams it sent.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from autofit.cli import main
+from autofit.daemon import Service
+from autofit.device.probe import emulated_device
+from autofit.errors import DeviceError, SpecError
+from autofit.inventory import Activity, FileInventory, Gpu, NvmlInventory, descendant_pids
+from autofit.notify import notify, watchdog_interval_s
+from autofit.service_config import load_service_config
+from autofit.service_job import TuneJob
+from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 80 * 2**30, "compute_capability": "9.0"}
+A100 = {"name": "NVIDIA A100-SXM4-40GB", "memory_total_bytes": "40GiB", "compute_capability": [8, 0]}
+SEARCH = {"trials": 3, "patience": 2, "warmup_steps": 0, "measure_steps": 1, "validate_steps": 2,
+          "precisions": ["32-true"]}
+WAIT_S = 150  # a tune is a few trial children, each importing torch; slow CI hosts need the margin
+
+
+def model(name: str, **search) -> dict:
+    return tiny_gpt_dict(name=name, search={**SEARCH, **search})
+
+
+def write_config(tmp_path: Path, **overrides) -> Path:
+    config = {"models_dir": "models", "store_dir": "profiles", "state_dir": "state", "poll_interval_s": 0.2,
+              "idle": {"max_utilization": 5, "min_idle_s": 0}, **overrides}
+    (tmp_path / "models").mkdir(exist_ok=True)
+    path = tmp_path / "autofit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def write_inventory(tmp_path: Path, *gpus: dict) -> Path:
+    path = tmp_path / "gpus.json"
+    tmp = tmp_path / "gpus.json.tmp"  # the way an operator's tool would replace it: whole
+    tmp.write_text(json.dumps({"gpus": list(gpus)}))
+    os.replace(tmp, path)
+    return path
+
+
+class NotifyListener:
+    """A stand-in for systemd: an abstract AF_UNIX datagram socket that collects messages."""
+
+    def __init__(self):
+        self.address = f"@autofit-test-{uuid.uuid4().hex}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("\0" + self.address[1:])
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self):
+        while not self._closed:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+
+    def lines(self) -> list[str]:
+        return [line for message in list(self.messages) for line in message.splitlines()]
+
+    def close(self):
+        self._closed = True
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+
+class Serve:
+    """`python -m autofit serve` as a child process; its log goes to a file (never a pipe
+    that could fill up and block it)."""
+
+    def __init__(self, config: Path, inventory: Path, *, env: dict | None = None, log_name: str = "serve.log"):
+        self.config, self.state_dir = config, load_service_config(config).state_dir
+        self.log_path = config.parent / log_name
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "autofit", "serve", "--config", str(config), "--inventory", str(inventory)],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def state(self) -> dict:
+        path = self.state_dir / "state.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def pairs(self) -> dict:
+        return {(p["model"], p["device"]): p for p in self.state().get("pairs", [])}
+
+    def wait_for(self, what: str, predicate, timeout_s: float = WAIT_S):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"serve exited with {self.proc.returncode} waiting for {what}:\n{self.log()}"
+            state = self.state()
+            if state and predicate(state):
+                return state
+            time.sleep(0.3)
+        pytest.fail(f"timed out waiting for {what}; state: {json.dumps(self.state().get('pairs'), indent=1)}\n"
+                    f"log:\n{self.log()[-6000:]}")
+
+    def terminate(self, timeout_s: float = 30) -> tuple[int, float]:
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=timeout_s)
+        self._log.close()
+        return rc, time.monotonic() - started
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def ready(state: dict, *pairs: tuple[str, str]) -> bool:
+    by_pair = {(p["model"], p["device"]): p for p in state.get("pairs", [])}
+    return all(by_pair.get(pair, {}).get("status") == "ready" for pair in pairs)
+
+
+def tunes(serve: Serve) -> dict:
+    return {pair: p["tunes"] for pair, p in serve.pairs().items()}
+
+
+@pytest.fixture
+def listener():
+    listener = NotifyListener()
+    yield listener
+    listener.close()
+
+
+def test_service_tunes_each_pair_once_and_retunes_only_what_changed(tmp_path, listener):
+    config = write_config(tmp_path, trials=1)  # one trial per tune: this test is about scheduling
+    models = tmp_path / "models"
+    write_spec(models, model("alpha"), "alpha.yaml")
+    write_spec(models, model("beta"), "beta.yaml")
+    (models / "broken.yaml").write_text("schema: 1\nname: broken\nmodel: {builtin: gpt\n")
+    inventory = write_inventory(tmp_path, H100)
+    h100, a100 = H100["name"], A100["name"]
+    serve = Serve(config, inventory, env={"NOTIFY_SOCKET": listener.address, "WATCHDOG_USEC": "400000"})
+    try:
+        # Both models get a profile for the one GPU kind; the broken spec is reported, not fatal.
+        serve.wait_for("both profiles", lambda s: ready(s, ("alpha", h100), ("beta", h100)))
+        assert sorted(p.name for p in (tmp_path / "profiles").glob("*.yaml")) == [
+            "alpha--nvidia-h100-80gb-hbm3.yaml", "beta--nvidia-h100-80gb-hbm3.yaml"]
+        status = json.loads(run_cli("status", "--config", config, "--json").stdout)
+        assert status["service"]["alive"] and status["service"]["healthy"]
+        assert {(p["model"], p["status"]) for p in status["pairs"]} == {("alpha", "ready"), ("beta", "ready")}
+        assert [Path(e["path"]).name for e in status["spec_errors"]] == ["broken.yaml"]
+        assert status["inventory"]["gpus"][0]["emulated"] is True
+        text = run_cli("status", "--config", config)
+        assert text.returncode == 0 and "broken.yaml" in text.stdout and "alpha--nvidia-h100" in text.stdout
+
+        lines = listener.lines()
+        assert "READY=1" in lines and "WATCHDOG=1" in lines
+        assert any(line.startswith("STATUS=gpu0 H100 80GB HBM3: tuning alpha, trial 1/1") for line in lines)
+
+        # One service per state folder.
+        second = run_cli("serve", "--config", config, "--inventory", inventory, timeout=120)
+        assert second.returncode == 2
+        assert second.stderr.count("\n") == 1 and "already running" in second.stderr
+
+        # Touching a spec changes nothing; editing what tuning depends on re-tunes that model only.
+        os.utime(models / "alpha.yaml")
+        time.sleep(2.0)  # ten polls
+        assert tunes(serve) == {("alpha", h100): 1, ("beta", h100): 1}
+        write_spec(models, model("beta") | {"optimizer": {"name": "adamw", "lr": 2e-3}}, "beta.yaml")
+        serve.wait_for("beta re-tuned", lambda s: ready(s, ("beta", h100))
+                       and {p["model"]: p for p in s["pairs"]}["beta"]["completed"] == 2)
+        assert tunes(serve) == {("alpha", h100): 1, ("beta", h100): 2}
+        beta = next(m for m in serve.state()["models"] if m["name"] == "beta")
+        assert serve.pairs()[("beta", h100)]["profile"]["spec_hash"] == beta["spec_hash"]
+
+        # A new GPU kind: only its pairs are tuned.
+        write_inventory(tmp_path, H100, A100)
+        serve.wait_for("the new GPU kind's profiles", lambda s: ready(s, ("alpha", a100), ("beta", a100)))
+        assert tunes(serve) == {("alpha", h100): 1, ("beta", h100): 2, ("alpha", a100): 1, ("beta", a100): 1}
+        assert len(list((tmp_path / "profiles").glob("*.yaml"))) == 4
+
+        # SIGHUP re-reads the config; a broken one is reported and the running one kept.
+        config.write_text("poll_interval_s: fast\n")
+        serve.proc.send_signal(signal.SIGHUP)
+        serve.wait_for("the bad reload reported", lambda s: "keeping the running config" in serve.log(), 30)
+        write_config(tmp_path, trials=2)
+        serve.proc.send_signal(signal.SIGHUP)
+        serve.wait_for("the reloaded config", lambda s: s["config"]["trials"] == 2, 30)
+        assert tunes(serve) == {("alpha", h100): 1, ("beta", h100): 2, ("alpha", a100): 1, ("beta", a100): 1}
+
+        rc, _ = serve.terminate()
+        assert rc == 0, serve.log()
+        assert "STOPPING=1" in listener.lines()
+    finally:
+        serve.kill()
+    after = json.loads(run_cli("status", "--config", config, "--json").stdout)
+    assert after["service"]["alive"] is False and len(after["pairs"]) == 4
+
+
+def _study_records(storage: str) -> list[tuple[int, str]]:
+    (name,) = optuna.get_all_study_names(storage)
+    study = optuna.load_study(study_name=name, storage=storage)
+    return [(t.number, json.dumps(t.user_attrs["autofit"]["config"], sort_keys=True))
+            for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)) if "autofit" in t.user_attrs]
+
+
+def test_sigterm_mid_tune_exits_cleanly_and_a_restart_resumes_the_study(tmp_path):
+    config = write_config(tmp_path)
+    write_spec(tmp_path / "models", model("resumed", trials=4, patience=4), "resumed.yaml")
+    inventory = write_inventory(tmp_path, H100)
+    storage = f"sqlite:///{tmp_path / 'state' / 'studies.db'}"
+    store = tmp_path / "profiles"
+
+    first = Serve(config, inventory, log_name="first.log")
+    try:
+        first.wait_for("a finished trial", lambda s: any(t["trials_done"] >= 1 for t in s.get("running", [])))
+        rc, took_s = first.terminate()
+    finally:
+        first.kill()
+    assert rc == 0, first.log()
+    assert took_s < 20, first.log()
+    # Profiles are written only after validation, atomically: nothing, not even a temp file.
+    assert not store.exists() or list(store.iterdir()) == []
+    before = _study_records(storage)
+    assert before
+    assert first.pairs()[("resumed", H100["name"])]["status"] == "interrupted"
+
+    second = Serve(config, inventory, log_name="second.log")
+    try:
+        second.wait_for("the resumed profile", lambda s: ready(s, ("resumed", H100["name"])))
+        assert second.terminate()[0] == 0
+    finally:
+        second.kill()
+    after = _study_records(storage)
+    assert set(before) <= set(after)
+    configs = [config for _, config in after]
+    assert len(configs) == len(set(configs)), "a finished trial was measured again"
+    assert f"{len(before)} finished trials are not run again" in second.log()
+    pair = second.pairs()[("resumed", H100["name"])]
+    assert (pair["tunes"], pair["completed"]) == (2, 1)
+    assert pair["last_tune"]["trials"] == len(after)  # counted on from the resumed trials
+    assert [p.name for p in store.glob("*.yaml")] == ["resumed--nvidia-h100-80gb-hbm3.yaml"]
+
+
+_CRASHING_WRITER = textwrap.dedent("""
+    import os, sys, time
+    from autofit._io import atomic_write
+
+    def write(f):
+        f.write(b"schema: 1\\nmodel: {name: half")
+        f.flush()
+        print("half", flush=True)
+        if sys.argv[2] == "exit":
+            os._exit(1)
+        time.sleep(60)  # the parent SIGKILLs us here
+
+    atomic_write(sys.argv[1], write)
+""")
+
+
+@pytest.mark.parametrize("crash", ["exit", "sigkill"])
+@pytest.mark.parametrize("existing", [True, False])
+def test_a_crash_during_a_profile_write_leaves_the_old_file_or_none(tmp_path, crash, existing):
+    target = tmp_path / "profiles" / "tiny--cpu.yaml"
+    target.parent.mkdir()
+    old = "schema: 1\nmodel: {name: tiny, spec_hash: old}\n"
+    if existing:
+        target.write_text(old)
+    proc = subprocess.Popen([sys.executable, "-c", _CRASHING_WRITER, str(target), crash], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "half"
+    if crash == "sigkill":
+        proc.kill()
+    proc.wait(timeout=30)
+    assert proc.returncode != 0
+    if existing:
+        assert target.read_text() == old
+    else:
+        assert not target.exists()
+    # The half-written temp file is a dot file, which the store never reads as a profile.
+    assert all(p.name.startswith(".") for p in target.parent.iterdir() if p != target)
+
+
+# --- parts, in process ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, key", [
+    ("poll_interval: 1\n", "poll_interval: unknown key"),
+    ("poll_interval_s: -1\n", "poll_interval_s: must be > 0.0"),
+    ("idle: {max_utilization: 150}\n", "idle.max_utilization"),
+    ("storage: just-a-path.db\n", "storage: an Optuna storage URL"),
+    ("memory_headroom: 0.7\n", "memory_headroom"),
+])
+def test_a_bad_config_is_one_line_and_exit_2(tmp_path, capsys, body, key):
+    path = tmp_path / "autofit.yaml"
+    path.write_text(body)
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and key in err and str(path) in err
+
+
+def test_config_paths_are_relative_to_the_config_file(tmp_path):
+    config = load_service_config(write_config(tmp_path, storage="postgresql://u:secret@db/autofit"))
+    assert config.models_dir == tmp_path.resolve() / "models"
+    assert config.state_dir == tmp_path.resolve() / "state"
+    assert "secret" not in json.dumps(config.to_dict())
+    assert load_service_config(write_config(tmp_path)).storage_url == f"sqlite:///{tmp_path.resolve()}/state/studies.db"
+
+
+def test_status_without_a_state_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["status", "--config", str(write_config(tmp_path))]) == 2
+    assert "has not run" in capsys.readouterr().err
+
+
+def test_notify_reaches_abstract_and_path_sockets(tmp_path, monkeypatch):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as path_sock:
+        path_sock.bind(str(tmp_path / "n.sock"))
+        monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "n.sock"))
+        assert notify("READY=1", "STATUS=starting")
+        assert path_sock.recv(100) == b"READY=1\nSTATUS=starting"
+    listener = NotifyListener()
+    try:
+        monkeypatch.setenv("NOTIFY_SOCKET", listener.address)
+        assert notify("WATCHDOG=1")
+        time.sleep(0.3)
+        assert listener.lines() == ["WATCHDOG=1"]
+    finally:
+        listener.close()
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    assert notify("READY=1") is False  # not under systemd: a no-op
+
+
+def test_watchdog_interval_is_half_of_watchdog_usec_and_only_for_us(monkeypatch):
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    assert watchdog_interval_s() == 15.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))
+    assert watchdog_interval_s() is None
+    monkeypatch.delenv("WATCHDOG_USEC")
+    monkeypatch.delenv("WATCHDOG_PID")
+    assert watchdog_interval_s() is None
+
+
+def test_inventory_file_gives_emulated_gpu_kinds(tmp_path):
+    gpus = FileInventory(write_inventory(tmp_path, H100, A100, H100)).gpus()
+    assert [g.slot for g in gpus] == ["gpu0", "gpu1", "gpu2"]
+    assert gpus[0].device.fingerprint == gpus[2].device.fingerprint != gpus[1].device.fingerprint
+    assert all(g.device.emulated and g.device.kind == "cpu" for g in gpus)
+    assert gpus[1].device.memory_total_bytes == 40 * 2**30 and gpus[1].device.compute_capability == (8, 0)
+    (tmp_path / "bad.yaml").write_text("gpus: [{name: X, memory_total_bytes: lots}]\n")
+    with pytest.raises(DeviceError, match=r"gpus\[0\]\.memory_total_bytes"):
+        FileInventory(tmp_path / "bad.yaml").gpus()
+    (tmp_path / "bad.yaml").write_text("gpus: [{name: X, memory_total_bytes: 1GiB, colour: red}]\n")
+    with pytest.raises(DeviceError, match=r"colour: unknown key"):
+        FileInventory(tmp_path / "bad.yaml").gpus()
+
+
+class FakeNvml:
+    """A GPU inventory like NVML's, whose other processes and utilisation the test sets."""
+
+    emulated = False
+    description = "fake NVML"
+
+    def __init__(self):
+        device = dataclasses.replace(emulated_device(H100["name"], H100["memory_total_bytes"]), emulated=False)
+        self.gpu = Gpu(slot="gpu0", device=device)
+        self.foreign_pids, self.utilization_percent = (), 0.0
+
+    def gpus(self):
+        return [self.gpu]
+
+    def activity(self, gpu, own_pids):
+        return Activity(foreign_pids=self.foreign_pids, utilization_percent=self.utilization_percent)
+
+
+def test_a_foreign_process_stops_the_tune_and_the_pair_waits_for_an_idle_gpu(tmp_path, monkeypatch):
+    config = write_config(tmp_path)
+    write_spec(tmp_path / "models", model("alpha"), "alpha.yaml")
+    started = []
+    monkeypatch.setattr(TuneJob, "start", lambda job, **where: started.append(job))  # no real tune here
+    service = Service(config)
+    service.inventory = gpus = FakeNvml()
+    service._poll()
+    (job,) = started
+    assert service.tunes == {"gpu0": job}
+    gpus.foreign_pids = (4242,)
+    service._poll()
+    assert job.stop_event.is_set() and "pid 4242" in job.stop_reason
+    assert service._reap()  # its worker (never started here) has ended
+    pair = service.pairs[job.key]
+    assert pair.status == "interrupted" and "resumes from its study" in pair.detail
+    service._poll()
+    assert len(started) == 1 and "gpu0 in use by pid 4242" in pair.detail
+    gpus.foreign_pids, gpus.utilization_percent = (), 40.0
+    service._poll()
+    assert len(started) == 1 and "utilisation 40% > 5%" in pair.detail
+    gpus.utilization_percent = 0.0
+    service._poll()
+    assert len(started) == 2 and pair.tunes == 2 and pair.status == "tuning"
+
+
+def test_nvml_activity_leaves_out_the_service_and_its_trials(monkeypatch):
+    nvml = types.ModuleType("pynvml")
+    nvml.NVMLError = type("NVMLError", (Exception,), {})
+    nvml.nvmlInit = nvml.nvmlShutdown = lambda: None
+    nvml.nvmlDeviceGetHandleByUUID = lambda uuid: uuid
+    nvml.nvmlDeviceGetComputeRunningProcesses = lambda handle: [
+        types.SimpleNamespace(pid=pid, usedGpuMemory=2**30) for pid in (os.getpid(), 111, 222)]
+    nvml.nvmlDeviceGetUtilizationRates = lambda handle: types.SimpleNamespace(gpu=37, memory=5)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    gpu = FakeNvml().gpu
+    activity = NvmlInventory().activity(gpu, own_pids={111})
+    assert activity == Activity(foreign_pids=(222,), utilization_percent=37.0)
+
+
+def test_descendant_pids_finds_our_children_and_theirs():
+    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run(['sleep', '30'])"],
+                            start_new_session=True)  # as trial children are started
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(descendant_pids() - {proc.pid}) == 0:
+            time.sleep(0.05)
+        found = descendant_pids()
+        assert proc.pid in found and len(found) >= 2
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_missing_config_names_the_file():
+    with pytest.raises(SpecError, match="/nonexistent/autofit.yaml: no such config file"):
+        load_service_config("/nonexistent/autofit.yaml")
