@@ -166,7 +166,15 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
         finally:
             torch.set_float32_matmul_precision(matmul_precision)
             torch.backends.cudnn.allow_tf32 = cudnn_tf32
-    return _breakdown(runner, tracker.peak_bytes, activations.peak_bytes)
+    # Runner.global_batch puts every micro batch of a step on the device before the first
+    # forward; only `micro_batches` of them were simulated, the others' inputs sit there too.
+    idle_bytes = (config.grad_accum_steps - micro_batches) * _input_bytes(real[0])
+    return _breakdown(runner, tracker.peak_bytes + idle_bytes, activations.peak_bytes)
+
+
+def _input_bytes(micro_batch) -> int:
+    # Per tensor, not per storage: on a CPU the micro batches are views of one global batch.
+    return sum(t.numel() * t.element_size() for t in tree_leaves(micro_batch) if isinstance(t, torch.Tensor))
 
 
 class _MetaBuild:

@@ -156,3 +156,22 @@ def test_summary_table_shows_ratios_and_why_a_baseline_has_none():
     assert "3.1% / -12.0%" in row and "1 (3 pruned)" in row
     assert metrics.summary_rows({"x": {"error": "boom"}})[0][1] == "failed: boom"
     assert "#1 of 5" in metrics.detail_rows({"gpt-small": model})[0]
+
+
+def test_results_md_sections_are_replaced_in_place():
+    text = "# Benchmark results\n\nintro\n"
+    once = metrics.replace_section(text, "cpu-quick", "table v1\n")
+    assert once.startswith(text) and "<!-- results:cpu-quick -->\ntable v1\n<!-- /results:cpu-quick -->" in once
+    both = metrics.replace_section(once, "nvidia-h200-quick", "gpu table\n")
+    again = metrics.replace_section(both, "cpu-quick", "table v2\n")
+    assert "table v1" not in again and again.count("table v2") == 1
+    assert again.index("table v2") < again.index("gpu table")  # the section keeps its place
+
+
+def test_repeat_noise_compares_configs_measured_twice():
+    a, b = {"precision": "32-true", "micro_batch_size": 2}, {"precision": "bf16-mixed", "micro_batch_size": 2}
+    grid = [{"config": a, "status": "ok", "samples_per_s": 100.0}, {"config": b, "status": "ok", "samples_per_s": 50.0}]
+    tune = [{"config": a, "status": "ok", "samples_per_s": 110.0}, {"config": b, "status": "oom", "samples_per_s": 0},
+            {"config": {"precision": "32-true", "micro_batch_size": 4}, "status": "ok", "samples_per_s": 1.0}]
+    assert metrics.repeat_noise(grid, tune) == {"n": 1, "median": pytest.approx(0.1), "max": pytest.approx(0.1)}
+    assert metrics.repeat_noise([], tune)["median"] is None
