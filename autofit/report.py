@@ -43,10 +43,11 @@ def _svg(result: SearchResult, winner: TrialRecord | None, width: int = 760, hei
     points = [(r, _peak(r)) for r in result.records if _peak(r)]
     if not points:
         return "<p>No trial has a memory figure.</p>"
-    gib = 2**30
-    max_x = max(max(p for _, p in points), result.budget_bytes) * 1.08 / gib
+    largest = max(max(p for _, p in points), result.budget_bytes)
+    unit, unit_bytes = next((u, b) for u, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if largest >= b)
+    max_x = largest * 1.08 / unit_bytes
     max_y = max([r.samples_per_s for r, _ in points] + [1.0]) * 1.12
-    left, bottom, top, right = 70, 50, 20, 20
+    left, bottom, top, right = 70, 50, 40, 20
     plot_w, plot_h = width - left - right, height - top - bottom
 
     def x(v: float) -> float:
@@ -61,25 +62,25 @@ def _svg(result: SearchResult, winner: TrialRecord | None, width: int = 760, hei
         gx, gy = max_x * i / 5, max_y * i / 5
         parts.append(f'<text x="{x(gx):.1f}" y="{height - bottom + 18}" text-anchor="middle">{gx:.2f}</text>')
         parts.append(f'<text x="{left - 8}" y="{y(gy) + 4:.1f}" text-anchor="end">{gy:.0f}</text>')
-    budget = result.budget_bytes / gib
+    budget = result.budget_bytes / unit_bytes
     parts.append(f'<line x1="{x(budget):.1f}" y1="{top}" x2="{x(budget):.1f}" y2="{top + plot_h}" stroke="#d62828" stroke-dasharray="6,4"/>')
-    parts.append(f'<text x="{x(budget) - 4:.1f}" y="{top + 14}" text-anchor="end" fill="#d62828">budget {budget:.2f} GiB</text>')
+    parts.append(f'<text x="{x(budget) - 4:.1f}" y="{top + 14}" text-anchor="end" fill="#d62828">budget {budget:.2f} {unit}</text>')
     for r, peak in points:
         colour = _COLOURS.get(r.status, "#333")
         tip = html.escape(f"#{r.number} {r.config.short()}: {r.status}, {format_bytes(peak)}, {r.samples_per_s:.1f} samples/s")
-        cx, cy = x(peak / gib), y(r.samples_per_s)
+        cx, cy = x(peak / unit_bytes), y(r.samples_per_s)
         if winner is not None and r.number == winner.number:
             parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="9" fill="none" stroke="#000" stroke-width="2"><title>{tip}</title></circle>')
         fill = "none" if r.status == "pruned" else colour
         parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="{fill}" stroke="{colour}" stroke-width="1.5"><title>{tip}</title></circle>')
-    parts.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">peak memory (GiB; pruned: predicted)</text>')
+    parts.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">peak memory ({unit}; pruned: predicted)</text>')
     parts.append(f'<text transform="rotate(-90)" x="{-(top + plot_h / 2)}" y="16" text-anchor="middle">samples/s</text>')
     legend_x = left + 10
     for i, (status, colour) in enumerate(_COLOURS.items()):
         if status == "timeout":
             continue
-        parts.append(f'<circle cx="{legend_x + i * 95}" cy="{top + plot_h - 12}" r="5" fill="{colour}"/>'
-                     f'<text x="{legend_x + i * 95 + 9}" y="{top + plot_h - 8}">{status}</text>')
+        parts.append(f'<circle cx="{legend_x + i * 95}" cy="{top - 16}" r="5" fill="{colour}"/>'
+                     f'<text x="{legend_x + i * 95 + 9}" y="{top - 12}">{status}</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 
