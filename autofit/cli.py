@@ -8,6 +8,7 @@ Exit codes: 0 success, 2 bad input, 3 nothing fits / no usable result, 1 anythin
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -300,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("autofit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader (`| head`) went away: not an error of ours. Point stdout at devnull so
+        # the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
