@@ -115,16 +115,17 @@ class Runner:
         """One optimizer step: scaled backward per micro batch, unscale, clip, step."""
         n_micro = len(micro_batches)
         assert n_micro == self.config.grad_accum_steps, (n_micro, self.config.grad_accum_steps)
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        loss_sum = None  # the hot path: no extra tensors beyond one add per micro batch
         for micro_batch in micro_batches:
             with self.policy.autocast(self.device.type):
                 loss = self.workload.loss_fn(self.model, micro_batch)
             # Mean over micro batches == mean over the global batch: accumulation is exact.
             self.scaler.scale(loss / n_micro).backward()
-            loss_sum += loss.detach().float()
+            # .float() is free for an fp32 loss and keeps a bf16 one from rounding the sum.
+            loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
         skipped = optimizer_step(self.optimizer, self.scaler, self.params, self.spec.train.max_grad_norm)
         self.skipped_steps += int(skipped)
-        return StepResult(loss=loss_sum / n_micro, skipped=skipped)
+        return StepResult(loss=loss_sum / n_micro if n_micro > 1 else loss_sum, skipped=skipped)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
