@@ -100,6 +100,10 @@ class Profile:
     def from_dict(cls, raw: Any, *, where: str = "profile") -> "Profile":
         if not isinstance(raw, dict):
             raise ProfileError(f"{where}: expected a mapping, got {type(raw).__name__}")
+        model = raw.get("model")
+        if isinstance(model, dict) and {"builtin", "hf", "python"} & set(model):
+            raise ProfileError(f"{where}: this is a model.yaml, not a profile; make a profile with "
+                               f"`autofit tune {where}`")
         if raw.get("schema") != PROFILE_SCHEMA:
             raise ProfileError(f"{where}: schema: this autofit reads profile schema {PROFILE_SCHEMA}, "
                                f"got {raw.get('schema')!r}")

@@ -107,3 +107,11 @@ def test_missing_profile_file_via_cli(tmp_path):
     result = run_cli("profiles", "show", tmp_path / "nope.yaml", cwd=tmp_path)
     assert result.returncode == 2
     assert "no such profile file" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_yaml_given_as_a_profile_says_so(capsys):
+    from conftest import EXAMPLES, run_main
+
+    code, _, err = run_main(capsys, "train", EXAMPLES / "tiny-gpt.yaml", "--profile", EXAMPLES / "tiny-gpt.yaml")
+    assert code == 2
+    assert "this is a model.yaml, not a profile" in err and len(err.strip().splitlines()) == 1
