@@ -8,6 +8,7 @@ Exit codes: 0 success, 2 bad input, 3 nothing fits / no usable result, 1 anythin
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -49,10 +50,25 @@ def cmd_train(args) -> int:
     metrics = train_command(args.spec, profile=args.profile, steps=args.steps, resume=args.resume,
                             device=args.device, checkpoint_dir=args.checkpoint_dir,
                             memory_budget=args.memory_budget, progress=not args.no_progress)
+    metrics = _finite(metrics)  # JSON has no NaN: a diverged loss is written as null
     _write_json(args.metrics_out, metrics)
     summary = {k: metrics[k] for k in ("steps", "first_loss", "final_loss", "samples_per_s", "peak_memory_bytes")}
     print(json.dumps(summary))
+    if metrics["final_loss"] is None and metrics["steps"]:
+        print(f"autofit: error: the loss diverged at step {metrics['steps'] - 1} (NaN/inf); "
+              f"lower optimizer.lr or use a profile with a healthy precision", file=sys.stderr)
+        return 3
     return 0
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _add_train(sub) -> None:

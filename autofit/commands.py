@@ -1,11 +1,15 @@
 """The plain functions behind the CLI's subcommands: typed arguments in, results out.
 Called from Python they raise `AutofitError`s; the CLI turns those into one line."""
 
+import os
 from pathlib import Path
 
-from autofit.errors import AutofitError, SpecError
+import torch
+from loguru import logger
+
+from autofit.errors import AutofitError, NothingFitsError, SpecError
 from autofit.knobs import TrainConfig, check_global_batch
-from autofit.sizes import parse_size
+from autofit.sizes import format_bytes, parse_size
 from autofit.spec import load_spec
 
 
@@ -22,6 +26,8 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
                   resume: bool = False, device: str | None = None, checkpoint_dir: str | Path | None = None,
                   memory_budget: str | None = None, progress: bool = True) -> dict:
     """`autofit train`: the spec's defaults, or a tuned profile's config."""
+    from autofit.device.probe import select_device
+    from autofit.profile import device_from_info
     from autofit.runner import resolve_device, train
     from autofit.workload import build_workload
 
@@ -36,14 +42,33 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
         loaded.check_spec(spec)
         config = loaded.config
     check_global_batch(config, spec.train.global_batch_size)
-    try:
-        torch_device = resolve_device(device)
-    except ValueError:
-        raise SpecError(f"--device: expected a CUDA index or cpu, got {device!r}") from None
+    info = select_device(device)  # a bad index is one line here, not a CUDA error later
+    torch_device = resolve_device("cpu" if info.kind == "cpu" else info.index)
+    if profile is not None:
+        diffs = loaded.device_differences(device_from_info(info))
+        if diffs:
+            logger.warning("profile {} was tuned on another device: {}", loaded.file_name, "; ".join(diffs))
     workload = build_workload(spec)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else Path("runs") / spec.name
+    ensure_folder(ckpt_dir, "--checkpoint-dir")
+    budget_bytes = parse_budget(memory_budget)
     try:
         return train(spec, workload, config, device=torch_device, steps=steps, checkpoint_dir=ckpt_dir,
-                     resume=resume, progress=progress, memory_budget_bytes=parse_budget(memory_budget))
+                     resume=resume, progress=progress, memory_budget_bytes=budget_bytes)
+    except torch.OutOfMemoryError:
+        where = f"the memory budget of {format_bytes(budget_bytes)}" if budget_bytes else "device memory"
+        raise NothingFitsError(f"out of memory: {config.short()} does not fit {where}; "
+                               f"`autofit tune {spec_path}` finds a config that does") from None
     except ValueError as exc:  # e.g. every parameter frozen
         raise AutofitError(str(exc)) from None
+
+
+def ensure_folder(folder: Path, what: str) -> Path:
+    """Create `folder` now, so a bad path fails before the work rather than after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecError(f"{what}: cannot create {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK):
+        raise SpecError(f"{what}: {folder} is not writable")
+    return folder

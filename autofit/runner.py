@@ -16,6 +16,7 @@ from loguru import logger
 from torch import nn
 
 from autofit._io import atomic_write
+from autofit.errors import AutofitError
 from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
 from autofit.knobs import TrainConfig, apply_config, check_global_batch, trainable_parameters
 from autofit.precision import PrecisionPolicy, check_supported
@@ -77,6 +78,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return skipped
+
+
+class CheckpointError(AutofitError):
+    """A checkpoint that cannot be resumed into this model."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,10 +186,15 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
         if ckpt_path is None or not ckpt_path.exists():
             logger.warning("--resume: no checkpoint at {}; starting from step 0", ckpt_path)
         else:
-            state = torch.load(ckpt_path, map_location=device, weights_only=False)
-            if state["spec_hash"] != spec.spec_hash:
-                logger.warning("checkpoint was written for a different model.yaml (spec hash differs)")
-            runner.load_state_dict(state)
+            try:
+                state = torch.load(ckpt_path, map_location=device, weights_only=False)
+                if state["spec_hash"] != spec.spec_hash:
+                    logger.warning("checkpoint was written for a different model.yaml (spec hash differs)")
+                runner.load_state_dict(state)
+            except Exception as exc:  # unpickling and load_state_dict raise many kinds
+                raise CheckpointError(f"--resume: {ckpt_path} cannot be loaded into this model "
+                                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                                      f"use another --checkpoint-dir or drop --resume") from None
             start_step, history = state["step"], state["history"]
             logger.info("resumed from {} at step {}", ckpt_path, start_step)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import optuna
 from loguru import logger
 
+from autofit.errors import SpecError
 from autofit.knobs import TrainConfig
 from autofit.trial import Measurement
 
@@ -269,16 +270,18 @@ class Tuner:
                            "for finite losses and scaler skips only", precision)
             return
         self.study.enqueue_trial(self.space.params(config))
-        # Queued trials are asked oldest first: run any still waiting, then the reference.
+        # Queued trials are asked oldest first. The search is over, so those ahead of the
+        # reference are failed unmeasured (a resumed study may propose them again): only
+        # the one reference trial runs past --trials.
         waiting = len(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
         for _ in range(waiting):
             trial = self.study.ask()
             asked = self.space.suggest(trial)
-            record = self._evaluate(trial.number, asked, records)
-            self._tell(trial, record)
-            records = self.records()
-            if asked == config:
-                return
+            if asked != config:
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                continue
+            self._tell(trial, self._evaluate(trial.number, asked, records))
+            return
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -302,7 +305,6 @@ class Tuner:
         since_best, duplicates, stop_reason = 0, 0, "grid exhausted"
         best = _best(records, self.budget_bytes)
         while True:
-            considered = len(records) - resumed
             if len(records) >= self.max_trials:
                 stop_reason = f"{self.max_trials} trials"
                 break
@@ -318,7 +320,7 @@ class Tuner:
                 stop_reason = "stopped"
                 break
 
-            if not self._waiting():
+            if not self._pending():
                 # Seeds placed with an older calibration may have missed: place them again
                 # where they now fit, once per change of what has been learned.
                 seeds = self.starting_points(records)
@@ -352,7 +354,7 @@ class Tuner:
             if new_best is not None and new_best is not best and (best is None or new_best.config != best.config):
                 self._enqueue_refinements(new_best, records)
             best = new_best
-            self.on_trial(record, best, considered + 1)
+            self.on_trial(record, best, len(records))
 
         if not self.should_stop():
             self.ensure_reference()
@@ -408,13 +410,16 @@ class Tuner:
         candidates += sorted(line, key=lambda c: abs(sizes.index(c.micro_batch_size) - here))
         self._enqueue(candidates, records, limit=3)
 
-    def _waiting(self) -> set[tuple]:
-        return {tuple(sorted(t.params.items())) for t in
-                self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
+    def _pending(self, *, running: bool = False) -> set[tuple]:
+        """Configs queued (and, with `running`, being measured by this or another worker
+        sharing the study). A queued trial keeps its values in `fixed_params` until asked."""
+        states = (optuna.trial.TrialState.WAITING,) + ((optuna.trial.TrialState.RUNNING,) if running else ())
+        return {tuple(sorted(t.system_attrs.get("fixed_params", t.params).items()))
+                for t in self.study.get_trials(deepcopy=False, states=states)}
 
     def _enqueue(self, configs: list[TrainConfig], records: list[TrialRecord], limit: int | None = None) -> None:
         """Queue configs not yet tried, not already queued, and predicted to fit."""
-        done, waiting, added = {r.config for r in records}, self._waiting(), 0
+        done, waiting, added = {r.config for r in records}, self._pending(running=True), 0
         for config in configs:
             key = tuple(sorted(self.space.params(config).items()))
             if config in done or key in waiting or not self.fits(config, records):
@@ -453,5 +458,20 @@ def make_study(*, study_name: str, storage: str | None, seed: int = 0) -> optuna
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True, group=True)
-    return optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
-                               direction="maximize", load_if_exists=True)
+    try:
+        return optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
+                                   direction="maximize", load_if_exists=True)
+    except ImportError as exc:  # a database driver missing for the URL's scheme
+        raise SpecError(f"--storage {_redact(storage)}: a driver is missing ({exc}); install it, "
+                        f"e.g. pip install psycopg2-binary for postgresql://") from None
+    except Exception as exc:  # sqlalchemy: unknown scheme, unreachable or unwritable database
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpecError(f"--storage {_redact(storage)}: cannot open the study storage: {first[:200]}") from None
+
+
+def _redact(url: str | None) -> str:
+    """Never print a database password."""
+    if url and "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return str(url)

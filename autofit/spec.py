@@ -105,13 +105,17 @@ class ModelSpec:
 
     @property
     def spec_hash(self) -> str:
-        """Hash of what tuning depends on. Train length, seed and logging cadence do not
-        change which configuration is fastest, so editing them keeps profiles valid."""
+        """Hash of what the best configuration depends on. Train length, seed, logging
+        cadence and the search's budget do not change it, so editing them keeps profiles valid."""
         d = self.to_dict()
+        # The search's space, not how long it runs: trials, patience, step counts and
+        # timeouts change the cost of a tune, not which config wins.
+        space = {k: d["search"][k] for k in ("precisions", "max_freeze_blocks", "activation_checkpointing",
+                                            "memory_headroom")}
         relevant = {
             "model": d["model"], "data": d["data"], "optimizer": d["optimizer"],
             "global_batch_size": d["train"]["global_batch_size"],
-            "max_grad_norm": d["train"]["max_grad_norm"], "search": d["search"],
+            "max_grad_norm": d["train"]["max_grad_norm"], "search": space,
         }
         blob = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
@@ -237,12 +241,19 @@ def _train(r: "_Reader") -> TrainSpec:
         global_batch_size=r.positive_int("global_batch_size"),
         steps=r.positive_int("steps", default=100),
         max_grad_norm=None if clip is None else float(clip),
-        seed=r.get("seed", int, default=0),
+        seed=_seed(r),
         checkpoint_every=r.nonnegative_int("checkpoint_every", default=50),
         log_every=r.positive_int("log_every", default=10),
     )
     r.finish()
     return train
+
+
+def _seed(r: "_Reader") -> int:
+    seed = r.get("seed", int, default=0)
+    if not 0 <= seed < 2**32:  # torch and Optuna's samplers take 32-bit unsigned seeds
+        raise SpecError(f"train.seed: an integer in [0, 2**32), got {seed}")
+    return seed
 
 
 def _search(r: "_Reader") -> SearchSpec:

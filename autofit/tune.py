@@ -4,6 +4,7 @@
     autofit tune model.yaml --device 0 --memory-budget 24GiB --trials 60 --storage postgresql://…
 """
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from autofit.knobs import block_count
 from autofit.precision import supported_precisions
 from autofit.profile import Measured, Profile, ProfileModel, SearchSummary, device_from_info, utc_now
 from autofit.report import format_trial_line, trials_table, write_html_report
-from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, make_study
+from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, _redact, make_study
 from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec
 from autofit.store import ProfileStore, default_root
@@ -46,8 +47,10 @@ def study_name(spec: ModelSpec, device: DeviceInfo, emulated_budget_bytes: int |
 
 def search_space(spec: ModelSpec, device: DeviceInfo) -> SearchSpace:
     # The block count comes from a model built on the meta device: no memory, any size.
+    # Only the model: a data source may sample real batches while it is built.
+    workload = build_workload(spec)
     with torch.device("meta"):
-        n_blocks = block_count(build_workload(spec).build_model())
+        n_blocks = block_count(workload.build_model())
     precisions = supported_precisions(spec.search.precisions, device_kind=device.kind,
                                       compute_capability=device.compute_capability)
     if not precisions:
@@ -101,6 +104,11 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     `emulated_budget_bytes` (from --memory-budget) keys a study apart from the full card's.
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
+    if emulated_budget_bytes is not None:
+        # A profile tuned under an emulated smaller card is that card's, not this one's:
+        # its own fingerprint and file name, so it never stands in for the full device.
+        tag = f"budget-{format_bytes(emulated_budget_bytes).replace(' ', '').replace('.', '_').lower()}"
+        device = dataclasses.replace(device, fingerprint=f"{device.fingerprint}-{tag}", slug=f"{device.slug}-{tag}")
     space = search_space(spec, device)
     max_trials = trials or spec.search.trials
     name = study_name(spec, device, emulated_budget_bytes)
@@ -111,17 +119,12 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     def run_trial(config) -> Measurement:
         return measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event)
 
-    estimator_failed: list[EstimateError] = []
-
     def predict(config) -> int:
-        """Predicted peak; 0 (unknown: measure it) for a model the estimator cannot run."""
-        if estimator_failed:
-            return 0
+        """Predicted peak; 0 (unknown: measure it) for a config the estimator cannot run."""
         try:
             return estimate_memory(spec, config, device_kind="cuda" if device.kind == "cuda" else "cpu").peak_bytes
         except EstimateError as exc:
-            logger.warning("{}; tuning on measurements alone, without pruning", exc)
-            estimator_failed.append(exc)
+            logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0
 
     def report_trial(record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
@@ -141,10 +144,19 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     if not result.ranked:
         raise NothingFitsError(_nothing_fits_message(result, tuner, space))
 
-    winner, validated = _validate(spec, result, run_trial_steps=lambda c: measure(
-        spec, c, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
-        measure_steps=spec.search.validate_steps))
+    def run_long(config) -> Measurement:
+        return measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
+                       measure_steps=spec.search.validate_steps)
+
+    winner, validated = _validate(spec, result, run_trial_steps=run_long)
     baseline = _baseline(result)
+    # The speed-up compares like with like: the baseline re-measured over as many steps as
+    # the winner's validation, so one noisy short trial cannot make or break it.
+    baseline_m = None
+    if baseline is not None:
+        baseline_m = validated if baseline.config == winner.config else run_long(baseline.config)
+        if baseline_m.status != "ok" or not baseline_m.samples_per_s:
+            baseline_m = None
     profile = Profile(
         model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
         device=device_from_info(device),
@@ -158,9 +170,9 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
             oom=result.count("oom"), unhealthy=result.count("unhealthy"),
             failed=result.count("error") + result.count("timeout"), wall_s=round(result.wall_s, 1),
             sampler=type(study.sampler).__name__, storage=_redact(storage or "in-memory"),
-            baseline={} if baseline is None else {"config": baseline.config.to_dict(),
-                                                  "samples_per_s": baseline.samples_per_s},
-            speedup=None if baseline is None else round(winner.samples_per_s / baseline.samples_per_s, 3),
+            baseline={} if baseline_m is None else {"config": baseline.config.to_dict(),
+                                                    "samples_per_s": baseline_m.samples_per_s},
+            speedup=None if baseline_m is None else round(validated.samples_per_s / baseline_m.samples_per_s, 3),
         ),
         created=utc_now(),
         autofit=__version__,
@@ -170,8 +182,8 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     if report:
         report_path = write_html_report(profile_path.with_suffix(".report.html"), profile, result, winner)
     logger.info("\n{}", trials_table(result, winner))
-    if baseline is not None:
-        logger.info("speed-up over {} (32-true, largest micro batch that fits): {:.2f}x",
+    if baseline_m is not None:
+        logger.info("speed-up over {} (32-true, largest micro batch that fits; both validated): {:.2f}x",
                     baseline.config.short(), profile.search.speedup)
     return TuneOutcome(profile=profile, profile_path=profile_path, report_path=report_path, result=result,
                        validated=validated)
@@ -219,20 +231,12 @@ def _nothing_fits_message(result: SearchResult, tuner: Tuner, space: SearchSpace
             f"configuration ({frugal.short()}) needs about {format_bytes(needed)}{extra}")
 
 
-def _redact(url: str) -> str:
-    """Never write a database password into a profile."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
-
-
 def tune_command(spec_path: str | Path, *, device: str | None = None, memory_budget: str | None = None,
                  trials: int | None = None, timeout_s: float | None = None, storage: str | None = None,
                  out_dir: str | Path | None = None, state_dir: str | Path | None = None,
                  report: bool = True) -> TuneOutcome:
     """`autofit tune`: probe, budget, search, validate, save."""
-    from autofit.commands import parse_budget
+    from autofit.commands import ensure_folder, parse_budget
     from autofit.device.probe import select_device
     from autofit.errors import SpecError
     from autofit.spec import load_spec
@@ -246,9 +250,8 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
     emulated = parse_budget(memory_budget, total_bytes=info.memory_total_bytes)
     budget_bytes = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=emulated)
     if storage is None:
-        folder = Path(state_dir) if state_dir is not None else default_state_dir()
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = ensure_folder(Path(state_dir) if state_dir is not None else default_state_dir(), "--state-dir")
         storage = f"sqlite:///{folder.resolve() / 'studies.db'}"
-    out_dir = Path(out_dir) if out_dir is not None else default_root()
+    out_dir = ensure_folder(Path(out_dir) if out_dir is not None else default_root(), "--out")
     return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
                 trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated)

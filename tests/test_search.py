@@ -63,3 +63,28 @@ def test_resume_does_not_measure_finished_trials_again(tmp_path):
     assert len(second.records) == 20
     assert not set(landscape.calls) & set(first_calls)  # nothing measured twice
     assert len(landscape.calls) <= 10
+
+
+def test_queued_configs_are_never_queued_twice(tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    landscape = LANDSCAPES[1]
+    run_tuner(landscape, storage=storage, max_trials=2)
+    tuner, _ = run_tuner(landscape, storage=storage, max_trials=30)
+    trials = tuner.study.get_trials(deepcopy=False)
+    queued = [tuple(sorted(t.system_attrs["fixed_params"].items())) for t in trials if "fixed_params" in t.system_attrs]
+    assert len(queued) == len(set(queued))
+
+
+def test_search_space_for_python_data(tmp_path):
+    """The block count is read from a meta-device model; a python dataset still samples real data."""
+    from autofit.device.probe import cpu_device
+    from autofit.spec import load_spec
+    from autofit.tune import search_space
+    from conftest import FIXTURES, tiny_gpt_dict, write_spec
+
+    spec_dict = tiny_gpt_dict(data={"kind": "python", "factory": "faulty:dataset", "seq_len": 16})
+    (tmp_path / "faulty.py").write_text((FIXTURES / "faulty.py").read_text())
+    space = search_space(load_spec(write_spec(tmp_path, spec_dict)), cpu_device())
+    assert space.max_checkpoint_blocks == 2

@@ -110,3 +110,36 @@ def test_example_specs_parse():
 def test_parse_spec_raises_spec_error_as_a_library():
     with pytest.raises(SpecError, match="train: required key is missing"):
         parse_spec({"name": "x", "model": {"builtin": "gpt"}}, source_dir=REPO)
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--device", "-1"], "--device"),
+    (["--device", "3"], "no GPU 3"),
+    (["--checkpoint-dir", "{file}"], "--checkpoint-dir: cannot create"),
+])
+def test_train_rejects_bad_devices_and_folders_up_front(tmp_path, capsys, tiny_spec_path, extra, expected):
+    (tmp_path / "a-file").write_text("x")
+    args = [a.replace("{file}", str(tmp_path / "a-file")) for a in extra]
+    code, _, err = run_main(capsys, "train", tiny_spec_path, "--steps", "1", *args)
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_seed_out_of_range_is_a_spec_error(tmp_path):
+    with pytest.raises(SpecError, match=r"train.seed: an integer in \[0, 2\*\*32\)"):
+        load_spec(write_spec(tmp_path, tiny_gpt_dict(train={"seed": -1})))
+
+
+def test_bad_storage_url_is_one_line(tmp_path, capsys, tiny_spec_path):
+    code, _, err = run_main(capsys, "tune", tiny_spec_path, "--device", "cpu", "--storage", "foo://bar",
+                            "--out", tmp_path / "p")
+    assert code == 2 and "--storage foo://bar: cannot open" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_diverged_run_exits_3_with_null_losses(tmp_path, capsys):
+    path = write_spec(tmp_path, tiny_gpt_dict(optimizer={"lr": 1e30}, train={"max_grad_norm": None}))
+    metrics = tmp_path / "m.json"
+    code, out, err = run_main(capsys, "train", path, "--steps", "8", "--no-progress",
+                              "--checkpoint-dir", tmp_path / "ck", "--metrics-out", metrics)
+    assert code == 3 and "diverged" in err
+    import json
+    assert json.loads(metrics.read_text())["final_loss"] is None and json.loads(out)["final_loss"] is None
