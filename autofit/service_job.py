@@ -77,7 +77,7 @@ class TuneJob:
             self.resumed = self.trials_done = finished_trials(storage, study_name(self.spec, self.gpu.device))
 
             def on_trial(record, best, considered: int) -> None:
-                self.trials_done = self.resumed + considered
+                self.trials_done = considered  # the tuner counts across resumes itself
 
             # tune() writes the profile into the store itself, atomically, after validation.
             self.outcome = tune(self.spec, device=self.gpu.device, budget_bytes=self.budget_bytes,
