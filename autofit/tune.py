@@ -221,8 +221,7 @@ def _nothing_fits_message(result: SearchResult, tuner: Tuner, space: SearchSpace
     frugal = space.config(min(space.precisions, key=lambda p: ("bf16-true", "bf16-mixed", "16-mixed").index(p)
                               if p in ("bf16-true", "bf16-mixed", "16-mixed") else 9),
                           space.micro_batch_sizes[0], space.max_checkpoint_blocks, space.max_freeze_blocks)
-    factor, _ = tuner.correction(frugal, result.records)
-    needed = int(tuner.predicted_peak(frugal) * factor)
+    needed = tuner.memory.corrected_peak(frugal, result.records)
     unhealthy = result.count("unhealthy") + result.count("error") + result.count("timeout")
     seen = (f"; the smallest peak seen was {format_bytes(smallest[0])} ({smallest[1].config.short()})"
             if smallest else "")

@@ -1,0 +1,19 @@
+"""The search: an Optuna study over the space of training configs, under a memory budget.
+
+- `space`: the knobs and their allowed values (`SearchSpace`);
+- `memory`: predicted peak, calibration from measured trials, the pruning decision;
+- `seeding`: the memory frontier (seeds) and refinements around a new best;
+- `health`: whether a low-precision trial's losses can be trusted;
+- `study`: what a study stores (`TrialRecord`), `SearchResult`, `make_study`;
+- `loop`: the ask/tell loop (`Tuner`).
+"""
+
+from autofit.search.health import FIRST_LOSS_RTOL, MEAN_LOSS_RTOL, REFERENCE_PRECISIONS, health_problem, reference_for
+from autofit.search.loop import Tuner
+from autofit.search.memory import MemoryModel
+from autofit.search.space import Knob, SearchSpace
+from autofit.search.study import SearchResult, TrialRecord, _redact, make_study, read_records
+
+__all__ = ["FIRST_LOSS_RTOL", "MEAN_LOSS_RTOL", "REFERENCE_PRECISIONS", "Knob", "MemoryModel", "SearchResult",
+           "SearchSpace", "TrialRecord", "Tuner", "_redact", "health_problem", "make_study", "read_records",
+           "reference_for"]

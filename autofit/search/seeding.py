@@ -1,0 +1,71 @@
+"""Where to look first and next: the memory frontier per precision (seeds) and the
+refinements around a new best. Each function takes the space and a `fits(config)` test."""
+
+from collections.abc import Callable
+
+from autofit.knobs import TrainConfig
+from autofit.search.space import SearchSpace
+
+Fits = Callable[[TrainConfig], bool]
+
+
+def fewest_checkpointed(space: SearchSpace, fits: Fits, precision: str, micro: int,
+                        freeze_blocks: int) -> TrainConfig | None:
+    """The fewest checkpointed blocks that make this micro batch fit. Peak memory falls as
+    more blocks are checkpointed, so a binary search over the depth needs about
+    log2(L + 1) estimates instead of L + 1 (each is a fake step)."""
+    def at(blocks: int) -> TrainConfig:
+        return space.config(precision, micro, blocks, freeze_blocks)
+
+    if fits(at(0)):  # the common case on a roomy device: one estimate
+        return at(0)
+    lo, hi = 1, space.max_checkpoint_blocks
+    if hi == 0 or not fits(at(hi)):
+        return None
+    while lo < hi:  # invariant: at(hi) fits
+        mid = (lo + hi) // 2
+        if fits(at(mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return at(hi)
+
+
+def frontier(space: SearchSpace, fits: Fits, precision: str, freeze_blocks: int = 0,
+             limit: int = 3) -> list[TrainConfig]:
+    """The memory frontier at one precision: for the largest micro batches predicted to fit,
+    the fewest checkpointed blocks that make them fit. Throughput grows with micro batch
+    and shrinks with recomputation, so the optimum almost always lies here."""
+    out = []
+    for micro in reversed(space.micro_batch_sizes):
+        config = fewest_checkpointed(space, fits, precision, micro, freeze_blocks)
+        if config is not None:
+            out.append(config)
+        if len(out) == limit:
+            break
+    return out
+
+
+def starting_points(space: SearchSpace, fits: Fits) -> list[TrainConfig]:
+    """Per precision, the largest micro batch predicted to fit without checkpointing, then
+    the frontier points where checkpointing lets a larger micro batch fit."""
+    # Freezing is opt-in; once allowed, the deepest freeze is both smaller and faster.
+    freeze = space.max_freeze_blocks
+    seeds = []
+    for precision in space.precisions:
+        plain = next((c for c in frontier(space, fits, precision, freeze, limit=len(space.micro_batch_sizes))
+                      if c.checkpoint_blocks == 0), None)
+        seeds += [plain] if plain else []
+        seeds += [c for c in frontier(space, fits, precision, freeze, limit=2)
+                  if c not in seeds and (plain is None or c.micro_batch_size > plain.micro_batch_size)]
+    return seeds
+
+
+def refinements(space: SearchSpace, fits: Fits, best: TrainConfig) -> list[TrainConfig]:
+    """After a new best: its neighbours at its precision (cheap local steps), then its
+    precision's frontier under the now-calibrated model, nearest micro batch first."""
+    candidates = [c for c in space.neighbours(best) if c.precision == best.precision]
+    line = frontier(space, fits, best.precision, best.freeze_blocks, limit=len(space.micro_batch_sizes))
+    sizes = space.micro_batch_sizes
+    here = sizes.index(best.micro_batch_size)
+    return candidates + sorted(line, key=lambda c: abs(sizes.index(c.micro_batch_size) - here))

@@ -1,0 +1,124 @@
+"""The search space: every knob's allowed values, declared in one place (`SearchSpace.knobs`).
+
+To add a knob: give `TrainConfig` the field, give `SearchSpace` a field holding its allowed
+values, and declare it in `SearchSpace.knobs()` (one `Knob` line). Suggesting, enqueueing,
+the grid, its size and the neighbours all follow from that declaration.
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import optuna
+
+from autofit.knobs import TrainConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Knob:
+    """One dimension of the space.
+
+    `field` is the `TrainConfig` field it sets; `param` the Optuna parameter name (stored in
+    studies: renaming it orphans every stored study). An ordered knob is suggested as an
+    integer (the value itself when `values` is 0..n, else its index), so TPE models its
+    order; an unordered one as a categorical. `steps` are the one-knob moves tried around a
+    config, nearest first."""
+
+    field: str
+    param: str
+    values: tuple
+    ordered: bool = True
+    steps: tuple[int, ...] = (1, -1)
+
+    @property
+    def by_value(self) -> bool:
+        """Suggested as the value itself (values are exactly 0, 1, ..., n)."""
+        return self.ordered and self.values == tuple(range(len(self.values)))
+
+    def suggest(self, trial: optuna.Trial):
+        if not self.ordered:
+            return trial.suggest_categorical(self.param, self.values)
+        index = trial.suggest_int(self.param, 0, len(self.values) - 1)
+        return self.values[index]
+
+    def encode(self, value):
+        """The Optuna parameter value for `value`."""
+        return self.values.index(value) if self.ordered and not self.by_value else value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchSpace:
+    """Every knob's allowed values. micro batch x accumulation is always the global batch."""
+
+    global_batch_size: int
+    precisions: tuple[str, ...]
+    micro_batch_sizes: tuple[int, ...]  # divisors of the global batch, ascending
+    max_checkpoint_blocks: int
+    max_freeze_blocks: int
+
+    def knobs(self) -> tuple[Knob, ...]:
+        """The knobs, in the order Optuna suggests them. Add a new knob here."""
+        return (
+            Knob(field="precision", param="precision", values=self.precisions, ordered=False),
+            Knob(field="micro_batch_size", param="micro_batch_index", values=self.micro_batch_sizes),
+            Knob(field="checkpoint_blocks", param="checkpoint_blocks",
+                 values=tuple(range(self.max_checkpoint_blocks + 1)), steps=(-1, 1)),
+            Knob(field="freeze_blocks", param="freeze_blocks", values=tuple(range(self.max_freeze_blocks + 1))),
+        )
+
+    def config(self, precision: str, micro_batch_size: int, checkpoint_blocks: int = 0,
+               freeze_blocks: int = 0, **other) -> TrainConfig:
+        return TrainConfig(precision=precision, micro_batch_size=micro_batch_size,
+                           grad_accum_steps=self.global_batch_size // micro_batch_size,
+                           checkpoint_blocks=checkpoint_blocks, freeze_blocks=freeze_blocks, **other)
+
+    def _from_values(self, values: dict) -> TrainConfig:
+        return self.config(**values)
+
+    def suggest(self, trial: optuna.Trial) -> TrainConfig:
+        return self._from_values({k.field: k.suggest(trial) for k in self.knobs()})
+
+    def params(self, config: TrainConfig) -> dict:
+        """Optuna parameters of `config` (for enqueueing)."""
+        return {k.param: k.encode(getattr(config, k.field)) for k in self.knobs()}
+
+    def grid(self) -> list[TrainConfig]:
+        knobs = self.knobs()
+        return [self._from_values(dict(zip((k.field for k in knobs), combo)))
+                for combo in itertools.product(*(k.values for k in knobs))]
+
+    @property
+    def size(self) -> int:
+        size = 1
+        for k in self.knobs():
+            size *= len(k.values)
+        return size
+
+    def neighbours(self, config: TrainConfig) -> list[TrainConfig]:
+        """Configs one step away along one knob, plus one more micro batch paid for by one
+        more checkpointed block: where to look after a duplicate proposal."""
+        out = []
+        ordered = [k for k in self.knobs() if k.ordered]
+        moves = [{k.field: step} for k in ordered[:2] for step in k.steps]
+        moves.append({"micro_batch_size": 1, "checkpoint_blocks": 1})
+        moves += [{k.field: step} for k in ordered[2:] for step in k.steps]
+        by_field = {k.field: k for k in ordered}
+        for move in moves:
+            moved = self._step(config, move, by_field)
+            if moved is not None:
+                out.append(moved)
+        for k in self.knobs():
+            if not k.ordered:
+                out += [config.replace(**{k.field: v}) for v in k.values if v != getattr(config, k.field)]
+        return out
+
+    def _step(self, config: TrainConfig, move: dict, by_field: dict) -> TrainConfig | None:
+        values = {k.field: getattr(config, k.field) for k in self.knobs()}
+        for name, step in move.items():
+            knob = by_field.get(name)
+            if knob is None:
+                return None
+            index = knob.values.index(values[name]) + step
+            if not 0 <= index < len(knob.values):
+                return None
+            values[name] = knob.values[index]
+        return self._from_values(values)

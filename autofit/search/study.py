@@ -1,0 +1,108 @@
+"""The study and what it stores: one `TrialRecord` per finished trial (in the trial's user
+attributes, so any Optuna storage resumes it), the `SearchResult`, and `make_study`."""
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+import optuna
+
+from autofit.errors import SpecError
+from autofit.knobs import TrainConfig
+from autofit.trial import Measurement
+
+_ATTR = "autofit"  # user attr holding a trial's record
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrialRecord:
+    number: int
+    config: TrainConfig
+    status: str  # ok | oom | unhealthy | error | timeout | pruned
+    predicted_peak_bytes: int | None
+    measurement: Measurement | None
+    reason: str | None = None
+
+    @property
+    def samples_per_s(self) -> float:
+        m = self.measurement
+        return m.samples_per_s if m is not None and m.samples_per_s is not None else 0.0
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """Device bytes the trial used: the allocator's peak plus the CUDA context and
+        library workspaces (zero on a CPU), which the budget has to hold too."""
+        m = self.measurement
+        if m is None or m.peak_memory_bytes is None:
+            return None
+        return m.peak_memory_bytes + (m.overhead_bytes or 0)
+
+    def feasible(self, budget_bytes: int) -> bool:
+        peak = self.peak_memory_bytes
+        return self.status == "ok" and peak is not None and peak <= budget_bytes
+
+    def replace(self, **changes) -> "TrialRecord":
+        return dataclasses.replace(self, **changes)
+
+    def to_attr(self) -> dict:
+        return {"status": self.status, "predicted_peak_bytes": self.predicted_peak_bytes, "reason": self.reason,
+                "config": self.config.to_dict(),
+                "measurement": None if self.measurement is None else self.measurement.to_dict()}
+
+    @classmethod
+    def from_attr(cls, number: int, attr: dict) -> "TrialRecord":
+        m = attr.get("measurement")
+        return cls(number=number, config=TrainConfig.from_dict(attr["config"]), status=attr["status"],
+                   predicted_peak_bytes=attr.get("predicted_peak_bytes"), reason=attr.get("reason"),
+                   measurement=None if m is None else Measurement.from_dict(m))
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    records: list[TrialRecord]
+    budget_bytes: int
+    wall_s: float
+    resumed: int  # records loaded from the stored study rather than run by this call
+    stop_reason: str
+    ranked: list[TrialRecord] = field(default_factory=list)  # feasible and healthy, fastest first
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.records)
+
+    @property
+    def measured(self) -> int:
+        return sum(r.measurement is not None for r in self.records)
+
+
+def read_records(study: optuna.Study) -> list[TrialRecord]:
+    """Finished trials in the study: this worker's, earlier runs', and other workers'."""
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        if _ATTR in t.user_attrs:
+            out.append(TrialRecord.from_attr(t.number, t.user_attrs[_ATTR]))
+    return out
+
+
+def make_study(*, study_name: str, storage: str | None, seed: int = 0) -> optuna.Study:
+    """A maximising study with TPE; `storage` is any Optuna storage URL (None: in memory)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True, group=True)
+    try:
+        return optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
+                                   direction="maximize", load_if_exists=True)
+    except ImportError as exc:  # a database driver missing for the URL's scheme
+        raise SpecError(f"--storage {_redact(storage)}: a driver is missing ({exc}); install it, "
+                        f"e.g. pip install psycopg2-binary for postgresql://") from None
+    except Exception as exc:  # sqlalchemy: unknown scheme, unreachable or unwritable database
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpecError(f"--storage {_redact(storage)}: cannot open the study storage: {first[:200]}") from None
+
+
+def _redact(url: str | None) -> str:
+    """Never print a database password."""
+    if url and "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return str(url)
