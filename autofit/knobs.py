@@ -29,6 +29,9 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro batches per optimizer step
     checkpoint_blocks: int = 0  # blocks of the block stack with activation checkpointing
     freeze_blocks: int = 0  # embeddings + the first k blocks frozen (0: nothing frozen)
+    # Text data: each step's samples sorted by length before the micro batches are cut, so
+    # dynamic padding pads less. The step trains on the same samples: the update is the same.
+    length_bucketing: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -41,13 +44,18 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise SpecError(f"{name}: must be an integer >= 0, got {value!r}")
+        if not isinstance(self.length_bucketing, bool):
+            raise SpecError(f"length_bucketing: must be true or false, got {self.length_bucketing!r}")
 
     @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.grad_accum_steps
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if not self.length_bucketing:  # a text-data knob: other profiles do not mention it
+            del out["length_bucketing"]
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict, *, where: str = "config") -> "TrainConfig":
@@ -74,7 +82,8 @@ class TrainConfig:
 
     def short(self) -> str:
         return (f"{self.precision} mb={self.micro_batch_size}x{self.grad_accum_steps} "
-                f"ckpt={self.checkpoint_blocks} freeze={self.freeze_blocks}")
+                f"ckpt={self.checkpoint_blocks} freeze={self.freeze_blocks}"
+                + (" bucketed" if self.length_bucketing else ""))
 
 
 def with_overrides(config: TrainConfig, overrides: dict[str, str], *, global_batch_size: int) -> TrainConfig:
@@ -87,6 +96,10 @@ def with_overrides(config: TrainConfig, overrides: dict[str, str], *, global_bat
             raise SpecError(f"--set {key}: unknown key; allowed: {', '.join(fields)}")
         if key == "precision":
             values[key] = text
+        elif key == "length_bucketing":
+            if text.lower() not in ("true", "false"):
+                raise SpecError(f"--set {key}: must be true or false, got {text!r}")
+            values[key] = text.lower() == "true"
         else:
             try:
                 values[key] = int(text)

@@ -21,7 +21,8 @@ from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
 from autofit.knobs import TrainConfig, apply_config, check_global_batch, trainable_parameters
 from autofit.precision import PrecisionPolicy, check_supported
 from autofit.spec import ModelSpec, OptimizerSpec
-from autofit.workload import Workload, batch_to, split_batch
+from autofit.workload import TextData, Workload, batch_to, split_batch
+from autofit.workload.text import count_tokens
 
 
 def make_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
@@ -111,10 +112,30 @@ class Runner:
 
     def global_batch(self, step: int) -> list:
         """The micro batches of optimizer step `step`, on the device."""
-        batch = self.workload.data.batch(self.spec.train.global_batch_size, step_generator(self.spec.train.seed, step))
+        data, train = self.workload.data, self.spec.train
+        if isinstance(data, TextData):  # padded per micro batch, so it cuts the step itself
+            return self._to_device(data.step_batches(step, train.seed, train.global_batch_size,
+                                                     self.config.micro_batch_size, self.config.length_bucketing))
+        batch = data.batch(train.global_batch_size, step_generator(train.seed, step))
+        return self._to_device(split_batch(batch, self.config.micro_batch_size))
+
+    def peak_batch(self, step: int) -> list:
+        """A step with the largest inputs the data can give at this micro batch: what a
+        peak-memory measurement runs. Fixed-size data: step `step` itself."""
+        data = self.workload.data
+        if isinstance(data, TextData):
+            return self._to_device(data.worst_case_batches(self.spec.train.global_batch_size,
+                                                           self.config.micro_batch_size))
+        return self.global_batch(step)
+
+    def tokens_in(self, micro_batches: list) -> int | None:
+        """Non-pad tokens of a step, for data whose lengths vary (None otherwise)."""
+        return count_tokens(micro_batches) if isinstance(self.workload.data, TextData) else None
+
+    def _to_device(self, micro_batches: list) -> list:
         if self.policy.param_dtype != torch.float32:
-            batch = _cast_floats(batch, self.policy.param_dtype)
-        return [batch_to(mb, self.device) for mb in split_batch(batch, self.config.micro_batch_size)]
+            micro_batches = [_cast_floats(mb, self.policy.param_dtype) for mb in micro_batches]
+        return [batch_to(mb, self.device) for mb in micro_batches]
 
     def step(self, micro_batches: list) -> StepResult:
         """One optimizer step: scaled backward per micro batch, unscale, clip, step."""

@@ -21,7 +21,11 @@ from autofit.errors import SpecError
 SCHEMA_VERSION = 1
 PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
 MODEL_SOURCES = ("builtin", "hf", "python")
-DATA_KINDS = ("synthetic", "tokens", "python")
+DATA_KINDS = ("synthetic", "tokens", "python", "text")
+TEXT_FORMATS = ("jsonl", "txt")
+TEXT_PADDINGS = ("dynamic", "max_length")
+# Keys only data.kind text reads; left out of other kinds' normalised spec (and hash).
+_TEXT_KEYS = ("format", "field", "tokenizer", "max_length", "padding", "packing", "pad_to_multiple_of")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _MISSING = object()
@@ -36,11 +40,19 @@ class ModelSource:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataSpec:
-    kind: str = "synthetic"  # "synthetic" | "tokens" | "python"
-    path: Path | None = None  # tokens: flat uint16 token file (absolute)
+    kind: str = "synthetic"  # "synthetic" | "tokens" | "python" | "text"
+    path: Path | None = None  # tokens: flat uint16 token file; text: the corpus (absolute)
     factory: str | None = None  # python: "module.path:function" returning a Dataset
     seq_len: int | None = None  # overrides the model's sequence length
     args: dict = field(default_factory=dict)  # kwargs for the factory
+    # text only:
+    format: str | None = None  # "jsonl" (one JSON object a line) | "txt" (one sample a line)
+    field: str | None = None  # jsonl: the key holding the text
+    tokenizer: Path | None = None  # a `tokenizers` tokenizer.json (absolute)
+    max_length: int | None = None  # tokens per sample after truncation; default: the model's positions
+    padding: str = "dynamic"  # "dynamic" (to each micro batch's longest) | "max_length"
+    packing: bool = False  # documents joined and cut into max_length windows: no padding
+    pad_to_multiple_of: int = 1  # dynamic padding rounds the length up to a multiple of this
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,8 +107,11 @@ class ModelSpec:
             model = {"hf": {"class": self.model.target, "config": dict(self.model.args)}}
         out["model"] = model
         data = dataclasses.asdict(self.data)
-        if self.data.path is not None:
-            data["path"] = _relative(self.data.path, self.source_dir)
+        if self.data.kind != "text":
+            data = {k: v for k, v in data.items() if k not in _TEXT_KEYS}
+        for key in ("path", "tokenizer"):
+            if data.get(key) is not None:
+                data[key] = _relative(data[key], self.source_dir)
         out["data"] = data
         out["optimizer"] = dataclasses.asdict(self.optimizer) | {"betas": list(self.optimizer.betas)}
         out["train"] = dataclasses.asdict(self.train)
@@ -179,6 +194,13 @@ def parse_spec(raw: Any, *, source_dir: Path) -> ModelSpec:
         raise SpecError("data.factory: required when data.kind is python (\"module.path:function\")")
     if spec.data.kind == "tokens" and spec.data.path is None:
         raise SpecError("data.path: required when data.kind is tokens (a flat uint16 token file)")
+    if spec.data.kind == "text":
+        if spec.data.path is None:
+            raise SpecError("data.path: required when data.kind is text (a .jsonl or .txt corpus)")
+        if spec.data.tokenizer is None:
+            raise SpecError("data.tokenizer: required when data.kind is text (a tokenizers tokenizer.json)")
+        if spec.data.seq_len is not None:
+            raise SpecError("data.seq_len: not for data.kind text; data.max_length sets the sample length")
     return spec
 
 
@@ -213,9 +235,37 @@ def _data(r: "_Reader", source_dir: Path) -> DataSpec:
         factory=factory,
         seq_len=r.positive_int("seq_len", default=None),
         args=r.get("args", dict, default={}),
+        **_text_options(r, kind, path, source_dir),
     )
     r.finish()
     return data
+
+
+def _text_options(r: "_Reader", kind: str, path: str | None, source_dir: Path) -> dict:
+    if kind != "text":
+        given = [k for k in _TEXT_KEYS if r.raw.get(k) is not None]
+        if given:
+            raise SpecError(f"data.{given[0]}: only for data.kind text, not {kind}")
+        r.used.update(_TEXT_KEYS)
+        return {}
+    suffix = Path(path).suffix.lstrip(".") if path else ""
+    fmt = r.choice("format", TEXT_FORMATS, default=suffix if suffix in TEXT_FORMATS else _MISSING)
+    tokenizer = r.get("tokenizer", str, default=None)
+    max_length = r.positive_int("max_length", default=None)
+    if max_length is not None and max_length < 2:
+        raise SpecError(f"data.max_length: at least 2 (one input token and its target), got {max_length}")
+    field_name = r.get("field", str, default=None)
+    if fmt == "txt" and field_name is not None:
+        raise SpecError("data.field: only for format jsonl (a txt corpus is one sample a line)")
+    return {
+        "format": fmt,
+        "field": (field_name or "text") if fmt == "jsonl" else None,
+        "tokenizer": (source_dir / tokenizer).resolve() if tokenizer is not None else None,
+        "max_length": max_length,
+        "padding": r.choice("padding", TEXT_PADDINGS, default="dynamic"),
+        "packing": r.get("packing", bool, default=False),
+        "pad_to_multiple_of": r.positive_int("pad_to_multiple_of", default=1),
+    }
 
 
 def _optimizer(r: "_Reader") -> OptimizerSpec:

@@ -20,7 +20,7 @@ MALFORMED = {
     "two model sources": (_with("model", {"builtin": "gpt", "python": "m:f"}), "model: exactly one source"),
     "no model source": (_with("model", {"args": {}}), "model: exactly one source"),
     "bad precision": (tiny_gpt_dict(search={"precisions": ["bf16"]}), "search.precisions[0]"),
-    "bad data kind": (tiny_gpt_dict(data={"kind": "tokenz"}), "data.kind: must be one of synthetic, tokens, python, got 'tokenz'; did you mean tokens?"),
+    "bad data kind": (tiny_gpt_dict(data={"kind": "tokenz"}), "data.kind: must be one of synthetic, tokens, python, text, got 'tokenz'; did you mean tokens?"),
     "tokens without path": (tiny_gpt_dict(data={"kind": "tokens"}), "data.path: required"),
     "missing token file": (tiny_gpt_dict(data={"kind": "tokens", "path": "nope.bin"}), "data.path"),
     "bad builtin arg": (_with("model", {"builtin": "gpt", "args": {"n_lyer": 2}}), "n_lyer"),

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autofit.errors import SpecError
-from autofit.workload import hf
+from autofit.workload import hf, text
 from autofit.workload.data import (
     Batch,
     DataSource,
@@ -35,10 +35,11 @@ from autofit.workload.data import (
     load_callable,
     split_batch,
 )
+from autofit.workload.text import TextData, text_lm_loss
 from autofit.workload.zoo import BUILTIN_MODELS, builtin_inputs
 
 __all__ = [
-    "BUILTIN_MODELS", "Batch", "DataSource", "InputSpec", "Workload",
+    "BUILTIN_MODELS", "Batch", "DataSource", "InputSpec", "TextData", "Workload",
     "batch_size_of", "batch_to", "build_workload", "split_batch",
 ]
 
@@ -101,15 +102,42 @@ def build_workload(spec) -> Workload:
                             f"{where} is a {inputs.task.replace('_', ' ')} model (use synthetic or python)")
         source_data = TokenFileData(data.path, inputs)
         tokens_per_sample, sample_shape = inputs.seq_len, inputs.sample_shape
+    elif data.kind == "text":
+        source_data = _text_source(spec, inputs, where)
+        loss_fn, tokens_per_sample = text_lm_loss, None  # tokens are counted per step: lengths vary
+        sample_shape = f"tokens[<={source_data.longest_tokens}]"
     elif data.kind == "python":
         source_data = dataset_source(data.factory, data.args, spec.source_dir)
         sample_shape = source_data.describe()
         tokens_per_sample = _dataset_seq_len(source_data) if inputs is not None and inputs.seq_len else None
     else:
-        raise SpecError(f"data.kind: unknown kind {data.kind!r}; allowed: synthetic, tokens, python")
+        raise SpecError(f"data.kind: unknown kind {data.kind!r}; allowed: synthetic, tokens, python, text")
 
     return Workload(name=spec.name, build_model=build_model, data=source_data, loss_fn=loss_fn,
                     tokens_per_sample=tokens_per_sample, sample_shape=sample_shape)
+
+
+def _text_source(spec, inputs: InputSpec | None, where: str) -> TextData:
+    """The tokenized corpus, checked against what the model can take."""
+    data = spec.data
+    if inputs is None or inputs.task != "causal_lm":
+        what = "a python model" if inputs is None else f"a {inputs.task.replace('_', ' ')} model"
+        raise SpecError(f"data.kind: text data trains causal language models (builtin gpt or an hf causal LM); "
+                        f"{where} is {what}")
+    # The built-in GPT reads tokens[:-1] and predicts tokens[1:]; HF models shift inside.
+    positions = inputs.seq_len + (0 if inputs.hf else 1)
+    max_length = data.max_length or positions
+    if max_length > positions:
+        raise SpecError(f"data.max_length: at most {positions} tokens for {where} "
+                        f"({inputs.seq_len} positions), got {max_length}")
+    corpus = text.tokenize(data.path, data.format, data.field, data.tokenizer)
+    if inputs.vocab_size is not None and corpus.vocab_size > inputs.vocab_size:
+        raise SpecError(f"data.tokenizer: {data.tokenizer} has {corpus.vocab_size} tokens, more than the "
+                        f"model's vocab_size ({inputs.vocab_size})")
+    source = TextData(corpus, max_length=max_length, padding=data.padding, packing=data.packing,
+                      pad_to_multiple_of=data.pad_to_multiple_of, hf=inputs.hf, path=data.path)
+    source.check_global_batch(spec.train.global_batch_size)
+    return source
 
 
 def _dataset_seq_len(data: DatasetData) -> int | None:
