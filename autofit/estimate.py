@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_leaves
 from autofit.device.memory import LiveBytesTracker
 from autofit.errors import AutofitError
 from autofit.knobs import TrainConfig, check_global_batch, trainable_parameters
-from autofit.runner import Runner, make_optimizer
+from autofit.optim import build_optimizer
+from autofit.runner import Runner
 from autofit.spec import ModelSpec
 from autofit.workload import Workload, build_workload
 
@@ -209,7 +210,8 @@ class _MetaBuild:
         runner.params = trainable_parameters(runner.model)
         # Rebuilt over the tied parameters, and as the runner builds it on `device_kind`
         # (fused on CUDA: no per-parameter scratch).
-        runner.optimizer = make_optimizer(runner.spec.optimizer, runner.params, torch.device(device_kind))
+        runner.optimizer = build_optimizer(runner.spec.optimizer, runner.params, config=runner.config,
+                                           device=torch.device(device_kind))
 
 
 class _ActivationMeter:

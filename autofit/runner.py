@@ -19,27 +19,11 @@ from autofit._io import atomic_write
 from autofit.errors import AutofitError
 from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
 from autofit.knobs import TrainConfig, apply_config, check_global_batch, trainable_parameters
+from autofit.optim import build_optimizer
 from autofit.precision import PrecisionPolicy, check_supported
-from autofit.spec import ModelSpec, OptimizerSpec
+from autofit.spec import ModelSpec
 from autofit.workload import TextData, Workload, batch_to, split_batch
 from autofit.workload.text import count_tokens
-
-
-def make_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
-    """Weight decay on matrices only (not biases and norms), as nanoGPT and most LLM recipes do.
-    On CUDA the fused kernels: fastest, and no foreach temporaries the size of all gradients."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": spec.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": False}
-    if spec.name == "adamw":
-        return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, **fused)
-    if spec.name == "adam":
-        return torch.optim.Adam(groups, lr=spec.lr, betas=spec.betas, **fused)
-    assert spec.name == "sgd", spec.name
-    return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum, **fused)
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -106,7 +90,7 @@ class Runner:
         self.params = trainable_parameters(self.model)
         if not self.params:
             raise ValueError("every parameter is frozen: nothing to train")
-        self.optimizer = make_optimizer(spec.optimizer, self.params, device)
+        self.optimizer = build_optimizer(spec.optimizer, self.params, config=config, device=device)
         self.scaler = self.policy.make_scaler(device.type)
         self.skipped_steps = 0
 

@@ -6,7 +6,8 @@ import torch
 import autofit
 from autofit.errors import ProfileError
 from autofit.knobs import TrainConfig
-from autofit.runner import make_optimizer, step_generator, train
+from autofit.optim import build_optimizer
+from autofit.runner import step_generator, train
 from autofit.spec import load_spec, parse_spec
 from autofit.store import ProfileStore
 from autofit.workload import build_workload, split_batch
@@ -21,7 +22,7 @@ def _plan_loop(spec, profile, steps: int):
     """What a user writes: build the model, apply the profile, loop over micro batches."""
     workload = build_workload(spec)
     torch.manual_seed(spec.train.seed)  # the runner seeds before building, so the weights match
-    plan = profile.apply(workload.build_model(), lambda params: make_optimizer(spec.optimizer, params, CPU),
+    plan = profile.apply(workload.build_model(), lambda params: build_optimizer(spec.optimizer, params, config=profile.config, device=CPU),
                          device="cpu", max_grad_norm=spec.train.max_grad_norm)
     for step in range(steps):
         # The runner's batches: one global batch per step from the step's own generator.

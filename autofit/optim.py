@@ -1,0 +1,99 @@
+"""The optimizer a run builds, and the name of its implementation.
+
+Every run builds its optimizer here: `Runner`, the estimator, `profile.apply`. A profile
+records `implementation(optimizer)`, so a plan can tell whether the optimizer a user
+built is the one that was measured (a foreach AdamW holds temporaries the size of all
+parameters that the fused one does not).
+
+Weights in fp32 (every precision but `bf16-true`) get PyTorch's own optimizer: fused on
+CUDA, one parameter at a time on a CPU. `bf16-true` weights get torch-optimi's optimizer
+with Kahan summation: a bf16 weight cannot take an update below half its ulp (an AdamW
+step of 3e-4 to a LayerNorm gain of 1.0 rounds away), and the compensation buffer keeps
+the lost low bits and adds them back. docs/precision.md has the measurements behind the
+choice (against torchao's stochastic rounding and against the plain bf16 update).
+"""
+
+import importlib.util
+
+import torch
+from torch import nn
+
+from autofit.errors import AutofitError
+from autofit.knobs import TrainConfig
+from autofit.precision import get_policy
+from autofit.spec import OptimizerSpec
+
+
+class OptimizerMissingError(AutofitError):
+    """An optional optimizer library is not installed."""
+
+
+def param_groups(spec: OptimizerSpec, params: list[nn.Parameter]) -> list[dict]:
+    """Weight decay on matrices only (not biases and norms), as nanoGPT and most LLM recipes do."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": spec.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], *, config: TrainConfig,
+                    device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer `config` runs with on `device`, over the trainable `params`."""
+    groups = param_groups(spec, params)
+    if get_policy(config.precision).param_dtype != torch.float32:
+        return _compensated(spec, groups, device)
+    # On CUDA the fused kernels: fastest, and no foreach temporaries the size of all
+    # gradients. On a CPU one tensor at a time: the foreach path's temporaries would count
+    # against the budget for no speed-up there.
+    impl = {"fused": True} if device.type == "cuda" else {"foreach": False}
+    if spec.name == "adamw":
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, **impl)
+    if spec.name == "adam":
+        return torch.optim.Adam(groups, lr=spec.lr, betas=spec.betas, **impl)
+    assert spec.name == "sgd", spec.name
+    return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum, **impl)
+
+
+def _compensated(spec: OptimizerSpec, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
+    """torch-optimi's optimizer with Kahan summation on, stated rather than left to its
+    dtype-based default, so the profile's record cannot drift with a library default."""
+    try:
+        import optimi
+    except ImportError:
+        raise OptimizerMissingError("bf16-true needs torch-optimi for its compensated (Kahan) updates: "
+                                    "pip install torch-optimi") from None
+    # On CUDA optimi's Triton kernels (one pass per tensor, no foreach temporaries) where
+    # Triton is installed, else its foreach path; on a CPU one tensor at a time.
+    triton = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    impl = {"kahan_sum": True, "triton": triton, "foreach": device.type == "cuda" and not triton,
+            "eps": 1e-8}  # torch's AdamW eps (optimi's default is 1e-6): the same update as 32-true's
+    if spec.name == "adamw":
+        return optimi.AdamW(groups, lr=spec.lr, betas=spec.betas, **impl)
+    if spec.name == "adam":
+        return optimi.Adam(groups, lr=spec.lr, betas=spec.betas, **impl)
+    assert spec.name == "sgd", spec.name
+    impl.pop("eps")
+    return optimi.SGD(groups, lr=spec.lr, momentum=spec.momentum, **impl)
+
+
+def implementation(optimizer: torch.optim.Optimizer) -> str:
+    """`library.Class/kernel[+kahan]`: e.g. `torch.AdamW/fused`, `torch.AdamW/foreach`,
+    `torch.AdamW/per-parameter`, `optimi.AdamW/triton+kahan`. Two optimizers with the same
+    name run the same update with the same memory."""
+    cls = type(optimizer)
+    library = cls.__module__.split(".")[0]
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if group.get("fused"):
+        kernel = "fused"
+    elif group.get("triton"):
+        kernel = "triton"
+    elif group.get("foreach") is None and library == "torch":
+        # torch decides at the first step: foreach when every parameter is on a GPU.
+        on_gpu = all(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
+        kernel = "foreach" if on_gpu and not group.get("differentiable") else "per-parameter"
+    else:
+        kernel = "foreach" if group.get("foreach") else "per-parameter"
+    compensation = "+kahan" if any(g.get("kahan_sum") for g in optimizer.param_groups) else ""
+    return f"{library}.{cls.__name__}/{kernel}{compensation}"
+
