@@ -2,8 +2,11 @@
 steps and writes what it measured as JSON (the fields of `autofit.trial.Measurement`).
 
     python -m autofit._trial_child request.json result.json
+    python -m torch.distributed.run --standalone --nproc-per-node N -m autofit._trial_child request.json result.json
 
 Started by `autofit.trial.measure`, never imported by the parent: it creates a CUDA context.
+Under torchrun (a config with world_size > 1) every rank runs this, measures its own peak
+and step times, and writes `result.json.rank<R>`; the parent merges them.
 """
 
 import json
@@ -17,6 +20,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
+from autofit import distributed
 from autofit._io import atomic_write_text
 from autofit.device.memory import LiveBytesTracker, cap_cuda_memory, cuda_memory_stats
 from autofit.knobs import TrainConfig
@@ -38,6 +42,12 @@ class _Trial:
         self.warmup_steps, self.measure_steps = request["warmup_steps"], request["measure_steps"]
         device = request["device"]
         self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(device))
+        world = distributed.launched_world()
+        if world is not None and self.config.distributed:
+            # One GPU per rank; a rank that waits on a dead peer gives up before the trial's
+            # own timeout, so the parent gets a reason rather than a kill.
+            self.device = distributed.rank_device(world.local_rank, "cpu" if device == "cpu" else None)
+            distributed.init_process_group(self.device, timeout_s=max(30.0, 0.8 * request.get("timeout_s", 600)))
         self.tracker = LiveBytesTracker(budget_bytes=self.budget_bytes) if self.device.type == "cpu" else None
         self.overhead_bytes: int | None = 0 if self.device.type == "cpu" else None
 
@@ -110,7 +120,9 @@ class _Trial:
             step_times_s.append(time.perf_counter() - started)
             losses.append(result.loss.detach())
             skipped += int(result.skipped)
-        return self._result(workload, [x.item() for x in losses], step_times_s, skipped)
+        # One collective for the whole run: the global batch's loss per step, for the health check.
+        losses = distributed.mean_over_ranks(torch.stack(losses).float()).tolist()
+        return self._result(workload, losses, step_times_s, skipped)
 
     def _result(self, workload, losses: list[float], step_times_s: list[float], skipped: int) -> dict:
         step_time_s = statistics.median(step_times_s)
@@ -214,8 +226,34 @@ def main(request_path: str, result_path: str) -> int:
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="{message}")  # the parent quotes the last line
     request = json.loads(Path(request_path).read_text())
-    atomic_write_text(result_path, json.dumps(run_request(request), default=str) + "\n")
+    world = distributed.launched_world()
+    if world is None or world.world_size == 1:
+        atomic_write_text(result_path, json.dumps(run_request(request), default=str) + "\n")
+        return 0
+    _die_with_parent()
+    out = run_request(request)
+    atomic_write_text(f"{result_path}.rank{world.rank}", json.dumps(out, default=str) + "\n")
+    if out.get("status") in ("oom", "error"):
+        # Peers may be blocked in a collective this rank will never join: a non-zero exit
+        # makes torchrun stop them now instead of at the collective's timeout.
+        return 1
+    distributed.destroy_process_group()
     return 0
+
+
+def _die_with_parent() -> None:
+    """torchrun starts each rank in a session of its own, so killing the trial's process group
+    does not reach the ranks; the kernel kills a rank when its torchrun dies (Linux)."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # torchrun died before prctl took effect
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ def cmd_train(args) -> int:
     metrics = train_command(args.spec, profile=args.profile, steps=args.steps, resume=args.resume,
                             device=args.device, checkpoint_dir=args.checkpoint_dir,
                             memory_budget=args.memory_budget, progress=not args.no_progress)
+    if metrics.get("rank", 0) != 0:
+        return 0  # under torchrun the metrics are rank 0's to report
     metrics = _finite(metrics)  # JSON has no NaN: a diverged loss is written as null
     _write_json(args.metrics_out, metrics)
     summary = {k: metrics[k] for k in ("steps", "first_loss", "final_loss", "samples_per_s", "peak_memory_bytes")}
@@ -185,8 +187,9 @@ def cmd_estimate(args) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
+        per_rank = f", per rank of {out['world_size']}" if out.get("per_rank") else ""
         print(f"{out['parameters']:,} parameters ({out['trainable_parameters']:,} trainable), "
-              f"{out['device_kind']} estimate")
+              f"{out['device_kind']} estimate{per_rank}")
         for part, n_bytes in out["bytes"].items():
             print(f"  {part:<12} {format_bytes(n_bytes):>12}")
         if "max_micro_batch_size" in out:

@@ -2,6 +2,7 @@
 Called from Python they raise `AutofitError`s; the CLI turns those into one line."""
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +26,10 @@ def parse_budget(text: str | None, *, total_bytes: int | None = None) -> int | N
 def train_command(spec_path: str | Path, *, profile: str | Path | None = None, steps: int | None = None,
                   resume: bool = False, device: str | None = None, checkpoint_dir: str | Path | None = None,
                   memory_budget: str | None = None, progress: bool = True) -> dict:
-    """`autofit train`: the spec's defaults, or a tuned profile's config."""
+    """`autofit train`: the spec's defaults, or a tuned profile's config. Under torchrun
+    (RANK and WORLD_SIZE set) every rank runs this: one process group, one GPU per rank
+    (the CPU with gloo where there is none), the spec's default config as DDP."""
+    from autofit import distributed
     from autofit.device.probe import select_device
     from autofit.profile import device_from_info
     from autofit.runner import resolve_device, train
@@ -34,7 +38,14 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     spec = load_spec(spec_path)
     if steps is not None and steps < 1:
         raise SpecError(f"--steps: must be a positive integer, got {steps}")
+    world = distributed.launched_world()
     config = TrainConfig.default_for(spec)
+    if world is not None and world.world_size > 1 and profile is None:
+        if spec.train.global_batch_size % world.world_size:
+            raise SpecError(f"train.global_batch_size {spec.train.global_batch_size} does not split over "
+                            f"{world.world_size} ranks")
+        config = config.replace(parallelism="ddp", world_size=world.world_size,
+                                micro_batch_size=spec.train.global_batch_size // world.world_size)
     if profile is not None:
         from autofit.profile import Profile
 
@@ -42,8 +53,22 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
         loaded.check_spec(spec)
         config = loaded.config
     check_global_batch(config, spec.train.global_batch_size)
-    info = select_device(device)  # a bad index is one line here, not a CUDA error later
-    torch_device = resolve_device("cpu" if info.kind == "cpu" else info.index)
+    launched = 1 if world is None else world.world_size
+    if config.world_size != launched:
+        how = (f"launch it with `torchrun --nproc-per-node {config.world_size} -m autofit train ...`"
+               if config.world_size > 1 else "run it without torchrun, or tune with --nproc")
+        raise SpecError(f"the config is for world_size={config.world_size}, this job has {launched} "
+                        f"process(es): {how}")
+    if world is not None and world.world_size > 1:
+        torch_device = distributed.rank_device(world.local_rank, device)
+        info = select_device("cpu" if torch_device.type == "cpu" else torch_device.index)
+        distributed.init_process_group(torch_device)
+        if world.rank != 0:  # metrics and progress come from rank 0
+            logger.remove()
+            logger.add(lambda m: print(m, end="", file=sys.stderr), level="WARNING")
+    else:
+        info = select_device(device)  # a bad index is one line here, not a CUDA error later
+        torch_device = resolve_device("cpu" if info.kind == "cpu" else info.index)
     if profile is not None:
         diffs = loaded.device_differences(device_from_info(info))
         if diffs:
@@ -53,8 +78,12 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     ensure_folder(ckpt_dir, "--checkpoint-dir")
     budget_bytes = parse_budget(memory_budget)
     try:
-        return train(spec, workload, config, device=torch_device, steps=steps, checkpoint_dir=ckpt_dir,
-                     resume=resume, progress=progress, memory_budget_bytes=budget_bytes)
+        metrics = train(spec, workload, config, device=torch_device, steps=steps, checkpoint_dir=ckpt_dir,
+                        resume=resume, progress=progress, memory_budget_bytes=budget_bytes)
+        # On failure a rank exits with the error and torchrun stops its peers; a clean end
+        # tears the group down here, so no rank waits on another at exit.
+        distributed.destroy_process_group()
+        return metrics
     except torch.OutOfMemoryError:
         where = f"the memory budget of {format_bytes(budget_bytes)}" if budget_bytes else "device memory"
         raise NothingFitsError(f"out of memory: {config.short()} does not fit {where}; "

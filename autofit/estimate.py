@@ -54,19 +54,27 @@ class MemoryEstimate:
     activations_bytes: int  # saved for backward by one micro batch's forward (autocast weight copies included)
     temporaries_bytes: int  # everything else live at the peak: logits' gradient, optimizer scratch
     peak_bytes: int
+    # Several ranks: every byte figure above is one rank's (FSDP2's sharded state included).
+    world_size: int = 1
+    collective_bytes: int = 0  # FSDP2: gathered units and unsharded gradients in flight; DDP: gradient buckets
 
     @property
     def model_state_bytes(self) -> int:
         return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
 
     def to_dict(self) -> dict:
-        return {
+        parts = {"parameters": self.parameters_bytes, "gradients": self.gradients_bytes,
+                 "optimizer": self.optimizer_bytes, "activations": self.activations_bytes}
+        if self.world_size > 1:
+            parts["collectives"] = self.collective_bytes
+        out = {
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
-            "bytes": {"parameters": self.parameters_bytes, "gradients": self.gradients_bytes,
-                      "optimizer": self.optimizer_bytes, "activations": self.activations_bytes,
-                      "temporaries": self.temporaries_bytes, "peak": self.peak_bytes},
+            "bytes": parts | {"temporaries": self.temporaries_bytes, "peak": self.peak_bytes},
         }
+        if self.world_size > 1:
+            out |= {"world_size": self.world_size, "per_rank": True, "model_state_bytes": self.model_state_bytes}
+        return out
 
 
 def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = "cpu") -> MemoryEstimate:
@@ -127,7 +135,9 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     micro_batches = min(config.grad_accum_steps, _MICRO_BATCHES)
     small_spec = dataclasses.replace(spec, train=dataclasses.replace(
         spec.train, global_batch_size=config.micro_batch_size * micro_batches))
-    small_config = config.replace(grad_accum_steps=micro_batches)
+    # One rank runs the same step as one process on its share of the batch; what the
+    # strategy adds or shards is applied afterwards (autofit.estimate_shard).
+    small_config = config.replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1)
     # Real (meta) tensors are let in: a model's constant tensors become fake on first use.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = LiveBytesTracker()
@@ -170,7 +180,12 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     # Runner.global_batch puts every micro batch of a step on the device before the first
     # forward; only `micro_batches` of them were simulated, the others' inputs sit there too.
     idle_bytes = (config.grad_accum_steps - micro_batches) * _input_bytes(real[0])
-    return _breakdown(runner, tracker.peak_bytes + idle_bytes, activations.peak_bytes)
+    one = _breakdown(runner, tracker.peak_bytes + idle_bytes, activations.peak_bytes)
+    if config.world_size == 1:
+        return one
+    from autofit.estimate_shard import per_rank
+
+    return per_rank(one, runner.model, config, device_kind)
 
 
 def _input_bytes(micro_batch) -> int:

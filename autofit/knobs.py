@@ -10,6 +10,8 @@ from torch import nn
 from autofit.errors import SpecError
 from autofit.spec import PRECISIONS, ModelSpec
 
+PARALLELISMS = ("none", "ddp", "fsdp")  # one process; DistributedDataParallel; FSDP2 fully_shard
+
 # The one place a private torch API is used: the checkpoint wrapper that torchtitan and
 # FSDP use. It keeps state_dict keys unchanged, which plain torch.utils.checkpoint in a
 # hand-made wrapper would not. tests/test_knobs.py fails loudly if torch moves it.
@@ -32,11 +34,23 @@ class TrainConfig:
     # Text data: each step's samples sorted by length before the micro batches are cut, so
     # dynamic padding pads less. The step trains on the same samples: the update is the same.
     length_bucketing: bool = False
+    # Data parallelism over `world_size` ranks (one process per GPU, launched by torchrun).
+    # The defaults are one process, so profiles written before these fields load unchanged.
+    parallelism: str = "none"  # none | ddp | fsdp
+    world_size: int = 1  # ranks; each runs micro_batch_size x grad_accum_steps samples per step
+    reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
+    bucket_cap_mb: int = 25  # ddp: gradient bucket size, MiB (torch's default)
+    gradient_as_bucket_view: bool = False  # ddp: gradients are views into the buckets (one copy fewer)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise SpecError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        for name in ("micro_batch_size", "grad_accum_steps"):
+        if self.parallelism not in PARALLELISMS:
+            raise SpecError(f"parallelism: must be one of {', '.join(PARALLELISMS)}, got {self.parallelism!r}")
+        for name in ("reshard_after_forward", "gradient_as_bucket_view"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "bucket_cap_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SpecError(f"{name}: must be a positive integer, got {value!r}")
@@ -46,15 +60,33 @@ class TrainConfig:
                 raise SpecError(f"{name}: must be an integer >= 0, got {value!r}")
         if not isinstance(self.length_bucketing, bool):
             raise SpecError(f"length_bucketing: must be true or false, got {self.length_bucketing!r}")
+        if self.parallelism == "none" and self.world_size != 1:
+            raise SpecError(f"world_size: parallelism none runs one process, got world_size={self.world_size}; "
+                            f"set parallelism to ddp or fsdp")
 
     @property
     def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+
+    @property
+    def rank_batch_size(self) -> int:
+        """Samples one rank processes per optimizer step."""
         return self.micro_batch_size * self.grad_accum_steps
+
+    @property
+    def distributed(self) -> bool:
+        return self.parallelism != "none"
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         if not self.length_bucketing:  # a text-data knob: other profiles do not mention it
             del out["length_bucketing"]
+        # A strategy's own knobs are written only with that strategy: a one-process profile
+        # does not list DDP bucket sizes it never used.
+        if self.parallelism != "fsdp":
+            del out["reshard_after_forward"]
+        if self.parallelism != "ddp":
+            del out["bucket_cap_mb"], out["gradient_as_bucket_view"]
         return out
 
     @classmethod
@@ -81,9 +113,14 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def short(self) -> str:
-        return (f"{self.precision} mb={self.micro_batch_size}x{self.grad_accum_steps} "
+        text = (f"{self.precision} mb={self.micro_batch_size}x{self.grad_accum_steps} "
                 f"ckpt={self.checkpoint_blocks} freeze={self.freeze_blocks}"
                 + (" bucketed" if self.length_bucketing else ""))
+        if self.parallelism == "fsdp":
+            text += f" fsdp x{self.world_size}" + ("" if self.reshard_after_forward else " keep-gathered")
+        elif self.parallelism == "ddp":
+            text += f" ddp x{self.world_size}" + (" bucket-view" if self.gradient_as_bucket_view else "")
+        return text
 
 
 def with_overrides(config: TrainConfig, overrides: dict[str, str], *, global_batch_size: int) -> TrainConfig:
@@ -94,29 +131,41 @@ def with_overrides(config: TrainConfig, overrides: dict[str, str], *, global_bat
     for key, text in overrides.items():
         if key not in fields:
             raise SpecError(f"--set {key}: unknown key; allowed: {', '.join(fields)}")
-        if key == "precision":
+        if key in ("precision", "parallelism"):
             values[key] = text
-        elif key == "length_bucketing":
-            if text.lower() not in ("true", "false"):
+        elif fields[key] is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise SpecError(f"--set {key}: must be true or false, got {text!r}")
-            values[key] = text.lower() == "true"
+            values[key] = text.lower() in ("true", "1", "yes")
         else:
             try:
                 values[key] = int(text)
             except ValueError:
                 raise SpecError(f"--set {key}: must be an integer, got {text!r}") from None
+    if "world_size" in overrides and "parallelism" not in overrides and values["world_size"] > 1 \
+            and values["parallelism"] == "none":
+        values["parallelism"] = "ddp"  # several ranks and no strategy named: plain data parallel
+    # Each rank's share of the global batch; micro batch x accumulation must fill it.
+    world = values["world_size"] if isinstance(values["world_size"], int) and values["world_size"] > 0 else 1
+    if global_batch_size % world:
+        raise SpecError(f"--set world_size: must divide the global batch size {global_batch_size}, got {world}")
+    rank_batch = global_batch_size // world
     if "micro_batch_size" in overrides and "grad_accum_steps" not in overrides:
         micro = values["micro_batch_size"]
-        if micro < 1 or global_batch_size % micro:
-            raise SpecError(f"--set micro_batch_size: must divide the global batch size "
-                            f"{global_batch_size}, got {micro}")
-        values["grad_accum_steps"] = global_batch_size // micro
+        if micro < 1 or rank_batch % micro:
+            raise SpecError(f"--set micro_batch_size: must divide the per-rank batch size "
+                            f"{rank_batch} (global {global_batch_size} / world size {world}), got {micro}")
+        values["grad_accum_steps"] = rank_batch // micro
     elif "grad_accum_steps" in overrides and "micro_batch_size" not in overrides:
         accum = values["grad_accum_steps"]
-        if accum < 1 or global_batch_size % accum:
-            raise SpecError(f"--set grad_accum_steps: must divide the global batch size "
-                            f"{global_batch_size}, got {accum}")
-        values["micro_batch_size"] = global_batch_size // accum
+        if accum < 1 or rank_batch % accum:
+            raise SpecError(f"--set grad_accum_steps: must divide the per-rank batch size "
+                            f"{rank_batch}, got {accum}")
+        values["micro_batch_size"] = rank_batch // accum
+    elif "world_size" in overrides and "micro_batch_size" not in overrides:
+        # Keep the micro batch where it can; the accumulation makes up the rest.
+        micro = values["micro_batch_size"] if rank_batch % values["micro_batch_size"] == 0 else rank_batch
+        values["micro_batch_size"], values["grad_accum_steps"] = micro, rank_batch // micro
     new = TrainConfig.from_dict(values)
     check_global_batch(new, global_batch_size)
     return new
@@ -124,6 +173,11 @@ def with_overrides(config: TrainConfig, overrides: dict[str, str], *, global_bat
 
 def check_global_batch(config: TrainConfig, global_batch_size: int) -> None:
     if config.global_batch_size != global_batch_size:
+        if config.world_size > 1:
+            raise SpecError(
+                f"micro_batch_size x grad_accum_steps x world_size must equal train.global_batch_size "
+                f"({global_batch_size}), got {config.micro_batch_size} x {config.grad_accum_steps} x "
+                f"{config.world_size} = {config.global_batch_size}")
         raise SpecError(
             f"micro_batch_size x grad_accum_steps must equal train.global_batch_size ({global_batch_size}), "
             f"got {config.micro_batch_size} x {config.grad_accum_steps} = {config.global_batch_size}")

@@ -10,6 +10,11 @@
 
 The step is the built-in runner's own (`autofit.runner.optimizer_step`), so the loop trains
 exactly as `autofit train --profile` does and as the profile was measured.
+
+A profile tuned with `--nproc N` (parallelism ddp or fsdp) is applied in each of the N
+ranks of a torchrun job, after `torch.distributed.init_process_group()`: `plan.model` is
+then the DDP or FSDP2-wrapped model, and each rank feeds it its own share of the data
+(`plan.micro_batch_size` samples per micro batch, a DistributedSampler's job).
 """
 
 import contextlib
@@ -18,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from autofit import distributed
 from autofit.errors import DeviceError, ProfileError
 from autofit.knobs import TrainConfig, apply_config, trainable_parameters
 from autofit.precision import PrecisionPolicy, check_supported
@@ -42,8 +48,9 @@ class TrainingPlan:
         # freezing/checkpointing are applied before the cast so the wrappers move with the model.
         self.policy: PrecisionPolicy = check_supported(config.precision, self.device)
         self.policy.set_matmul_precision()
+        distributed.check_world(config, what="profile")
         apply_config(model, config)
-        self.model = model.to(device=self.device, dtype=self.policy.param_dtype)
+        self.model = distributed.place_model(model, config, self.device, self.policy.param_dtype)
         self.model.train()
         self.parameters = trainable_parameters(self.model)
         if not self.parameters:
@@ -74,8 +81,14 @@ class TrainingPlan:
         return self.config.global_batch_size
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward pass's autocast (a no-op for 32-true, tf32 and bf16-true)."""
-        return self.policy.autocast(self.device.type)
+        """The forward pass's autocast (a no-op for 32-true, tf32 and bf16-true). Under DDP
+        also `no_sync()` for all but the window's last micro batch: DDP decides in the
+        forward whether the backward all-reduces."""
+        stack = contextlib.ExitStack()
+        last = self._micro_batches + 1 >= self.grad_accum_steps
+        stack.enter_context(distributed.no_sync(self.model, self.config, last=last))
+        stack.enter_context(self.policy.autocast(self.device.type))
+        return stack
 
     def to_device(self, batch: Batch) -> Batch:
         """A batch on the plan's device; under bf16-true its float inputs in bf16 too,

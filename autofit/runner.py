@@ -15,6 +15,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from autofit import distributed
 from autofit._io import atomic_write
 from autofit.errors import AutofitError
 from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
@@ -83,9 +84,13 @@ class Runner:
         self.spec, self.workload, self.config, self.device = spec, workload, config, device
         self.policy: PrecisionPolicy = check_supported(config.precision, device)
         self.policy.set_matmul_precision()
+        if config.distributed:
+            distributed.check_world(config)
+        # Every rank builds the same initial weights from the seed: DDP and FSDP2 both
+        # start from identical replicas (DDP also broadcasts rank 0's to be sure).
         torch.manual_seed(spec.train.seed)
         model = apply_config(workload.build_model(), config)
-        self.model = model.to(device=device, dtype=self.policy.param_dtype)
+        self.model = distributed.place_model(model, config, device, self.policy.param_dtype)
         self.model.train()
         self.params = trainable_parameters(self.model)
         if not self.params:
@@ -95,21 +100,22 @@ class Runner:
         self.skipped_steps = 0
 
     def global_batch(self, step: int) -> list:
-        """The micro batches of optimizer step `step`, on the device."""
+        """This rank's micro batches of optimizer step `step`, on the device."""
         data, train = self.workload.data, self.spec.train
         if isinstance(data, TextData):  # padded per micro batch, so it cuts the step itself
-            return self._to_device(data.step_batches(step, train.seed, train.global_batch_size,
-                                                     self.config.micro_batch_size, self.config.length_bucketing))
+            return self._to_device(distributed.rank_share(data.step_batches(
+                step, train.seed, train.global_batch_size, self.config.micro_batch_size,
+                self.config.length_bucketing), self.config))
         batch = data.batch(train.global_batch_size, step_generator(train.seed, step))
-        return self._to_device(split_batch(batch, self.config.micro_batch_size))
+        return self._to_device(distributed.rank_share(split_batch(batch, self.config.micro_batch_size), self.config))
 
     def peak_batch(self, step: int) -> list:
         """A step with the largest inputs the data can give at this micro batch: what a
         peak-memory measurement runs. Fixed-size data: step `step` itself."""
         data = self.workload.data
         if isinstance(data, TextData):
-            return self._to_device(data.worst_case_batches(self.spec.train.global_batch_size,
-                                                           self.config.micro_batch_size))
+            return self._to_device(distributed.rank_share(data.worst_case_batches(
+                self.spec.train.global_batch_size, self.config.micro_batch_size), self.config))
         return self.global_batch(step)
 
     def tokens_in(self, micro_batches: list) -> int | None:
@@ -126,11 +132,13 @@ class Runner:
         n_micro = len(micro_batches)
         assert n_micro == self.config.grad_accum_steps, (n_micro, self.config.grad_accum_steps)
         loss_sum = None  # the hot path: no extra tensors beyond one add per micro batch
-        for micro_batch in micro_batches:
-            with self.policy.autocast(self.device.type):
-                loss = self.workload.loss_fn(self.model, micro_batch)
-            # Mean over micro batches == mean over the global batch: accumulation is exact.
-            self.scaler.scale(loss / n_micro).backward()
+        for i, micro_batch in enumerate(micro_batches):
+            with distributed.no_sync(self.model, self.config, last=i == n_micro - 1):
+                with self.policy.autocast(self.device.type):
+                    loss = self.workload.loss_fn(self.model, micro_batch)
+                # Mean over micro batches == mean over the global batch: accumulation is
+                # exact, and DDP/FSDP2 average the ranks' gradients.
+                self.scaler.scale(loss / n_micro).backward()
             # .float() is free for an fp32 loss and keeps a bf16 one from rounding the sum.
             loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
         skipped = optimizer_step(self.optimizer, self.scaler, self.params, self.spec.train.max_grad_norm)
@@ -150,9 +158,11 @@ class Runner:
             "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps, "history": history,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict, *, weights: bool = True) -> None:
+        """`weights=False`: model and optimizer were loaded already (sharded checkpoints)."""
+        if weights:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
@@ -186,33 +196,25 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
                               "steps": total_steps, "global_batch_size": spec.train.global_batch_size})
 
     start_step, history = 0, {"losses": []}
-    ckpt_path = checkpoint_dir / "checkpoint.pt" if checkpoint_dir is not None else None
+    checkpoint = _Checkpoints(runner, checkpoint_dir)
     if resume:
-        if ckpt_path is None or not ckpt_path.exists():
-            logger.warning("--resume: no checkpoint at {}; starting from step 0", ckpt_path)
-        else:
-            try:
-                state = torch.load(ckpt_path, map_location=device, weights_only=False)
-                if state["spec_hash"] != spec.spec_hash:
-                    logger.warning("checkpoint was written for a different model.yaml (spec hash differs)")
-                runner.load_state_dict(state)
-            except Exception as exc:  # unpickling and load_state_dict raise many kinds
-                raise CheckpointError(f"--resume: {ckpt_path} cannot be loaded into this model "
-                                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
-                                      f"use another --checkpoint-dir or drop --resume") from None
-            start_step, history = state["step"], state["history"]
-            logger.info("resumed from {} at step {}", ckpt_path, start_step)
+        loaded = checkpoint.load(spec)
+        if loaded is not None:
+            start_step, history = loaded
 
     samples_per_step = spec.train.global_batch_size
     timed_s, timed_steps, losses = 0.0, 0, history["losses"]
-    bar = _progress(range(start_step, total_steps), total_steps, start_step, progress)
+    bar = _progress(range(start_step, total_steps), total_steps, start_step,
+                    progress and distributed.current_rank() == 0)
     for step in bar:
         batch = runner.global_batch(step)
         t0 = time.perf_counter()
         tracked = tracker is not None and step - start_step < 2
         with tracker if tracked else contextlib.nullcontext():
             result = runner.step(batch)
-        loss = result.loss.item()  # syncs, so the step time below is real
+        # The global batch's loss (ranks average theirs); reading it syncs, so the step
+        # time below is real.
+        loss = distributed.mean_over_ranks(result.loss).item()
         step_time_s = time.perf_counter() - t0
         # The first step pays for warm-up and lazy allocation; tracked steps for the tracker.
         if step > start_step and not tracked:
@@ -228,18 +230,20 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
         if (step + 1) % spec.train.log_every == 0:
             logger.info("step {}/{} loss {:.4f} samples/s {:.1f}", step + 1, total_steps, loss, samples_per_s)
         every = spec.train.checkpoint_every
-        if ckpt_path is not None and every and (step + 1) % every == 0 and step + 1 < total_steps:
-            save_atomic(runner.state_dict(step + 1, history), ckpt_path)
+        if every and (step + 1) % every == 0 and step + 1 < total_steps:
+            checkpoint.save(step + 1, history)
     final_step = len(losses)  # the history holds one loss per step since step 0
     healthy = not losses or math.isfinite(losses[-1])
-    if ckpt_path is not None and healthy:  # never overwrite a good checkpoint with NaN weights
-        save_atomic(runner.state_dict(final_step, history), ckpt_path)
+    if healthy:  # never overwrite a good checkpoint with NaN weights
+        checkpoint.save(final_step, history)
 
     samples_per_s = samples_per_step * timed_steps / timed_s if timed_s > 0 else None
     if device.type == "cuda":
         peak_memory_bytes = cuda_memory_stats(device).peak_reserved_bytes
     else:
         peak_memory_bytes = tracker.peak_bytes
+    # Every rank must fit its device: the job's peak is the worst rank's.
+    peak_memory_bytes = distributed.max_over_ranks(peak_memory_bytes, device)
     return {
         "steps": final_step,
         "start_step": start_step,
@@ -254,8 +258,55 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
         "skipped_steps": runner.skipped_steps,
         "config": config.to_dict(),
         "device": _device_name(device),
-        "checkpoint": str(ckpt_path) if ckpt_path is not None else None,
+        "checkpoint": str(checkpoint.path) if checkpoint.path is not None else None,
+        "world_size": config.world_size,
+        "rank": distributed.current_rank(),
     }
+
+
+class _Checkpoints:
+    """One process: an atomic `checkpoint.pt`. Several ranks: a torch.distributed.checkpoint
+    folder, each rank writing its own shards (an FSDP2 rank never holds the whole model)."""
+
+    def __init__(self, runner: Runner, folder: Path | None):
+        self.runner = runner
+        self.sharded = runner.config.distributed
+        self.path = None if folder is None else folder / ("checkpoint" if self.sharded else "checkpoint.pt")
+
+    def save(self, step: int, history: dict) -> None:
+        if self.path is None:
+            return
+        if not self.sharded:
+            save_atomic(self.runner.state_dict(step, history), self.path)
+            return
+        r = self.runner
+        extra = {"step": step, "config": r.config.to_dict(), "spec_hash": r.spec.spec_hash,
+                 "scaler": r.scaler.state_dict(), "skipped_steps": r.skipped_steps, "history": history}
+        distributed.save_checkpoint(self.path, r.model, r.optimizer, extra)
+
+    def load(self, spec: ModelSpec) -> tuple[int, dict] | None:
+        """(step, history) of the checkpoint loaded into the runner; None when there is none."""
+        path = self.path
+        if path is not None and self.sharded:
+            path = distributed.checkpoint_folder(path)
+        if path is None or not path.exists():
+            logger.warning("--resume: no checkpoint at {}; starting from step 0", self.path)
+            return None
+        try:
+            if self.sharded:
+                state = distributed.load_checkpoint(path, self.runner.model, self.runner.optimizer)
+                self.runner.load_state_dict(state, weights=False)
+            else:
+                state = torch.load(path, map_location=self.runner.device, weights_only=False)
+                self.runner.load_state_dict(state)
+            if state["spec_hash"] != spec.spec_hash:
+                logger.warning("checkpoint was written for a different model.yaml (spec hash differs)")
+        except Exception as exc:  # unpickling and load_state_dict raise many kinds
+            raise CheckpointError(f"--resume: {path} cannot be loaded into this model "
+                                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                                  f"use another --checkpoint-dir or drop --resume") from None
+        logger.info("resumed from {} at step {}", path, state["step"])
+        return state["step"], state["history"]
 
 
 def _progress(steps: range, total: int, start: int, enabled: bool):

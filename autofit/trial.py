@@ -94,6 +94,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
         "device": device, "budget_bytes": budget_bytes,
         "warmup_steps": spec.search.warmup_steps if warmup_steps is None else warmup_steps,
         "measure_steps": spec.search.measure_steps if measure_steps is None else measure_steps,
+        "timeout_s": timeout_s,
     }
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
@@ -101,6 +102,8 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
         request_path.write_text(json.dumps(request, default=str))
         with open(log_path, "wb") as log_file:
             command = [sys.executable, "-m", "autofit._trial_child", str(request_path), str(result_path)]
+            if config.world_size > 1:
+                command[1:3] = _torchrun_args(config.world_size)
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                     env=_child_env(device), start_new_session=True)
             try:
@@ -109,9 +112,9 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
                 _kill_group(proc)  # on every path, so nothing the child started outlives the trial
         log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         wall_s = time.perf_counter() - started
-        if ended == "exited" and result_path.exists():
-            result = Measurement.from_dict(json.loads(result_path.read_text()))
-            measurement = dataclasses.replace(result, wall_s=wall_s)
+        result = _read_result(result_path, config.world_size) if ended == "exited" else None
+        if result is not None:
+            measurement = dataclasses.replace(Measurement.from_dict(result), wall_s=wall_s)
         else:
             status, reason = _failure(ended, proc.returncode, timeout_s, log_tail)
             measurement = Measurement(status=status, config=config, budget_bytes=budget_bytes, reason=reason,
@@ -119,6 +122,48 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     if measurement.status not in ("ok", "oom"):
         logger.debug("trial {} log tail:\n{}", config.short(), log_tail)
     return measurement
+
+
+def _torchrun_args(world_size: int) -> list[str]:
+    """`python -m torch.distributed.run` on this host: a free rendezvous port of its own
+    (--standalone), no restarts (a failed rank fails the trial), and the rank run as the
+    trial child module."""
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+            "--max-restarts=0", "--monitor-interval=0.2", "-m", "autofit._trial_child"]
+
+
+def _read_result(result_path: Path, world_size: int) -> dict | None:
+    """One child's result; for N ranks their merge: the worst rank's peak, the slowest rank's
+    step (every step ends in a collective, so the job runs at its pace), and the first
+    failure's status. None when a rank left no result (it was killed, or torchrun stopped it)."""
+    if world_size == 1:
+        return json.loads(result_path.read_text()) if result_path.exists() else None
+    ranks = []
+    for rank in range(world_size):
+        path = result_path.with_name(f"{result_path.name}.rank{rank}")
+        if path.exists():
+            ranks.append(json.loads(path.read_text()))
+    failed = [r for r in ranks if r.get("status") != "ok"]
+    if failed:  # an OOM on one rank is the trial's OOM even though torchrun stopped the others
+        worst = next((r for r in failed if r.get("status") == "oom"), failed[0])
+        return worst | {"peak_memory_bytes": _max(ranks, "peak_memory_bytes"),
+                        "peak_allocated_bytes": _max(ranks, "peak_allocated_bytes")}
+    if len(ranks) < world_size:
+        return None
+    slowest = max(ranks, key=lambda r: r["step_time_s"])
+    out = dict(ranks[0])  # losses are already the global batch's (the ranks averaged them)
+    for key in ("peak_memory_bytes", "peak_allocated_bytes", "overhead_bytes", "allocator_retries",
+                "scaler_skipped_steps"):
+        out[key] = _max(ranks, key)
+    for key in ("step_time_s", "step_times_s", "samples_per_s", "tokens_per_s"):
+        out[key] = slowest[key]
+    out["wall_s"] = max(r.get("wall_s", 0.0) for r in ranks)
+    return out
+
+
+def _max(ranks: list[dict], key: str):
+    values = [r[key] for r in ranks if r.get(key) is not None]
+    return max(values) if values else None
 
 
 def _device_arg(device: str | int) -> str:
@@ -155,7 +200,8 @@ def _wait(proc: subprocess.Popen, timeout_s: float, stop_event) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the child and anything it started (data loader workers, compilers), then reap."""
+    """Kill the child and anything it started (data loader workers, compilers), then reap.
+    torchrun's ranks live in sessions of their own and die with torchrun (parent-death signal)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):

@@ -46,7 +46,7 @@ def test_profile_round_trips_through_yaml(tmp_path, tiny_spec):
     raw = yaml.safe_load(path.read_text())  # human-readable: plain YAML with the documented sections
     assert list(raw)[:3] == ["schema", "model", "device"]
     assert raw["config"] == {"precision": "bf16-mixed", "micro_batch_size": 4, "grad_accum_steps": 2,
-                             "checkpoint_blocks": 1, "freeze_blocks": 0}
+                             "checkpoint_blocks": 1, "freeze_blocks": 0, "parallelism": "none", "world_size": 1}
     assert not list(tmp_path.glob(".*.tmp")), "the atomic write left a temporary file behind"
 
 

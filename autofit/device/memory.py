@@ -19,7 +19,9 @@ class LiveBytesTracker(TorchDispatchMode):
     """Counts live tensor-storage bytes; `peak_bytes` is the high-water mark.
 
     Views share a storage and are counted once. Storages created before the tracker was
-    entered are invisible unless passed to `track`.
+    entered are invisible unless passed to `track`. A storage resized in place is counted
+    at its new size: FSDP2 frees and re-allocates each gathered parameter that way
+    (`untyped_storage().resize_()`), which no dispatched op shows.
     """
 
     def __init__(self, budget_bytes: int | None = None):
@@ -46,6 +48,9 @@ class LiveBytesTracker(TorchDispatchMode):
         self._sizes[key] = n_bytes
         self.live_bytes += n_bytes
         weakref.finalize(storage, self._free, key)
+        self._check(n_bytes)
+
+    def _check(self, n_bytes: int) -> None:
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
         if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
@@ -55,6 +60,33 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live_bytes -= self._sizes.pop(key, 0)
+
+    def _resized(self, storage) -> None:
+        key = storage._cdata
+        if key not in self._sizes:
+            return
+        n_bytes = storage.nbytes()
+        grown = n_bytes - self._sizes[key]
+        self._sizes[key] = n_bytes
+        self.live_bytes += grown
+        if grown > 0:
+            self._check(grown)
+
+    def __enter__(self):
+        tracker, resize = self, torch.UntypedStorage.resize_
+
+        def counted_resize(storage, size):
+            out = resize(storage, size)
+            tracker._resized(storage)
+            return out
+
+        self._saved_resize = resize
+        torch.UntypedStorage.resize_ = counted_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._saved_resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -1,0 +1,229 @@
+"""Data parallelism: DDP and FSDP2 over gloo on the CPU, through torchrun as a user runs it.
+
+Each torchrun launch costs several seconds of start-up per rank on a 2-core machine, so
+the multi-process tests are few, marked slow, and each checks as much as it honestly can.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from autofit.errors import ProfileError, SpecError
+from autofit.knobs import TrainConfig, with_overrides
+from autofit.runner import Runner, train
+from autofit.spec import load_spec
+from autofit.workload import build_workload
+from conftest import FIXTURES, REPO, tiny_gpt_dict, write_spec
+
+STEPS = 20
+
+
+def torchrun(*args, nproc: int = 2, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+                **(env or {})}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               *map(str, args)]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+# ---- the config ---------------------------------------------------------------------------
+
+
+def test_old_profiles_load_as_one_process_and_global_batch_counts_ranks():
+    old = TrainConfig.from_dict({"precision": "32-true", "micro_batch_size": 4, "grad_accum_steps": 2,
+                                 "checkpoint_blocks": 0, "freeze_blocks": 0})
+    assert (old.parallelism, old.world_size, old.global_batch_size) == ("none", 1, 8)
+    fsdp = TrainConfig(micro_batch_size=2, grad_accum_steps=2, parallelism="fsdp", world_size=4)
+    assert fsdp.global_batch_size == 16 and fsdp.rank_batch_size == 4
+    assert TrainConfig.from_dict(fsdp.to_dict()) == fsdp
+    with pytest.raises(SpecError, match="parallelism: must be one of none, ddp, fsdp"):
+        TrainConfig(micro_batch_size=1, parallelism="zero3")
+    with pytest.raises(SpecError, match="world_size: parallelism none runs one process"):
+        TrainConfig(micro_batch_size=1, world_size=2)
+    with pytest.raises(SpecError, match="reshard_after_forward: must be true or false"):
+        TrainConfig(micro_batch_size=1, parallelism="fsdp", reshard_after_forward="yes")
+
+
+def test_set_world_size_picks_ddp_and_splits_the_global_batch():
+    base = TrainConfig(micro_batch_size=16)
+    two = with_overrides(base, {"world_size": "2"}, global_batch_size=16)
+    assert (two.parallelism, two.world_size, two.micro_batch_size, two.grad_accum_steps) == ("ddp", 2, 8, 1)
+    fsdp = with_overrides(base, {"world_size": "2", "parallelism": "fsdp", "micro_batch_size": "2",
+                                 "reshard_after_forward": "false"}, global_batch_size=16)
+    assert (fsdp.micro_batch_size, fsdp.grad_accum_steps, fsdp.reshard_after_forward) == (2, 4, False)
+    with pytest.raises(SpecError, match="per-rank batch size 8"):
+        with_overrides(base, {"world_size": "2", "micro_batch_size": "16"}, global_batch_size=16)
+    with pytest.raises(SpecError, match="world_size: must divide the global batch size 16"):
+        with_overrides(base, {"world_size": "3"}, global_batch_size=16)
+
+
+def test_a_distributed_profile_outside_torchrun_names_the_launch_command(tmp_path):
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    config = TrainConfig(micro_batch_size=4, parallelism="fsdp", world_size=2)
+    with pytest.raises(ProfileError, match="torchrun --nproc-per-node 2"):
+        Runner(spec, build_workload(spec), config, device=torch.device("cpu"))
+    from autofit.plan import TrainingPlan
+
+    with pytest.raises(ProfileError, match="needs a process group"):
+        TrainingPlan(build_workload(spec).build_model(), config)
+
+
+# ---- ranks against one process ------------------------------------------------------------
+
+
+def _one_process_params(spec, steps: int) -> dict:
+    config = TrainConfig(micro_batch_size=spec.train.global_batch_size)
+    runner = Runner(spec, build_workload(spec), config, device=torch.device("cpu"))
+    for step in range(steps):
+        runner.step(runner.global_batch(step))
+    return runner.model.state_dict()
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_ranks_match_each_other_and_one_process(tmp_path):
+    """20 steps on 2 ranks (each 2 micro batches of 2, gradient clipping on) against one
+    process stepping the same global batch of 8: same data, same mean gradient."""
+    spec_path = write_spec(tmp_path, tiny_gpt_dict(train={"max_grad_norm": 1.0}))
+    result = torchrun(FIXTURES / "dist_ranks.py", spec_path, tmp_path, STEPS, "ddp", "fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = _one_process_params(load_spec(spec_path), STEPS)
+    initial = build_workload(load_spec(spec_path)).build_model().state_dict()
+    for strategy in ("ddp", "fsdp"):
+        ranks = [torch.load(tmp_path / f"{strategy}-rank{r}.pt") for r in range(2)]
+        assert ranks[0].keys() == reference.keys(), strategy
+        for name, expected in reference.items():
+            assert torch.equal(ranks[0][name], ranks[1][name]), (strategy, name)
+            torch.testing.assert_close(ranks[0][name], expected, rtol=1e-4, atol=2e-5, msg=f"{strategy} {name}")
+        # The comparison means something: training moved the weights far beyond the tolerance.
+        moved = max((reference[k] - initial[k]).abs().max().item() for k in reference)
+        assert moved > 1e-2
+
+
+@pytest.mark.slow
+def test_torchrun_autofit_train_fsdp_resumes_from_a_sharded_checkpoint(tmp_path):
+    """`torchrun -m autofit train --profile` with an FSDP2 profile: the losses rank 0
+    reports are one process's, and a --resume from the torch.distributed.checkpoint folder
+    continues them exactly (model and optimizer shards restored)."""
+    spec_path = write_spec(tmp_path, tiny_gpt_dict(train={"checkpoint_every": 0}))
+    profile = _profile_file(tmp_path, load_spec(spec_path),
+                            TrainConfig(micro_batch_size=2, grad_accum_steps=2, parallelism="fsdp", world_size=2))
+    ckpt, metrics_path = tmp_path / "ckpt", tmp_path / "metrics.json"
+    common = ["-m", "autofit", "train", spec_path, "--profile", profile, "--checkpoint-dir", ckpt, "--no-progress"]
+    first = torchrun(*common, "--steps", 3)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (ckpt / "checkpoint" / "autofit.pt").is_file() and not (ckpt / "checkpoint.tmp").exists()
+    second = torchrun(*common, "--steps", 5, "--resume", "--metrics-out", metrics_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert len(second.stdout.strip().splitlines()) == 1  # rank 0 alone prints the summary
+    metrics = json.loads(metrics_path.read_text())
+    assert (metrics["start_step"], metrics["steps"], metrics["world_size"]) == (3, 5, 2)
+    spec = load_spec(spec_path)
+    alone = train(spec, build_workload(spec), TrainConfig(micro_batch_size=8), device=torch.device("cpu"),
+                  steps=5, progress=False)
+    assert metrics["losses"] == pytest.approx(alone["losses"], rel=1e-5)
+
+
+def _profile_file(folder: Path, spec, config: TrainConfig) -> Path:
+    from autofit.profile import Measured, Profile, ProfileDevice, ProfileModel, SearchSummary
+
+    profile = Profile(
+        model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
+        device=ProfileDevice(name="cpu", memory_bytes=1 << 30, compute_capability=None, driver=None,
+                             torch=str(torch.__version__), fingerprint="cpu-test", slug="cpu"),
+        budget_bytes=1 << 30, config=config,
+        measured=Measured(samples_per_s=1.0, tokens_per_s=None, peak_memory_bytes=1, step_time_s=1.0,
+                          validated_steps=1),
+        search=SearchSummary(trials=1, measured=1, pruned=0, oom=0, unhealthy=0, failed=0, wall_s=1.0,
+                             sampler="TPESampler", storage="in-memory"),
+        created="2026-11-22T00:00:00Z", autofit="test")
+    return profile.save(folder / "profile.yaml")
+
+
+# ---- trials on N ranks --------------------------------------------------------------------
+
+
+def _ours(marker: str) -> list[int]:
+    """Live processes carrying this test's marker in their environment."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_trial_fails_that_trial_only_and_leaves_no_process(tmp_path, monkeypatch):
+    from autofit.trial import measure
+
+    marker = f"AUTOFIT_TEST_{uuid.uuid4().hex}"
+    monkeypatch.setenv(marker, "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    shutil.copy(FIXTURES / "dist_faulty.py", tmp_path / "dist_faulty.py")
+    spec = tiny_gpt_dict(name="killed", data={"kind": "python", "factory": "dist_faulty:dataset"})
+    spec["model"] = {"python": "dist_faulty:killed_rank"}
+    spec = load_spec(write_spec(tmp_path, spec))
+    config = TrainConfig(micro_batch_size=4, parallelism="ddp", world_size=2)
+    killed = measure(spec, config, device="cpu", timeout_s=240)
+    assert killed.status == "error" and killed.reason, killed
+    assert not _ours(marker)
+    # The next trial, one process, is untouched by the last one's failure.
+    alone = measure(spec, TrainConfig(micro_batch_size=8), device="cpu", timeout_s=240)
+    assert alone.status == "ok", alone.reason
+
+
+# ---- the estimator ------------------------------------------------------------------------
+
+GPT_7B = {"builtin": "gpt", "args": {"n_layer": 32, "n_head": 32, "n_embd": 4096, "vocab_size": 32000,
+                                     "seq_len": 4096}}
+
+
+@pytest.mark.slow  # a 32-block model on fake tensors: several seconds
+def test_estimate_7b_fsdp_over_8_ranks_is_16_bytes_per_param_over_8(tmp_path):
+    """bf16-mixed AdamW keeps fp32 weights (4 B), fp32 gradients (4 B) and two fp32 moments
+    (8 B) per parameter; FSDP2 over 8 ranks holds an eighth of each. No GPU, no weights."""
+    from autofit.estimate import estimate_memory
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(name="gpt-7b", model=GPT_7B, train={"global_batch_size": 8})))
+    config = TrainConfig(precision="bf16-mixed", micro_batch_size=1, parallelism="fsdp", world_size=8)
+    estimate = estimate_memory(spec, config, device_kind="cuda")
+    assert 6.5e9 < estimate.parameters < 7.5e9
+    expected = 16 * estimate.parameters / 8
+    assert abs(estimate.model_state_bytes - expected) / expected < 0.02
+    report = estimate.to_dict()
+    assert report["per_rank"] is True and report["world_size"] == 8
+    # In flight: the root unit (embedding, head) and two of 32 blocks, with their
+    # gradients; far from a whole fp32 replica.
+    assert 0 < estimate.collective_bytes < 0.25 * estimate.parameters * 4
+    assert estimate.peak_bytes > estimate.model_state_bytes + estimate.activations_bytes
+
+
+def test_estimate_orders_the_strategies_by_what_they_keep(tmp_path):
+    from autofit.estimate import estimate_memory
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(model={"builtin": "gpt", "args": {
+        "n_layer": 4, "n_head": 2, "n_embd": 64, "vocab_size": 256, "seq_len": 8}})))
+    one = estimate_memory(spec, TrainConfig(micro_batch_size=4, grad_accum_steps=2), device_kind="cuda")
+
+    def rank(**knobs):
+        return estimate_memory(spec, TrainConfig(micro_batch_size=4, world_size=2, **knobs), device_kind="cuda")
+
+    ddp, ddp_view = rank(parallelism="ddp"), rank(parallelism="ddp", gradient_as_bucket_view=True)
+    fsdp, fsdp_kept = rank(parallelism="fsdp"), rank(parallelism="fsdp", reshard_after_forward=False)
+    assert ddp.model_state_bytes == one.model_state_bytes  # a whole replica per rank
+    assert ddp.peak_bytes == ddp_view.peak_bytes + one.gradients_bytes  # the bucket copy of the gradients
+    assert fsdp.model_state_bytes == pytest.approx(one.model_state_bytes / 2, abs=16)
+    assert fsdp.peak_bytes < ddp_view.peak_bytes < ddp.peak_bytes
+    assert fsdp.peak_bytes < fsdp_kept.peak_bytes
