@@ -24,14 +24,12 @@ from autofit import distributed
 from autofit._io import atomic_write_text
 from autofit.device.memory import LiveBytesTracker, cap_cuda_memory, cuda_memory_stats
 from autofit.knobs import TrainConfig
+from autofit.recover import is_oom
 from autofit.runner import Runner
 from autofit.spec import parse_spec
 from autofit.workload import build_workload
 
 TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist
-# Allocation failures that surface as library errors rather than torch.OutOfMemoryError.
-_OOM_MARKERS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA out of memory",
-                "CUDA error: out of memory")
 
 
 class _Trial:
@@ -96,23 +94,27 @@ class _Trial:
         else:
             runner = Runner(self.spec, workload, self.config, device=self.device)
         losses, step = [], 0
+        # Memory is measured on the largest step the data can give (`peak_batch`: the longest
+        # samples at this micro batch), speed on the real steps that follow.
         if self.tracker is not None:
             # The tracker sees every op and slows them: a pass of its own, before timing. Its
             # steps are real optimizer steps and count as warm-up.
             with self.tracker:
                 for step in range(TRACKED_STEPS):
                     logger.info("tracked step {}", step)
-                    losses.append(runner.step(runner.global_batch(step)).loss.detach())
+                    losses.append(runner.step(runner.peak_batch(step)).loss.detach())
             step = TRACKED_STEPS
-        while step < self.warmup_steps:
+        # On CUDA the allocator's peak covers the whole run: one worst-case step at least.
+        while step < max(self.warmup_steps, int(runner.varying_lengths)):
             logger.info("warm-up step {}", step)
-            losses.append(runner.step(runner.global_batch(step)).loss.detach())
+            losses.append(runner.step(runner.peak_batch(step)).loss.detach())
             step += 1
-        step_times_s, skipped = [], 0
+        step_times_s, tokens, skipped = [], [], 0
         for step in range(step, step + self.measure_steps):
             logger.info("timed step {}", step)
             batch = None  # the previous step's batch is freed before the next is built
             batch = runner.global_batch(step)  # built (and copied to the device) before the clock
+            tokens.append(runner.tokens_in(batch))
             runner.synchronize()
             started = time.perf_counter()
             result = runner.step(batch)
@@ -122,13 +124,21 @@ class _Trial:
             skipped += int(result.skipped)
         # One collective for the whole run: the global batch's loss per step, for the health check.
         losses = distributed.mean_over_ranks(torch.stack(losses).float()).tolist()
-        return self._result(workload, losses, step_times_s, skipped)
+        return self._result(workload, losses, step_times_s, tokens, skipped)
 
-    def _result(self, workload, losses: list[float], step_times_s: list[float], skipped: int) -> dict:
+    def _result(self, workload, losses: list[float], step_times_s: list[float], tokens: list[int | None],
+                skipped: int) -> dict:
         step_time_s = statistics.median(step_times_s)
-        samples_per_s = self.spec.train.global_batch_size / step_time_s if step_time_s > 0 else None
-        tokens_per_s = (samples_per_s * workload.tokens_per_sample
-                        if samples_per_s is not None and workload.tokens_per_sample else None)
+        if tokens and tokens[0] is not None:
+            # Steps of varying length: the rates over all timed steps, since the median step
+            # is not the mean one; tokens are the non-pad ones.
+            total_s = sum(step_times_s)
+            samples_per_s = self.spec.train.global_batch_size * len(step_times_s) / total_s if total_s > 0 else None
+            tokens_per_s = sum(tokens) / total_s if total_s > 0 else None
+        else:
+            samples_per_s = self.spec.train.global_batch_size / step_time_s if step_time_s > 0 else None
+            tokens_per_s = (samples_per_s * workload.tokens_per_sample
+                            if samples_per_s is not None and workload.tokens_per_sample else None)
         out = {"status": "ok", "losses": losses, "step_times_s": step_times_s, "step_time_s": step_time_s,
                "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "scaler_skipped_steps": skipped}
         bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
@@ -195,12 +205,6 @@ def _nvml_overhead(before: dict | None, reserved_bytes: int) -> int | None:
 # ---- entry point ---------------------------------------------------------------------------
 
 
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MARKERS)
-
-
 def run_request(request: dict) -> dict:
     """The Measurement fields for one request; every failure becomes a status."""
     started = time.perf_counter()
@@ -211,7 +215,7 @@ def run_request(request: dict) -> dict:
         out |= trial.run()
     except Exception as exc:
         first_line = (str(exc).strip().splitlines() or [""])[0]
-        if _is_oom(exc):
+        if is_oom(exc):
             logger.info("out of memory: {}", first_line)
             out |= {"status": "oom", "reason": f"out of memory: {first_line}"}
         else:

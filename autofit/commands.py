@@ -33,6 +33,7 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     from autofit.device.probe import select_device
     from autofit.profile import device_from_info
     from autofit.runner import resolve_device, train
+    from autofit.store import default_root, record_demotion
     from autofit.workload import build_workload
 
     spec = load_spec(spec_path)
@@ -74,12 +75,29 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
         if diffs:
             logger.warning("profile {} was tuned on another device: {}", loaded.file_name, "; ".join(diffs))
     workload = build_workload(spec)
+    if profile is not None:
+        from autofit.tune import data_assumptions
+
+        for diff in loaded.data_differences(data_assumptions(spec, workload)):
+            logger.warning("profile {}: the data has {}", loaded.file_name, diff)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else Path("runs") / spec.name
     ensure_folder(ckpt_dir, "--checkpoint-dir")
     budget_bytes = parse_budget(memory_budget)
+    # Out-of-memory demotions are recorded beside the profile, or where `autofit tune` would
+    # write this device's profile: the next tune starts from them.
+    record_at = Path(profile) if profile is not None else default_root() / f"{spec.name}--{info.slug}.yaml"
+
+    def on_demotion(event) -> None:
+        try:
+            path = record_demotion(record_at, event, spec_hash=spec.spec_hash)
+        except OSError as exc:  # the run goes on; only the record is lost
+            logger.warning("cannot record the demotion next to {}: {}", record_at, exc)
+        else:
+            logger.warning("recorded in {}; the next `autofit tune` starts from {}", path, event.to_config.short())
+
     try:
         metrics = train(spec, workload, config, device=torch_device, steps=steps, checkpoint_dir=ckpt_dir,
-                        resume=resume, progress=progress, memory_budget_bytes=budget_bytes)
+                        resume=resume, progress=progress, memory_budget_bytes=budget_bytes, on_demotion=on_demotion)
         # On failure a rank exits with the error and torchrun stops its peers; a clean end
         # tears the group down here, so no rank waits on another at exit.
         distributed.destroy_process_group()

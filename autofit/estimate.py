@@ -161,7 +161,7 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
             for step in range(ESTIMATED_STEPS):
                 # Batches come from the real data source (it may read files or call numpy),
                 # then become fake tensors that the tracker counts as device inputs.
-                real = runner.global_batch(step)
+                real = runner.peak_batch(step)
                 with fake_mode:
                     batch = [_to_fake(fake_mode, mb) for mb in real]
                 with fake_mode, tracker:

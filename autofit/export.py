@@ -78,6 +78,9 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
                 f"{ckpt_key}=False" + ("" if n_blocks is not None else
                                        ", or pass n_blocks= so an evenly spread choice can be exported"))
         args[f"{ckpt_key}_kwargs"] = ckpt_kwargs
+    data = {} if isinstance(profile, TrainConfig) else profile.data
+    if data.get("kind") == "text" or config.length_bucketing:
+        _hf_lengths(args, notes, config, data, fields)
     if config.freeze_blocks > 0:
         notes.append(f"freeze_blocks={config.freeze_blocks}: TrainingArguments cannot freeze parameters; "
                      f"freeze them before building the Trainer: "
@@ -91,6 +94,35 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
         unknown = sorted(set(args) - fields)
         assert not unknown, f"this transformers' TrainingArguments lacks {unknown}"
     return args, notes
+
+
+def _hf_lengths(args: dict, notes: list[str], config: TrainConfig, data: dict, fields: set[str] | None) -> None:
+    """Text data: length grouping in TrainingArguments, padding and truncation in notes (they
+    belong to the tokenizer and the data collator, which TrainingArguments does not build)."""
+    # transformers 5 replaced group_by_length=True by train_sampling_strategy="group_by_length".
+    if fields is not None and "train_sampling_strategy" in fields:
+        args["train_sampling_strategy"] = "group_by_length" if config.length_bucketing else "random"
+    else:
+        args["group_by_length"] = config.length_bucketing
+    if config.length_bucketing:
+        notes.append("length bucketing: autofit sorts each global batch by length before cutting micro "
+                     "batches; the Trainer's group_by_length groups similar lengths across the dataset, which "
+                     "cuts padding the same way but changes which samples share a step")
+    max_length, multiple = data.get("max_length"), data.get("pad_to_multiple_of") or 1
+    pad_kw = f", pad_to_multiple_of={multiple}" if multiple > 1 else ""
+    if data.get("packing"):
+        notes.append(f"packing: measured on documents joined by the end-of-text token and cut into windows "
+                     f"of {max_length} tokens (no padding); pack the dataset the same way before the Trainer")
+    elif data.get("padding") == "max_length":
+        notes.append(f"padding: measured with every sample padded to max_length={max_length}: tokenize with "
+                     f"truncation=True, padding='max_length', max_length={max_length}")
+    elif data:
+        notes.append(f"padding: measured with each micro batch padded to its longest sample (dynamic): tokenize "
+                     f"with truncation=True, max_length={max_length} and no padding, then "
+                     f"DataCollatorForLanguageModeling(tokenizer, mlm=False{pad_kw})")
+    if data.get("longest_tokens"):
+        notes.append(f"lengths: the peak was measured at {config.micro_batch_size} samples of "
+                     f"{data['longest_tokens']} tokens; longer samples may run out of memory")
 
 
 def to_hf_training_args(profile, *, n_blocks: int | None = None) -> dict:

@@ -15,20 +15,29 @@ A profile tuned with `--nproc N` (parallelism ddp or fsdp) is applied in each of
 ranks of a torchrun job, after `torch.distributed.init_process_group()`: `plan.model` is
 then the DDP or FSDP2-wrapped model, and each rank feeds it its own share of the data
 (`plan.micro_batch_size` samples per micro batch, a DistributedSampler's job).
+
+Or hand the plan a whole global batch and a loss function, and it cuts the micro batches
+itself and survives an out-of-memory error as `autofit train` does (half the micro batch,
+twice the accumulation, the step done again from its beginning):
+
+    for batch in loader:                                  # global batches of plan.global_batch_size
+        plan.step(batch=batch, loss_fn=lambda model, mb: loss_fn(model, mb))
 """
 
 import contextlib
 from collections.abc import Callable
 
 import torch
+from loguru import logger
 from torch import nn
 
 from autofit import distributed
 from autofit.errors import DeviceError, ProfileError
 from autofit.knobs import TrainConfig, apply_config, trainable_parameters
 from autofit.precision import PrecisionPolicy, check_supported
+from autofit.recover import Demotion, StepOutOfMemory, accumulate, demotion, release_memory
 from autofit.runner import _cast_floats, optimizer_step, resolve_device
-from autofit.workload import Batch, batch_to
+from autofit.workload import Batch, batch_size_of, batch_to, split_batch
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -38,7 +47,8 @@ class TrainingPlan:
     trainable parameters, autocast, the GradScaler, the batch shape and the step."""
 
     def __init__(self, model: nn.Module, config: TrainConfig, optimizer_factory: OptimizerFactory | None = None,
-                 *, device: torch.device | str | int | None = None, max_grad_norm: float | None = None):
+                 *, device: torch.device | str | int | None = None, max_grad_norm: float | None = None,
+                 on_demotion: Callable[[Demotion], None] | None = None):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ProfileError(f"max_grad_norm: must be positive or None (no clipping), got {max_grad_norm!r}")
         self.config = config
@@ -60,6 +70,10 @@ class TrainingPlan:
         self.optimizer = optimizer_factory(self.parameters) if optimizer_factory is not None else None
         self.scaler = self.policy.make_scaler(self.device.type)
         self.skipped_steps = 0
+        self.steps_done = 0  # optimizer steps taken
+        self.demotions: list[Demotion] = []  # out-of-memory recoveries, oldest first
+        self.on_demotion = on_demotion
+        self.last_loss: torch.Tensor | None = None  # mean loss of the last `step(batch=...)`
         self._micro_batches = 0  # backward passes since the last optimizer step
 
     # --- what the loop reads ----------------------------------------------------------
@@ -108,13 +122,22 @@ class TrainingPlan:
         self._micro_batches += 1
         return self._micro_batches >= self.grad_accum_steps
 
-    def step(self, loss: torch.Tensor | None = None) -> bool | None:
+    def step(self, loss: torch.Tensor | None = None, *, batch: Batch | None = None,
+             loss_fn: Callable[[nn.Module, Batch], torch.Tensor] | None = None) -> bool | None:
         """The optimizer step: unscale, clip, GradScaler step and update, zero the grads.
 
         With `loss`, first its `backward`, and the optimizer step only once the window is
         full, so a loop may call `plan.step(loss)` once per micro batch. Returns whether the
         GradScaler skipped the update (inf/NaN gradients), or None while still accumulating.
+
+        With `batch` (a whole global batch, CPU or device tensors) and `loss_fn(model,
+        micro_batch) -> mean loss`, the whole step: micro batches, autocast, backward and
+        update. A micro batch that runs out of memory makes the plan halve its micro batch,
+        double its accumulation and do the step again from its beginning; the event is in
+        `plan.demotions` and goes to `on_demotion`.
         """
+        if batch is not None:
+            return self._step_batch(batch, loss_fn)
         if loss is not None and not self.backward(loss):
             return None
         if self.optimizer is None:
@@ -123,8 +146,48 @@ class TrainingPlan:
                                "autofit.runner.optimizer_step(optimizer, plan.scaler, plan.parameters, ...)")
         skipped = optimizer_step(self.optimizer, self.scaler, self.parameters, self.max_grad_norm)
         self.skipped_steps += int(skipped)
+        self.steps_done += 1
         self._micro_batches = 0
         return skipped
+
+    def _step_batch(self, batch: Batch, loss_fn) -> bool:
+        if loss_fn is None:
+            raise ProfileError("plan.step(batch=...) needs loss_fn=: a function (model, micro_batch) -> mean loss")
+        if batch_size_of(batch) != self.config.rank_batch_size:
+            raise ProfileError(f"plan.step(batch=...): the batch has {batch_size_of(batch)} samples; this process "
+                               f"takes {self.config.rank_batch_size} per step (micro batch x accumulation)")
+        while True:
+            try:
+                return self._accumulate(batch, loss_fn)
+            except StepOutOfMemory as exc:
+                # Not under DDP/FSDP: the other ranks would wait in the all-reduce of this step.
+                event = None if self.config.distributed else demotion(self.steps_done, self.config, exc)
+                if event is None:
+                    raise
+            self.config = event.to_config
+            release_memory(self.device)
+            logger.warning("plan step {}: out of memory at {}; doing the step again at {}", event.step,
+                           event.from_config.short(), event.to_config.short())
+            self.demotions.append(event)
+            if self.on_demotion is not None:
+                self.on_demotion(event)
+
+    def _accumulate(self, batch: Batch, loss_fn) -> bool:
+        def forward_backward(micro_batch) -> torch.Tensor:
+            with self.autocast():
+                loss = loss_fn(self.model, self.to_device(micro_batch))
+            self.backward(loss)
+            return loss.detach().float()
+
+        self._micro_batches = 0
+        try:
+            loss_sum = accumulate(split_batch(batch, self.micro_batch_size), forward_backward, self.optimizer,
+                                  self.parameters)
+        except StepOutOfMemory:
+            self._micro_batches = 0  # the window starts again, with the cleared gradients
+            raise
+        self.last_loss = loss_sum / self.grad_accum_steps
+        return self.step()
 
     def state_dict(self) -> dict:
         """Model, optimizer and scaler state: what a checkpoint of this loop needs."""

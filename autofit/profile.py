@@ -71,6 +71,9 @@ class Profile:
     search: SearchSummary
     created: str
     autofit: str
+    # Varying-length data: the lengths the peak and speed were measured for (e.g. text's
+    # longest_tokens, padding, packing). Empty for fixed-size data.
+    data: dict = field(default_factory=dict)
     schema: int = PROFILE_SCHEMA
 
     @property
@@ -88,7 +91,7 @@ class Profile:
             "search": dataclasses.asdict(self.search),
             "created": self.created,
             "autofit": self.autofit,
-        }
+        } | ({"data": dict(self.data)} if self.data else {})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
@@ -120,6 +123,7 @@ class Profile:
             search=_section(SearchSummary, raw, "search", where),
             created=_field(raw, "created", str, where),
             autofit=_field(raw, "autofit", str, where),
+            data=_field(raw, "data", dict, where) if "data" in raw else {},
         )
 
     @classmethod
@@ -147,6 +151,20 @@ class Profile:
             return False
         return True
 
+    def data_differences(self, assumptions: dict) -> list[str]:
+        """Where the data now steps outside what the profile was measured on: longer samples
+        than its worst case (memory), or another padding (speed). Empty: within them."""
+        if not self.data or not assumptions:
+            return []
+        diffs = []
+        if assumptions.get("longest_tokens", 0) > self.data.get("longest_tokens", 0):
+            diffs.append(f"samples of up to {assumptions['longest_tokens']} tokens, the profile's peak was "
+                         f"measured at {self.data.get('longest_tokens')}: it may run out of memory")
+        for key in ("padding", "packing", "pad_to_multiple_of"):
+            if key in self.data and assumptions.get(key) != self.data[key]:
+                diffs.append(f"{key} is {assumptions.get(key)!r}, the profile was measured with {self.data[key]!r}")
+        return diffs
+
     def device_differences(self, device: "ProfileDevice") -> list[str]:
         """What differs between the tuned-on device and `device` (empty: same kind)."""
         diffs = []
@@ -161,13 +179,27 @@ class Profile:
     # --- using a profile: thin doors to plan.py and export.py (imported lazily: both
     # import the runner and torch's training stack, which reading a profile does not need)
 
-    def apply(self, model, optimizer_factory=None, *, device=None, max_grad_norm: float | None = None):
+    def apply(self, model, optimizer_factory=None, *, device=None, max_grad_norm: float | None = None,
+              store=None):
         """A `TrainingPlan`: `model` with this profile's checkpointing, freezing, dtype and
         device applied, plus autocast, GradScaler and the runner's step for a custom loop.
-        `max_grad_norm` None means no clipping (the profile does not record the spec's)."""
-        from autofit.plan import TrainingPlan
+        `max_grad_norm` None means no clipping (the profile does not record the spec's).
 
-        return TrainingPlan(model, self.config, optimizer_factory, device=device, max_grad_norm=max_grad_norm)
+        `plan.step(batch=..., loss_fn=...)` survives an out-of-memory error by halving the
+        micro batch; when this profile is in `store` (a folder or `ProfileStore`; default
+        the store `load_profile` reads), each such demotion is recorded beside it, where the
+        next `autofit tune` starts from it."""
+        from autofit.plan import TrainingPlan
+        from autofit.store import ProfileStore, record_demotion
+
+        root = store.root if isinstance(store, ProfileStore) else ProfileStore(store).root
+        on_demotion = None
+        if (root / self.file_name).is_file():
+            def on_demotion(event):
+                record_demotion(root / self.file_name, event, spec_hash=self.model.spec_hash)
+
+        return TrainingPlan(model, self.config, optimizer_factory, device=device, max_grad_norm=max_grad_norm,
+                            on_demotion=on_demotion)
 
     def to_hf_training_args(self, *, n_blocks: int | None = None) -> dict:
         """kwargs for `transformers.TrainingArguments`; see `autofit.export.hf_notes`."""

@@ -8,6 +8,7 @@ import contextlib
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
 from autofit.knobs import TrainConfig, apply_config, check_global_batch, trainable_parameters
 from autofit.optim import build_optimizer
 from autofit.precision import PrecisionPolicy, check_supported
+from autofit.recover import Demotion, StepOutOfMemory, accumulate, demotion, release_memory
 from autofit.spec import ModelSpec
 from autofit.workload import TextData, Workload, batch_to, split_batch
 from autofit.workload.text import count_tokens
@@ -118,9 +120,14 @@ class Runner:
                 self.spec.train.global_batch_size, self.config.micro_batch_size), self.config))
         return self.global_batch(step)
 
+    @property
+    def varying_lengths(self) -> bool:
+        """The data's steps differ in size (text): peak and speed come from different steps."""
+        return isinstance(self.workload.data, TextData)
+
     def tokens_in(self, micro_batches: list) -> int | None:
         """Non-pad tokens of a step, for data whose lengths vary (None otherwise)."""
-        return count_tokens(micro_batches) if isinstance(self.workload.data, TextData) else None
+        return count_tokens(micro_batches) if self.varying_lengths else None
 
     def _to_device(self, micro_batches: list) -> list:
         if self.policy.param_dtype != torch.float32:
@@ -128,11 +135,15 @@ class Runner:
         return [batch_to(mb, self.device) for mb in micro_batches]
 
     def step(self, micro_batches: list) -> StepResult:
-        """One optimizer step: scaled backward per micro batch, unscale, clip, step."""
+        """One optimizer step: scaled backward per micro batch, unscale, clip, step.
+
+        A micro batch that runs out of memory raises `StepOutOfMemory` with the step's
+        gradients cleared: `demote` and the same step again recover (`train` does)."""
         n_micro = len(micro_batches)
         assert n_micro == self.config.grad_accum_steps, (n_micro, self.config.grad_accum_steps)
-        loss_sum = None  # the hot path: no extra tensors beyond one add per micro batch
-        for i, micro_batch in enumerate(micro_batches):
+
+        def forward_backward(indexed) -> torch.Tensor:
+            i, micro_batch = indexed
             with distributed.no_sync(self.model, self.config, last=i == n_micro - 1):
                 with self.policy.autocast(self.device.type):
                     loss = self.workload.loss_fn(self.model, micro_batch)
@@ -140,10 +151,24 @@ class Runner:
                 # exact, and DDP/FSDP2 average the ranks' gradients.
                 self.scaler.scale(loss / n_micro).backward()
             # .float() is free for an fp32 loss and keeps a bf16 one from rounding the sum.
-            loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+            return loss.detach().float()
+
+        loss_sum = accumulate(enumerate(micro_batches), forward_backward, self.optimizer, self.params)
         skipped = optimizer_step(self.optimizer, self.scaler, self.params, self.spec.train.max_grad_norm)
         self.skipped_steps += int(skipped)
         return StepResult(loss=loss_sum / n_micro if n_micro > 1 else loss_sum, skipped=skipped)
+
+    def demote(self, step: int, exc: BaseException) -> Demotion | None:
+        """Half the micro batch, twice the accumulation, from this step on; None when the
+        micro batch is already 1. The model, optimizer and scaler are untouched."""
+        if self.config.distributed:
+            # The other ranks would wait forever in the all-reduce of a step this rank left.
+            return None
+        event = demotion(step, self.config, exc)
+        if event is not None:
+            self.config = event.to_config
+            release_memory(self.device)
+        return event
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -182,8 +207,13 @@ def save_atomic(obj, path: Path) -> None:
 
 def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: torch.device,
           steps: int | None = None, checkpoint_dir: Path | None = None, resume: bool = False,
-          progress: bool = True, memory_budget_bytes: int | None = None) -> dict:
-    """The training loop around `Runner.step`; returns the metrics dict."""
+          progress: bool = True, memory_budget_bytes: int | None = None,
+          on_demotion: Callable[[Demotion], None] | None = None) -> dict:
+    """The training loop around `Runner.step`; returns the metrics dict.
+
+    A step that runs out of memory is done again with half the micro batch and twice the
+    accumulation (`Runner.demote`), from its own beginning; `on_demotion` hears of each such
+    event."""
     total_steps = steps if steps is not None else spec.train.steps
     # On a CPU the tracker is the only memory meter; it slows ops, so it watches the first
     # two steps (by the second, weights, grads and optimizer state all exist) and no more.
@@ -203,15 +233,37 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
             start_step, history = loaded
 
     samples_per_step = spec.train.global_batch_size
-    timed_s, timed_steps, losses = 0.0, 0, history["losses"]
+    timed_s, timed_steps, timed_tokens, losses = 0.0, 0, 0, history["losses"]
+    demotions: list[Demotion] = []
+    widest_tracked = 0  # varying lengths: the widest micro batch the tracker has seen
     bar = _progress(range(start_step, total_steps), total_steps, start_step,
                     progress and distributed.current_rank() == 0)
     for step in bar:
-        batch = runner.global_batch(step)
-        t0 = time.perf_counter()
-        tracked = tracker is not None and step - start_step < 2
-        with tracker if tracked else contextlib.nullcontext():
-            result = runner.step(batch)
+        while True:  # until the step succeeds; each lap after the first runs at a halved micro batch
+            batch = runner.global_batch(step)
+            width = _widest(batch) if runner.varying_lengths else 0
+            # The CPU tracker watches the first two steps and, when lengths vary, every step
+            # wider than any it has watched at this micro batch: the peak and the budget
+            # follow the longest batch, at a fraction of the cost of watching every step.
+            tracked = tracker is not None and (step - start_step < 2 or width > widest_tracked)
+            t0 = time.perf_counter()
+            try:
+                with tracker if tracked else contextlib.nullcontext():
+                    result = runner.step(batch)
+                break
+            except StepOutOfMemory as exc:
+                event = runner.demote(step, exc)
+                if event is None:
+                    raise
+            batch = None
+            logger.warning("step {}: out of memory at {} ({}); doing the step again at {} (global batch {} "
+                           "unchanged)", step, event.from_config.short(), event.reason, event.to_config.short(),
+                           samples_per_step)
+            demotions.append(event)
+            if on_demotion is not None:
+                on_demotion(event)
+            widest_tracked = 0
+        widest_tracked = max(widest_tracked, width) if tracked else widest_tracked
         # The global batch's loss (ranks average theirs); reading it syncs, so the step
         # time below is real.
         loss = distributed.mean_over_ranks(result.loss).item()
@@ -220,6 +272,7 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
         if step > start_step and not tracked:
             timed_s += step_time_s
             timed_steps += 1
+            timed_tokens += runner.tokens_in(batch) or 0
         losses.append(loss)
         if not math.isfinite(loss):
             logger.error("step {}: loss is {}; stopping", step, loss)
@@ -251,12 +304,14 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
         "final_loss": losses[-1] if losses else None,
         "losses": losses,
         "samples_per_s": samples_per_s,
-        "tokens_per_s": samples_per_s * workload.tokens_per_sample
-        if samples_per_s is not None and workload.tokens_per_sample else None,
+        # Non-pad tokens where lengths vary (counted per step), else samples x sequence length.
+        "tokens_per_s": (timed_tokens / timed_s if timed_s > 0 else None) if runner.varying_lengths else
+        samples_per_s * workload.tokens_per_sample if samples_per_s is not None and workload.tokens_per_sample else None,
         "peak_memory_bytes": peak_memory_bytes,
         "memory_budget_bytes": memory_budget_bytes,
         "skipped_steps": runner.skipped_steps,
-        "config": config.to_dict(),
+        "config": runner.config.to_dict(),  # after any demotion: what the run ended with
+        "demotions": [d.to_dict() for d in demotions],
         "device": _device_name(device),
         "checkpoint": str(checkpoint.path) if checkpoint.path is not None else None,
         "world_size": config.world_size,
@@ -301,12 +356,29 @@ class _Checkpoints:
                 self.runner.load_state_dict(state)
             if state["spec_hash"] != spec.spec_hash:
                 logger.warning("checkpoint was written for a different model.yaml (spec hash differs)")
+            saved = TrainConfig.from_dict(state["config"])
+            if _demoted_from(saved, self.runner.config):
+                logger.info("resuming at the demoted {} the checkpoint was written with", saved.short())
+                self.runner.config = saved
         except Exception as exc:  # unpickling and load_state_dict raise many kinds
             raise CheckpointError(f"--resume: {path} cannot be loaded into this model "
                                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
                                   f"use another --checkpoint-dir or drop --resume") from None
         logger.info("resumed from {} at step {}", path, state["step"])
         return state["step"], state["history"]
+
+
+def _demoted_from(saved: TrainConfig, config: TrainConfig) -> bool:
+    """`saved` is `config` after out-of-memory demotions: only a smaller micro batch."""
+    return (saved.micro_batch_size < config.micro_batch_size
+            and saved.replace(micro_batch_size=config.micro_batch_size,
+                              grad_accum_steps=config.grad_accum_steps) == config)
+
+
+def _widest(micro_batches: list) -> int:
+    """The longest sequence dimension among a step's micro batches (their last axis)."""
+    first = [next(iter(mb.values())) if isinstance(mb, dict) else mb[0] for mb in micro_batches]
+    return max(t.shape[-1] for t in first)
 
 
 def _progress(steps: range, total: int, start: int, enabled: bool):

@@ -25,9 +25,9 @@ from autofit.report import format_trial_line, trials_table, write_html_report
 from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, _redact, make_study
 from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec
-from autofit.store import ProfileStore, default_root
+from autofit.store import ProfileStore, default_root, read_demotions
 from autofit.trial import Measurement, measure
-from autofit.workload import build_workload
+from autofit.workload import TextData, build_workload
 
 
 def default_state_dir() -> Path:
@@ -56,11 +56,16 @@ def search_space(spec: ModelSpec, device: DeviceInfo) -> SearchSpace:
     if not precisions:
         raise NothingFitsError(f"none of search.precisions ({', '.join(spec.search.precisions)}) "
                                f"runs on {device.name}")
+    data = workload.data
+    # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
+    bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing
+                 and spec.train.global_batch_size > 1)
     return SearchSpace(
         global_batch_size=spec.train.global_batch_size, precisions=tuple(precisions),
         micro_batch_sizes=tuple(spec.micro_batch_sizes()),
         max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
+        length_bucketing=(False, True) if bucketing else (False,),
     )
 
 
@@ -132,9 +137,18 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         if on_trial is not None:
             on_trial(record, best, considered)
 
+    # Training that ran out of memory under an earlier profile demoted its micro batch: the
+    # search starts from where it went on, and never picks the config it left again.
+    demotions = read_demotions(Path(out_dir) / f"{spec.name}--{device.slug}.yaml", spec_hash=spec.spec_hash)
+    demoted = {d.from_config for d in demotions}
+    starts = tuple(dict.fromkeys(d.to_config for d in reversed(demotions) if d.to_config not in demoted))
+    if demotions:
+        logger.info("{} out-of-memory demotion(s) recorded in training: starting from {}; not choosing {}",
+                    len(demotions), ", ".join(c.short() for c in starts) or "-",
+                    ", ".join(c.short() for c in demoted))
     tuner = Tuner(space, study=study, budget_bytes=budget_bytes, measure=run_trial, estimate=predict,
                   max_trials=max_trials, patience=spec.search.patience, timeout_s=timeout_s,
-                  on_trial=report_trial, should_stop=(stop_event.is_set if stop_event else None))
+                  on_trial=report_trial, should_stop=(stop_event.is_set if stop_event else None), starts=starts)
     result = tuner.run()
     logger.info("search stopped: {}; {} trials ({} measured, {} pruned, {} oom) in {:.0f}s",
                 result.stop_reason, len(result.records), result.measured, result.count("pruned"),
@@ -148,7 +162,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         return measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
                        measure_steps=spec.search.validate_steps)
 
-    winner, validated = _validate(spec, result, run_trial_steps=run_long)
+    winner, validated = _validate(spec, result, run_trial_steps=run_long, demoted=demoted)
     baseline = _baseline(result)
     # The speed-up compares like with like: the baseline re-measured over as many steps as
     # the winner's validation, so one noisy short trial cannot make or break it.
@@ -176,6 +190,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         ),
         created=utc_now(),
         autofit=__version__,
+        data=data_assumptions(spec),
     )
     profile_path = ProfileStore(Path(out_dir)).save(profile)
     report_path = None
@@ -189,14 +204,26 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                        validated=validated)
 
 
+def data_assumptions(spec: ModelSpec, workload=None) -> dict:
+    """What the profile's peak and speed assume of varying-length data (empty otherwise)."""
+    data = (workload or build_workload(spec)).data
+    return data.describe() if isinstance(data, TextData) else {}
+
+
 def _total_peak(m: Measurement) -> int:
     return (m.peak_memory_bytes or 0) + (m.overhead_bytes or 0)
 
 
-def _validate(spec: ModelSpec, result: SearchResult, run_trial_steps) -> tuple[TrialRecord, Measurement]:
+def _validate(spec: ModelSpec, result: SearchResult, run_trial_steps,
+              demoted: set = frozenset()) -> tuple[TrialRecord, Measurement]:
     """Re-run the best configs longer in fresh children; the first that stays ok and inside
-    the budget wins. Short trials can miss slow leaks and late allocator growth."""
-    for record in result.ranked[:5]:
+    the budget wins. Short trials can miss slow leaks and late allocator growth. Configs
+    that ran out of memory in training (`demoted`) are passed over."""
+    ranked = [r for r in result.ranked if r.config not in demoted]
+    if not ranked:
+        raise NothingFitsError("every configuration that fits in the search ran out of memory in training "
+                               "(see the .demotions.json beside the profile)")
+    for record in ranked[:5]:
         logger.info("validating {} over {} steps", record.config.short(), spec.search.validate_steps)
         m = run_trial_steps(record.config)
         if m.status == "ok" and _total_peak(m) <= result.budget_bytes:

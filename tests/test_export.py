@@ -116,3 +116,28 @@ def test_export_formats_and_cli(tmp_path):
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith(f"# {store.root / 'tiny--cpu.yaml'}\n")
     assert yaml.safe_load(shown.stdout) == profile.to_dict()
+
+
+@pytest.mark.parametrize("bucketing", [False, True])
+def test_text_profile_names_its_length_grouping_and_padding(tmp_path, bucketing):
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    data = {"kind": "text", "samples": 400, "longest_tokens": 129, "mean_tokens": 40.2, "max_length": 129,
+            "padding": "dynamic", "packing": False, "pad_to_multiple_of": 8}
+    profile = dataclasses.replace(_profile(length_bucketing=bucketing), data=data)
+    args = to_hf_training_args(profile)
+    built = TrainingArguments(output_dir=str(tmp_path), **args)  # the installed transformers accepts them
+    grouped = getattr(built, "group_by_length", None) or getattr(built, "train_sampling_strategy", None) == \
+        "group_by_length"
+    assert grouped == bucketing
+    notes = " ".join(hf_notes(profile))
+    assert "pad_to_multiple_of=8" in notes and "max_length=129" in notes and "129 tokens" in notes
+    assert _roundtrip(profile) == profile
+
+
+def _roundtrip(profile):
+    from autofit.profile import Profile
+
+    return Profile.from_dict(yaml.safe_load(profile.to_yaml()))

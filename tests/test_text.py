@@ -23,14 +23,15 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def text_spec_dict(**data) -> dict:
+def text_spec_dict(data: dict | None = None, **sections) -> dict:
+    """A 2-layer GPT on the shipped corpus, samples of up to 33 tokens; `data` adds data keys."""
     return tiny_gpt_dict(name="tiny-text", model={"builtin": "gpt", "args": dict(TEXT_GPT_ARGS)},
                          data={"kind": "text", "path": str(CORPUS), "tokenizer": str(TOKENIZER),
-                               "max_length": 33, **data})
+                               "max_length": 33, **(data or {})}, **sections)
 
 
 def workload(tmp_path, **data):
-    return build_workload(parse_spec(text_spec_dict(**data), source_dir=tmp_path))
+    return build_workload(parse_spec(text_spec_dict(data), source_dir=tmp_path))
 
 
 def test_tokenizes_once_then_reads_the_cache(tmp_path, monkeypatch):
@@ -79,7 +80,9 @@ def test_bucketing_sorts_a_step_without_changing_its_samples(tmp_path):
 def test_worst_case_is_the_longest_samples(tmp_path):
     data = workload(tmp_path).data
     worst = data.worst_case_batches(8, 4)
-    assert len(worst) == 2 and all(x.shape == (4, 32) and (y != text.IGNORE_INDEX).all() for x, y in worst)
+    assert len(worst) == 2 and worst[0][0].shape == (4, 32) and (worst[0][1] != text.IGNORE_INDEX).all()
+    # The same samples at every micro batch: configs are compared on one step.
+    assert text.count_tokens(data.worst_case_batches(8, 1)) == text.count_tokens(worst)
 
 
 def test_packing_fills_every_window(tmp_path):
@@ -129,10 +132,61 @@ def _bad_corpus(tmp_path: Path, fault: str) -> dict:
     ("missing field", "data.field: "),
 ])
 def test_bad_corpus_is_one_line_and_exit_2(tmp_path, capsys, fault, message):
-    path = write_spec(tmp_path, text_spec_dict(**_bad_corpus(tmp_path, fault)))
+    path = write_spec(tmp_path, text_spec_dict(_bad_corpus(tmp_path, fault)))
     code, _, err = run_main(capsys, "train", path, "--steps", "1", "--no-progress",
                             "--checkpoint-dir", tmp_path / "run")
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and message in err, err
     if fault == "missing field":
         assert "line 2 has no field 'text' (its keys: body)" in err
+
+
+@pytest.mark.slow
+def test_tune_fits_the_longest_batch_and_an_epoch_stays_within_budget(tmp_path):
+    """A tune with dynamic padding measures each trial's peak on the corpus's longest samples;
+    a whole epoch trained with its profile stays within the budget and under that peak (the
+    CPU tracker watches every step wider than any before it, so it sees the epoch's largest).
+    A demotion recorded beside the profile is where the tune starts, and the config it left
+    is not chosen again."""
+    from autofit.device.probe import select_device
+    from autofit.estimate import estimate_memory
+    from autofit.knobs import TrainConfig
+    from autofit.recover import Demotion
+    from autofit.runner import train
+    from autofit.store import record_demotion
+    from autofit.tune import tune
+
+    spec = parse_spec(text_spec_dict(train={"global_batch_size": 16}, search={
+        "precisions": ["32-true", "bf16-mixed"], "trials": 4, "patience": 3, "warmup_steps": 0,
+        "measure_steps": 1, "validate_steps": 2, "memory_headroom": 0.0}), source_dir=tmp_path)
+    full = estimate_memory(spec, TrainConfig(micro_batch_size=16)).peak_bytes
+    budget = int(full * 0.75)  # the whole batch at once does not fit its longest samples
+    left, resumed_at = TrainConfig(micro_batch_size=8, grad_accum_steps=2), TrainConfig(micro_batch_size=4,
+                                                                                       grad_accum_steps=4)
+    record_demotion(tmp_path / "store" / "tiny-text--cpu.yaml", Demotion(
+        step=7, from_config=left, to_config=resumed_at, reason="out of memory", time="2026-11-22T00:00:00Z"),
+        spec_hash=spec.spec_hash)
+    outcome = tune(spec, device=select_device("cpu"), budget_bytes=budget, out_dir=tmp_path / "store",
+                   storage=None, report=False)
+    profile = outcome.profile
+    assert outcome.result.records[0].config == resumed_at and profile.config != left
+    assert profile.data["longest_tokens"] == 33 and profile.data["padding"] == "dynamic"
+    assert outcome.validated.peak_memory_bytes <= budget
+
+    workload = build_workload(spec)
+    epoch = workload.data.steps_per_epoch(16)
+    metrics = train(spec, workload, profile.config, device=torch.device("cpu"), steps=epoch, progress=False,
+                    memory_budget_bytes=budget)
+    assert metrics["steps"] == epoch and not metrics["demotions"]
+    assert metrics["peak_memory_bytes"] <= outcome.validated.peak_memory_bytes <= budget
+    assert 0 < metrics["tokens_per_s"] < metrics["samples_per_s"] * 32  # non-pad tokens only
+
+
+def test_bucketing_is_searched_only_where_it_can_help(tmp_path):
+    from autofit.device.probe import select_device
+    from autofit.tune import search_space
+
+    cpu = select_device("cpu")
+    for data, searched in (({}, True), ({"padding": "max_length"}, False), ({"packing": True}, False)):
+        space = search_space(parse_spec(text_spec_dict(data), source_dir=tmp_path), cpu)
+        assert ("length_bucketing" in {k.field for k in space.knobs()}) == searched

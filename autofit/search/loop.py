@@ -28,13 +28,14 @@ class Tuner:
                  measure: Callable[[TrainConfig], Measurement], estimate: Callable[[TrainConfig], int],
                  max_trials: int, patience: int, timeout_s: float | None = None,
                  on_trial: Callable[[TrialRecord, "TrialRecord | None", int], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None):
+                 should_stop: Callable[[], bool] | None = None, starts: tuple[TrainConfig, ...] = ()):
         self.space, self.study, self.budget_bytes = space, study, budget_bytes
         self.measure = measure
         self.memory = MemoryModel(estimate, budget_bytes)
         self.max_trials, self.patience, self.timeout_s = max_trials, patience, timeout_s
         self.on_trial = on_trial or (lambda record, best, total: None)
         self.should_stop = should_stop or (lambda: False)
+        self.starts = starts  # measured first, before the seeds: e.g. where training was demoted to
 
     def records(self) -> list[TrialRecord]:
         return read_records(self.study)
@@ -49,7 +50,7 @@ class Tuner:
         if resumed:
             logger.info("resuming study {}: {} finished trials are not run again", self.study.study_name, resumed)
         last_seeds = seeding.starting_points(self.space, self._fits(records))
-        self._enqueue(last_seeds, records)
+        self._enqueue(list(self.starts) + last_seeds, records)
 
         since_best, duplicates, stop_reason = 0, 0, "grid exhausted"
         best = _best(records, self.budget_bytes)

@@ -54,6 +54,8 @@ class SearchSpace:
     micro_batch_sizes: tuple[int, ...]  # divisors of the global batch, ascending
     max_checkpoint_blocks: int
     max_freeze_blocks: int
+    length_bucketing: tuple[bool, ...] = (False,)  # (False, True) where sorting by length can help
+
 
     def knobs(self) -> tuple[Knob, ...]:
         """The knobs, in the order Optuna suggests them. Add a new knob here."""
@@ -63,7 +65,9 @@ class SearchSpace:
             Knob(field="checkpoint_blocks", param="checkpoint_blocks",
                  values=tuple(range(self.max_checkpoint_blocks + 1)), steps=(-1, 1)),
             Knob(field="freeze_blocks", param="freeze_blocks", values=tuple(range(self.max_freeze_blocks + 1))),
-        )
+        ) + ((Knob(field="length_bucketing", param="length_bucketing", values=self.length_bucketing, ordered=False),)
+             # Declared only where it has a choice: studies of other data keep their parameters.
+             if len(self.length_bucketing) > 1 else ())
 
     def config(self, precision: str, micro_batch_size: int, checkpoint_blocks: int = 0,
                freeze_blocks: int = 0, **other) -> TrainConfig:

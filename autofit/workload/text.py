@@ -273,13 +273,12 @@ class TextData:
         return [self.collate(indices[i:i + micro_batch_size]) for i in range(0, len(indices), micro_batch_size)]
 
     def worst_case_batches(self, global_batch_size: int, micro_batch_size: int) -> list:
-        """A step whose every micro batch is the longest samples of the corpus: the largest
-        input any real step can give at this micro batch, so the peak measured on it bounds
-        every step's."""
-        longest = np.argsort(-self.lengths, kind="stable")[:micro_batch_size]
-        if len(longest) < micro_batch_size:  # fewer samples than the micro batch: repeat them
-            longest = np.resize(longest, micro_batch_size)
-        return [self.collate(longest) for _ in range(global_batch_size // micro_batch_size)]
+        """The corpus's longest samples, longest first: the first micro batch is the largest
+        input any real step can give at this micro batch, so the peak measured on this step
+        bounds every step's. The samples do not depend on the micro batch, so every config
+        sees the same step (and the same loss)."""
+        longest = np.argsort(-self.lengths, kind="stable")[:global_batch_size]
+        return [self.collate(longest[i:i + micro_batch_size]) for i in range(0, len(longest), micro_batch_size)]
 
     def batch(self, batch_size: int, generator: torch.Generator):
         """Random samples padded as the longest would be: the `DataSource` contract (every
