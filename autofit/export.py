@@ -66,15 +66,17 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
     if k > 0:
         # autofit's non-reentrant checkpointing; HF's default is still reentrant on some versions.
         ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
-        if n_blocks is not None and k < n_blocks and new_names and n_blocks % k == 0:
-            # Blocks 0, n/k, 2n/k, ...: the very blocks `knobs.spread_indices` picks.
+        if n_blocks is not None and k < n_blocks and new_names and n_blocks % k == 0 and not config.freeze_blocks:
+            # Blocks 0, n/k, 2n/k, ...: the very blocks `knobs.spread_indices` picks when
+            # nothing is frozen (with freezing it spreads over the blocks after the frozen ones).
             ckpt_kwargs["every_n_layers"] = n_blocks // k
         elif n_blocks is None or k < n_blocks:
             of = f"of {n_blocks} " if n_blocks is not None else ""
             notes.append(
                 f"checkpoint_blocks={k}: the profile checkpoints {k} {of}blocks; TrainingArguments here "
                 f"checkpoints every block, which fits in no more memory but is slower. For the exact "
-                f"choice, apply it to the model (autofit.knobs.apply_checkpointing(model, {k})) and set "
+                f"choice, apply it to the model (autofit.knobs.apply_checkpointing(model, {k}, "
+                f"first_block={config.freeze_blocks})) and set "
                 f"{ckpt_key}=False" + ("" if n_blocks is not None else
                                        ", or pass n_blocks= so an evenly spread choice can be exported"))
         args[f"{ckpt_key}_kwargs"] = ckpt_kwargs

@@ -216,22 +216,28 @@ def _require_stack(model: nn.Module, what: str) -> tuple[str, nn.ModuleList]:
     return stack
 
 
-def spread_indices(n_blocks: int, n_chosen: int) -> list[int]:
-    """`n_chosen` block indices spread evenly over `n_blocks`, always starting at block 0
-    (the first blocks' activations live longest, so they are the best ones to drop)."""
+def spread_indices(n_blocks: int, n_chosen: int, first: int = 0) -> list[int]:
+    """`n_chosen` block indices spread evenly over blocks `first`..`n_blocks - 1`, starting
+    at `first` (the first trainable blocks' activations live longest, so they are the best
+    ones to drop; frozen blocks before `first` save no activations to drop)."""
     if n_chosen <= 0:
         return []
-    return sorted({(i * n_blocks) // n_chosen for i in range(n_chosen)})
+    span = n_blocks - first
+    return sorted({first + (i * span) // n_chosen for i in range(n_chosen)})
 
 
-def apply_checkpointing(model: nn.Module, n_blocks: int) -> list[int]:
-    """Wrap `n_blocks` blocks of the stack in non-reentrant activation checkpointing."""
+def apply_checkpointing(model: nn.Module, n_blocks: int, *, first_block: int = 0) -> list[int]:
+    """Wrap `n_blocks` blocks of the stack in non-reentrant activation checkpointing, spread
+    over the blocks from `first_block` on (pass the frozen block count: a frozen block keeps
+    no activations for backward, so checkpointing it would save nothing)."""
     if n_blocks == 0:
         return []
     name, stack = _require_stack(model, "checkpoint_blocks")
-    if n_blocks > len(stack):
-        raise SpecError(f"checkpoint_blocks: this model has {len(stack)} blocks in {name}, got {n_blocks}")
-    chosen = spread_indices(len(stack), n_blocks)
+    if n_blocks > len(stack) - first_block:
+        frozen = f" after the {first_block} frozen ones" if first_block else ""
+        raise SpecError(f"checkpoint_blocks: this model has {len(stack) - first_block} blocks{frozen} "
+                        f"in {name} to checkpoint, got {n_blocks}")
+    chosen = spread_indices(len(stack), n_blocks, first_block)
     for i in chosen:
         if not isinstance(stack[i], CheckpointWrapper):
             stack[i] = checkpoint_wrapper(stack[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
@@ -263,7 +269,7 @@ def apply_freezing(model: nn.Module, n_blocks: int) -> int:
 def apply_config(model: nn.Module, config: TrainConfig) -> nn.Module:
     """Freezing and checkpointing, in place; returns the model for chaining."""
     apply_freezing(model, config.freeze_blocks)
-    apply_checkpointing(model, config.checkpoint_blocks)
+    apply_checkpointing(model, config.checkpoint_blocks, first_block=config.freeze_blocks)
     return model
 
 

@@ -101,6 +101,15 @@ def test_block_stack_discovery_and_errors():
     assert spread_indices(12, 4) == [0, 3, 6, 9] and spread_indices(12, 12) == list(range(12))
 
 
+def test_checkpointing_spreads_over_the_trainable_blocks_only():
+    """Frozen blocks keep no activations: checkpointing goes to the blocks after them."""
+    assert spread_indices(12, 4, first=4) == [4, 6, 8, 10]
+    runner = make_runner(TrainConfig(micro_batch_size=8, freeze_blocks=1, checkpoint_blocks=1))
+    assert [type(b).__name__ for b in runner.model.blocks] == ["GPTBlock", "CheckpointWrapper"]
+    with pytest.raises(SpecError, match="1 blocks after the 1 frozen"):
+        make_runner(TrainConfig(micro_batch_size=8, freeze_blocks=1, checkpoint_blocks=2))
+
+
 def test_overrides_keep_the_global_batch():
     base = TrainConfig(micro_batch_size=8)
     assert with_overrides(base, {"micro_batch_size": "2"}, global_batch_size=8).grad_accum_steps == 4
@@ -125,7 +134,7 @@ def test_hf_models_train_a_step_with_checkpointing_and_freezing(cls, config, sta
     spec_dict["data"] = {"kind": "synthetic", "seq_len": 16}
     spec = parse_spec(spec_dict, source_dir=REPO)
     runner = Runner(spec, build_workload(spec), TrainConfig(micro_batch_size=4, grad_accum_steps=2,
-                    checkpoint_blocks=2, freeze_blocks=1), device=torch.device("cpu"))
+                    checkpoint_blocks=1, freeze_blocks=1), device=torch.device("cpu"))
     assert find_block_stack(runner.model)[0] == stack
     assert any(not p.requires_grad for p in runner.model.parameters())
     result = runner.step(runner.global_batch(0))
