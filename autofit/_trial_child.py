@@ -48,13 +48,14 @@ class _Trial:
             distributed.init_process_group(self.device, timeout_s=max(30.0, 0.8 * request.get("timeout_s", 600)))
         self.tracker = LiveBytesTracker(budget_bytes=self.budget_bytes) if self.device.type == "cpu" else None
         self.overhead_bytes: int | None = 0 if self.device.type == "cpu" else None
+        self._nvml_before: dict | None = None
 
     # ---- device setup ------------------------------------------------------------------------
 
     def prepare_cuda(self) -> str | None:
         """Measure the context and library workspaces, then cap the allocator at the rest of
         the budget. Returns a reason when the budget cannot even hold the context."""
-        before = _nvml_before(self.device.index)
+        before = self._nvml_before = _nvml_before(self.device.index)
         torch.cuda.set_device(self.device)
         # cuBLAS/cuBLASLt create their handles and workspaces on the first matmul per dtype.
         x = torch.ones((256, 256), device=self.device)
@@ -158,6 +159,11 @@ class _Trial:
             return out | {"peak_memory_bytes": peak, "peak_allocated_bytes": peak}
         if not torch.cuda.is_initialized():
             return out
+        # Read the overhead again at the end: cuDNN, fused optimizers and attention kernels
+        # load lazily during the steps, after the first reading.
+        end = _nvml_overhead(self._nvml_before, torch.cuda.memory_reserved(self.device))
+        if end is not None:
+            out["overhead_bytes"] = max(end, self.overhead_bytes or 0)
         stats = cuda_memory_stats(self.device)
         if stats.allocator_retries:
             logger.warning("{} allocator retries: memory is fragmented near the cap", stats.allocator_retries)

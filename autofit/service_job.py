@@ -125,7 +125,8 @@ def finished_trials(storage: str, name: str) -> int:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
         return 0
-    # Only trials carrying a record count, as in search.Tuner.records: repeats of a measured
-    # config are told to the sampler without one.
-    return sum("autofit" in t.user_attrs
-               for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+    # Only measured search trials count, as in search.Tuner.spent: pruned proposals and
+    # noise repeats carry a record but spend no trial.
+    records = (t.user_attrs.get("autofit") for t in study.get_trials(deepcopy=False,
+                                                                    states=(optuna.trial.TrialState.COMPLETE,)))
+    return sum(1 for r in records if r and r.get("measurement") is not None and not r.get("repeat"))

@@ -80,7 +80,7 @@ class SearchSpec:
     max_freeze_blocks: int = 0  # freezing changes what is trained: opt-in
     activation_checkpointing: bool = True
     memory_headroom: float = 0.05  # fraction of usable memory left free
-    trials: int = 40  # most configurations considered (measured + pruned)
+    trials: int = 40  # most configurations measured (pruned proposals and repeats do not count)
     patience: int = 12  # stop after this many measured trials without a better one
     warmup_steps: int = 2  # optimizer steps before timing, per trial
     measure_steps: int = 5  # timed optimizer steps per trial

@@ -1,16 +1,21 @@
 """Simulated GPUs for testing the search: memory and throughput from known formulas with the
 shape of real hardware, so the exhaustive-grid optimum is known exactly.
 
-- memory is affine in micro batch: model states (16 B/param, 8 for bf16-true) + micro batch x
-  activations; 16-bit activations are ~half; a checkpointed block keeps ~1/8 of its activations;
-- throughput saturates with micro batch (m / (m + m_half)), 16-bit is faster, each
-  checkpointed block adds a third of its forward, each accumulation step costs a little,
-  frozen blocks skip their weight-gradient work;
-- the estimator is systematically 12% low (as a real one misses the CUDA context), which
-  the tuner's calibration has to learn.
+- memory: model states (16 B/param, 8 for bf16-true; frozen parameters keep no gradient
+  or optimizer state) + micro batch x activations of the trainable blocks (a frozen block
+  saves none; 16-bit activations are ~half; a checkpointed block keeps ~1/8 of its own),
+  plus a device context and allocator fragmentation that grows with the activations;
+- throughput saturates with micro batch (m / (m + m_half)), optionally falling again past
+  a peak (cache or scheduling effects), 16-bit is faster, each checkpointed block adds a
+  third of its forward, each accumulation step costs a little, frozen blocks skip their
+  weight-gradient work;
+- the estimator sees the tensors only: not the context, not the fragmentation, and it can
+  be off by a constant factor (`estimate_bias`);
+- per-call measurement noise (`noise`, uniform +-) on top of a fixed +-1% per config.
 """
 
 import hashlib
+import random
 from dataclasses import dataclass, field
 
 from autofit.knobs import TrainConfig
@@ -18,6 +23,9 @@ from autofit.search import SearchSpace
 from autofit.trial import Measurement
 
 GiB = 2**30
+HALF = ("16-mixed", "bf16-mixed", "bf16-true")
+HEALTHY_LOSSES = [4.0, 3.9, 3.8, 3.7]
+DRIFTING_LOSSES = [4.0, 4.3, 4.7, 5.2]  # same start, mean 14% above: caught by the mean check
 
 
 @dataclass(frozen=True)
@@ -32,8 +40,17 @@ class Landscape:
     m_half: float  # micro batch at half of saturation
     max_freeze_blocks: int = 0
     unhealthy: tuple = ()  # precisions whose loss drifts from 32-true
-    estimate_bias: float = 0.88
+    estimate_bias: float = 1.0  # estimate / true tensor bytes
+    context_bytes: float = 0.25 * GiB  # device context the estimator does not see
+    fragmentation: float = 0.0  # extra fraction of activation bytes the allocator wastes
+    m_peak: float | None = None  # throughput falls past this micro batch
+    noise: float = 0.0  # per-call measurement noise, uniform +-
     calls: list = field(default_factory=list)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.rng.seed(self.name)
 
     def space(self) -> SearchSpace:
         n = self.global_batch_size
@@ -41,21 +58,29 @@ class Landscape:
                            micro_batch_sizes=tuple(m for m in range(1, n + 1) if n % m == 0),
                            max_checkpoint_blocks=self.n_blocks, max_freeze_blocks=self.max_freeze_blocks)
 
-    def peak_bytes(self, c: TrainConfig) -> int:
+    def tensor_bytes(self, c: TrainConfig) -> float:
         trainable = 1 - 0.9 * c.freeze_blocks / self.n_blocks
         states = self.params * (8 if c.precision == "bf16-true" else 4) * (1 + 3 * trainable)
-        act = self.act_bytes_per_sample_block * (0.55 if c.precision in ("16-mixed", "bf16-mixed", "bf16-true") else 1.0)
-        kept_blocks = (self.n_blocks - c.checkpoint_blocks) + c.checkpoint_blocks / 8
-        return int(states + c.micro_batch_size * act * kept_blocks + 0.25 * GiB)
+        return states + self.activation_bytes(c)
+
+    def activation_bytes(self, c: TrainConfig) -> float:
+        act = self.act_bytes_per_sample_block * (0.55 if c.precision in HALF else 1.0)
+        kept_blocks = (self.n_blocks - c.freeze_blocks - c.checkpoint_blocks) + c.checkpoint_blocks / 8
+        return c.micro_batch_size * act * kept_blocks
+
+    def peak_bytes(self, c: TrainConfig) -> int:
+        return int(self.tensor_bytes(c) + self.fragmentation * self.activation_bytes(c) + self.context_bytes)
 
     def samples_per_s(self, c: TrainConfig) -> float:
         m = c.micro_batch_size
         speed = self.rate[c.precision] * m / (m + self.m_half)
+        if self.m_peak is not None and m > self.m_peak:
+            speed /= 1 + 0.25 * (m / self.m_peak - 1)
         speed /= 1 + (c.checkpoint_blocks / self.n_blocks) / 3
         speed /= 1 + 0.03 * (c.grad_accum_steps - 1) / max(1, m)
         speed *= 1 + 0.25 * c.freeze_blocks / self.n_blocks
-        noise = int(hashlib.sha256(repr(c).encode()).hexdigest()[:4], 16) / 0xFFFF  # deterministic +-1%
-        return speed * (0.99 + 0.02 * noise)
+        fixed = int(hashlib.sha256(repr(c).encode()).hexdigest()[:4], 16) / 0xFFFF  # deterministic +-1%
+        return speed * (0.99 + 0.02 * fixed)
 
     def healthy(self, c: TrainConfig) -> bool:
         return c.precision not in self.unhealthy
@@ -63,16 +88,20 @@ class Landscape:
     def measure(self, c: TrainConfig) -> Measurement:
         self.calls.append(c)
         peak = self.peak_bytes(c)
-        losses = [4.0 * (1.3 if not self.healthy(c) else 1.0), 3.9, 3.8]
         if peak > self.budget_bytes:
             return Measurement(status="oom", config=c, peak_memory_bytes=self.budget_bytes,
                                budget_bytes=self.budget_bytes, reason="simulated OOM")
-        sps = self.samples_per_s(c)
-        return Measurement(status="ok", config=c, peak_memory_bytes=peak, budget_bytes=self.budget_bytes,
-                           samples_per_s=sps, step_time_s=self.global_batch_size / sps, losses=losses)
+        sps = self.samples_per_s(c) * (1 + self.noise * (2 * self.rng.random() - 1))
+        # The context is read at the trial's start: the part loaded lazily later (kernels,
+        # workspaces) is in neither the reading nor the estimate.
+        seen_context = int(0.6 * self.context_bytes)
+        return Measurement(status="ok", config=c, peak_memory_bytes=peak - seen_context,
+                           overhead_bytes=seen_context, budget_bytes=self.budget_bytes,
+                           samples_per_s=sps, step_time_s=self.global_batch_size / sps,
+                           losses=list(HEALTHY_LOSSES if self.healthy(c) else DRIFTING_LOSSES))
 
     def estimate(self, c: TrainConfig) -> int:
-        return int(self.peak_bytes(c) * self.estimate_bias)
+        return int(self.tensor_bytes(c) * self.estimate_bias)
 
     def grid_best(self) -> tuple[TrainConfig, float]:
         feasible = [c for c in self.space().grid() if self.peak_bytes(c) <= self.budget_bytes and self.healthy(c)]
@@ -85,13 +114,35 @@ GPU_RATES = {"32-true": 100.0, "tf32": 190.0, "16-mixed": 290.0, "bf16-mixed": 3
 LANDSCAPES = [
     # Roomy: a small model on a large card; the largest micro batch at the fastest precision.
     Landscape(name="roomy", params=125e6, act_bytes_per_sample_block=60e6, n_blocks=12, global_batch_size=64,
-              budget_bytes=78 * GiB, rate=GPU_RATES, m_half=6.0),
+              budget_bytes=78 * GiB, rate=GPU_RATES, m_half=6.0, estimate_bias=0.88),
     # Tight: the model states take most of a 24 GiB card; checkpointing buys batch.
     Landscape(name="tight", params=1.0e9, act_bytes_per_sample_block=150e6, n_blocks=24, global_batch_size=128,
-              budget_bytes=24 * GiB, rate=GPU_RATES, m_half=8.0),
-    # fp16 is fastest but drifts (unhealthy); freezing allowed; bf16-true absent.
+              budget_bytes=24 * GiB, rate=GPU_RATES, m_half=8.0, estimate_bias=0.88),
+    # A 1.2 GiB context and 15% fragmentation of activations, neither seen by the estimator,
+    # on a 16 GiB card: a multiplicative correction learned on small configs over-predicts
+    # the large ones.
+    Landscape(name="context+frag", params=350e6, act_bytes_per_sample_block=110e6, n_blocks=24,
+              global_batch_size=96, budget_bytes=16 * GiB, rate=GPU_RATES, m_half=6.0,
+              context_bytes=1.2 * GiB, fragmentation=0.15),
+    # The estimator over-predicts by 20%: trusted as is, it would prune the optimum.
+    Landscape(name="over-predict", params=700e6, act_bytes_per_sample_block=120e6, n_blocks=24,
+              global_batch_size=128, budget_bytes=40 * GiB, rate=GPU_RATES, m_half=10.0,
+              estimate_bias=1.2, context_bytes=0.6 * GiB),
+    # Every measurement +-4% on every call (a shared GPU): one short measurement is a coin toss.
+    Landscape(name="noisy", params=350e6, act_bytes_per_sample_block=80e6, n_blocks=16, global_batch_size=64,
+              budget_bytes=24 * GiB, rate=GPU_RATES, m_half=4.0, noise=0.04, context_bytes=0.8 * GiB),
+    # Throughput peaks at micro batch 8 and falls past it: the largest batch is not the best.
+    Landscape(name="peaked", params=125e6, act_bytes_per_sample_block=60e6, n_blocks=12, global_batch_size=96,
+              budget_bytes=40 * GiB, rate=GPU_RATES, m_half=2.0, m_peak=8.0, context_bytes=0.5 * GiB),
+    # fp16 is fastest but its loss drifts (unhealthy); freezing allowed; bf16-true absent.
     Landscape(name="drift+freeze", params=350e6, act_bytes_per_sample_block=90e6, n_blocks=16, global_batch_size=96,
               budget_bytes=16 * GiB,
               rate={"32-true": 100.0, "tf32": 180.0, "16-mixed": 320.0, "bf16-mixed": 280.0},
-              m_half=4.0, max_freeze_blocks=4, unhealthy=("16-mixed",)),
+              m_half=4.0, max_freeze_blocks=4, unhealthy=("16-mixed",), estimate_bias=0.88),
+    # A grid of more than 5,000 configs: 20 micro batches x 4 precisions x checkpointing x
+    # freezing, with a context and noise.
+    Landscape(name="large-grid", params=1.3e9, act_bytes_per_sample_block=100e6, n_blocks=16,
+              global_batch_size=240, budget_bytes=32 * GiB,
+              rate={"32-true": 100.0, "tf32": 180.0, "bf16-mixed": 300.0, "bf16-true": 320.0},
+              m_half=8.0, max_freeze_blocks=4, context_bytes=1.0 * GiB, fragmentation=0.05, noise=0.03),
 ]

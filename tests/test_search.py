@@ -1,80 +1,170 @@
-"""Search quality on simulated devices, and resume from a stored study."""
+"""Search quality on simulated devices at the spec's default budget, the memory model, and
+resume from a stored study."""
 
+import optuna
 import pytest
 
-from autofit.search import Tuner, make_study
-from simulated import LANDSCAPES, Landscape
+from autofit.knobs import TrainConfig
+from autofit.search import MemoryModel, SearchSpace, TrialRecord, Tuner, make_study
+from autofit.search.memory import fit_points
+from autofit.spec import SearchSpec
+from autofit.trial import Measurement
+from simulated import GiB, LANDSCAPES, Landscape
+
+DEFAULTS = SearchSpec()  # the budget a user gets: 40 trials, patience 12
 
 
-def run_tuner(landscape: Landscape, *, storage=None, study_name="sim", max_trials=120, patience=25) -> Tuner:
+def run_tuner(landscape: Landscape, *, storage=None, study_name="sim", max_trials=DEFAULTS.trials,
+              patience=DEFAULTS.patience, budget_bytes=None):
     study = make_study(study_name=study_name, storage=storage, seed=0)
-    tuner = Tuner(landscape.space(), study=study, budget_bytes=landscape.budget_bytes,
-                  measure=landscape.measure, estimate=landscape.estimate,
-                  max_trials=max_trials, patience=patience)
+    tuner = Tuner(landscape.space(), study=study, budget_bytes=budget_bytes or landscape.budget_bytes,
+                  measure=landscape.measure, estimate=landscape.estimate, max_trials=max_trials, patience=patience)
     return tuner, tuner.run()
 
 
-def test_search_reaches_the_grid_optimum_measuring_a_fraction_of_the_grid(capsys):
+def test_search_reaches_the_grid_optimum_at_the_default_budget(capsys):
     rows = []
     for landscape in LANDSCAPES:
-        landscape.calls.clear()
+        landscape.reset()
         _, result = run_tuner(landscape)
         best_config, best_sps = landscape.grid_best()
-        chosen = result.ranked[0]
-        true_sps = landscape.samples_per_s(chosen.config)
+        chosen = result.ranked[0].config
         grid_size = landscape.space().size
-        measured = len(landscape.calls)
-        rows.append((landscape.name, grid_size, measured, measured / grid_size, true_sps / best_sps,
-                     chosen.config.short(), best_config.short()))
+        measured = len(landscape.calls)  # every measurement, repeats included
+        rows.append((landscape.name, grid_size, measured, measured / grid_size,
+                     landscape.samples_per_s(chosen) / best_sps, chosen.short(), best_config.short()))
     with capsys.disabled():
-        print("\nlandscape       grid  measured  fraction  tune/grid  chosen / grid best")
+        print(f"\ntrials {DEFAULTS.trials}, patience {DEFAULTS.patience}")
+        print("landscape       grid  measured  fraction  tune/grid  chosen / grid best")
         for name, grid, measured, frac, ratio, chosen, best in rows:
             print(f"{name:<14}{grid:>6}{measured:>10}{frac:>10.1%}{ratio:>11.3f}  {chosen}  /  {best}")
+    assert len(rows) >= 6 and max(r[1] for r in rows) > 5000
     for name, grid, measured, frac, ratio, chosen, best in rows:
         assert ratio >= 0.98, (name, chosen, best)
         assert frac <= 0.30, (name, measured, grid)
 
 
+def _landscape(name: str) -> Landscape:
+    landscape = next(l for l in LANDSCAPES if l.name == name)
+    landscape.reset()
+    return landscape
+
+
 def test_unhealthy_precision_is_never_chosen():
-    landscape = next(l for l in LANDSCAPES if l.unhealthy)
+    landscape = _landscape("drift+freeze")
     _, result = run_tuner(landscape)
     assert all(r.config.precision not in landscape.unhealthy for r in result.ranked)
-    assert any(r.status == "unhealthy" for r in result.records)
+    assert any(r.status == "unhealthy" and "mean loss" in r.reason for r in result.records)
 
 
-def test_infeasible_configs_are_pruned_or_oom_never_chosen():
-    landscape = LANDSCAPES[1]
-    _, result = run_tuner(landscape)
-    assert result.count("pruned") > 0
+def test_infeasible_configs_are_never_chosen_and_pruned_ones_do_not_spend_trials():
+    landscape = _landscape("tight")
+    tuner, result = run_tuner(landscape, max_trials=15, patience=100)
     for r in result.ranked:
         assert landscape.peak_bytes(r.config) <= landscape.budget_bytes
+    searched = [r for r in result.records if r.measurement is not None and not r.repeat]
+    assert len(searched) == 15 == tuner.spent(result.records)
+    assert result.stop_reason == "15 trials measured"
 
 
-def test_resume_does_not_measure_finished_trials_again(tmp_path):
+def test_contenders_within_noise_are_remeasured_interleaved():
+    landscape = _landscape("noisy")
+    _, result = run_tuner(landscape)
+    repeats = [r.config for r in result.records if r.repeat]
+    contenders = list(dict.fromkeys(repeats))
+    assert len(contenders) >= 2
+    # Interleaved: each round measures every contender once, in the same order.
+    n = len(contenders)
+    assert [repeats[i:i + n] for i in range(0, len(repeats), n)] == [contenders] * (len(repeats) // n)
+    assert result.noise is not None and 0 < result.noise < 0.1
+    assert "interleaved rounds" in result.choice and f"{result.noise:.1%}" in result.choice
+
+
+def test_reference_is_the_fastest_full_precision_config_predicted_to_fit():
+    """The 32-true reference is the largest micro batch predicted to fit, not the smallest peak."""
+    landscape = _landscape("roomy")
+    tuner, result = run_tuner(landscape, max_trials=1)
+    refs = [r for r in result.records if r.config.precision == "32-true" and r.status == "ok"]
+    assert refs and refs[0].config.micro_batch_size == landscape.space().micro_batch_sizes[-1]
+    assert refs[0].config.checkpoint_blocks == 0
+
+
+def test_resume_under_the_same_budget_measures_nothing_again(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    landscape = LANDSCAPES[0]
+    landscape = _landscape("noisy")
+    _, first = run_tuner(landscape, storage=storage)
+    assert landscape.calls
     landscape.calls.clear()
-    _, first = run_tuner(landscape, storage=storage, max_trials=10)
-    first_calls = list(landscape.calls)
-    assert len(first.records) == 10
-    landscape.calls.clear()
-    _, second = run_tuner(landscape, storage=storage, max_trials=20)
-    assert second.resumed == 10
-    assert len(second.records) == 20
-    assert not set(landscape.calls) & set(first_calls)  # nothing measured twice
-    assert len(landscape.calls) <= 10
+    _, second = run_tuner(landscape, storage=storage)
+    assert landscape.calls == []
+    assert second.ranked[0].config == first.ranked[0].config
 
 
-def test_queued_configs_are_never_queued_twice(tmp_path):
-    import optuna
-
+def test_resume_under_a_larger_budget_measures_what_was_oom_or_pruned(tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    landscape = LANDSCAPES[1]
-    run_tuner(landscape, storage=storage, max_trials=2)
-    tuner, _ = run_tuner(landscape, storage=storage, max_trials=30)
-    trials = tuner.study.get_trials(deepcopy=False)
-    queued = [tuple(sorted(t.system_attrs["fixed_params"].items())) for t in trials if "fixed_params" in t.system_attrs]
-    assert len(queued) == len(set(queued))
+    landscape = _landscape("tight")
+    small = 20 * GiB  # the landscape's card is 24 GiB: an emulated smaller budget first
+    tuner, first = run_tuner(landscape, storage=storage, budget_bytes=small)
+    blocked = {r.config for r in first.records if r.status in ("oom", "pruned")
+               and landscape.peak_bytes(r.config) <= landscape.budget_bytes}
+    assert blocked
+    landscape.calls.clear()
+    _, second = run_tuner(landscape, storage=storage)
+    assert blocked & set(landscape.calls)
+    best_config, best_sps = landscape.grid_best()
+    assert landscape.samples_per_s(second.ranked[0].config) / best_sps >= 0.98
+
+
+def test_affine_memory_fit_recovers_overhead_and_scale():
+    """peak = 1.1 x estimate + 1 GiB: the fit finds both; a ratio learned on small configs
+    would over-predict the largest by the overhead's share."""
+    points = [(e * GiB, 1.1 * e * GiB + GiB) for e in (2.0, 4.0, 8.0)]
+    fit = fit_points(points)
+    assert fit.scale == pytest.approx(1.1, rel=1e-6) and fit.overhead_bytes == pytest.approx(GiB, rel=1e-6)
+    assert fit.predict(20 * GiB) == pytest.approx(23 * GiB, rel=1e-6)
+    one = fit_points(points[:1], overhead_hint=GiB)  # one point: the measured overhead anchors it
+    assert one.predict(20 * GiB) == pytest.approx(23 * GiB, rel=1e-6)
+
+
+def _record(config, status, *, budget, predicted, peak=None):
+    m = Measurement(status=status, config=config, budget_bytes=budget, peak_memory_bytes=peak,
+                    samples_per_s=1.0 if status == "ok" else None)
+    return TrialRecord(number=0, config=config, status=status, predicted_peak_bytes=predicted,
+                       measurement=m, budget_bytes=budget)
+
+
+def test_an_oom_blocks_only_budgets_at_or_below_its_own():
+    small = TrainConfig(precision="bf16-mixed", micro_batch_size=8, grad_accum_steps=2)
+    larger = small.replace(micro_batch_size=16, grad_accum_steps=1)
+    oom = _record(small, "oom", budget=10 * GiB, predicted=9 * GiB)
+    same = MemoryModel(lambda c: 9 * GiB * c.micro_batch_size // 8, 10 * GiB)
+    assert same.blocked_by_oom(larger, [oom]) is oom and not same.fits(larger, [oom])
+    bigger = MemoryModel(lambda c: 9 * GiB * c.micro_batch_size // 8, 40 * GiB)
+    assert bigger.blocked_by_oom(small, [oom]) is None and bigger.fits(small, [oom])
+    # More checkpointing needs less memory: not blocked by the OOM, whatever the estimate says.
+    assert same.blocked_by_oom(small.replace(checkpoint_blocks=2), [oom]) is None
+
+
+def test_pruning_is_redecided_when_the_fit_changes():
+    config = TrainConfig(precision="32-true", micro_batch_size=4, grad_accum_steps=1)
+    model = MemoryModel(lambda c: 10 * GiB, 10 * GiB)
+    over = [_record(config.replace(micro_batch_size=2, grad_accum_steps=2), "ok", budget=10 * GiB,
+                    predicted=10 * GiB, peak=12 * GiB)]
+    assert not model.fits(config, over)  # the estimator is 20% low on this device
+    under = [_record(config.replace(micro_batch_size=2, grad_accum_steps=2), "ok", budget=10 * GiB,
+                     predicted=10 * GiB, peak=8 * GiB)]
+    assert model.fits(config, under)  # and now 20% high: the same config is back in
+
+
+def test_space_has_no_equivalent_checkpointing_points():
+    space = SearchSpace(global_batch_size=4, precisions=("32-true",), micro_batch_sizes=(1, 2, 4),
+                        max_checkpoint_blocks=4, max_freeze_blocks=2)
+    grid = space.grid()
+    assert len(grid) == space.size == 3 * (5 + 4 + 3)
+    assert all(c.checkpoint_blocks + c.freeze_blocks <= 4 for c in grid)
+    study = optuna.create_study()
+    study.enqueue_trial({"precision": "32-true", "micro_batch_index": 0, "checkpoint_blocks": 4, "freeze_blocks": 2})
+    assert space.suggest(study.ask()).checkpoint_blocks == 2  # clamped to the trainable blocks
 
 
 def test_search_space_for_python_data(tmp_path):

@@ -2,7 +2,8 @@
 
 The tuner is written against two callables, `measure(config) -> Measurement` and
 `estimate(config) -> predicted peak bytes`, so the same loop drives real trials and the
-simulated devices of the tests.
+simulated devices of the tests. Every decision (fits or not, already known or not) is
+made when a config is asked for, from the records as they are then: nothing is frozen.
 """
 
 import math
@@ -13,12 +14,15 @@ import optuna
 from loguru import logger
 
 from autofit.knobs import TrainConfig
-from autofit.search import seeding
+from autofit.search import choice, seeding
 from autofit.search.health import REFERENCE_PRECISIONS, health_problem, reference_for
-from autofit.search.memory import MemoryModel
+from autofit.search.memory import MemoryModel, record_budget
 from autofit.search.space import SearchSpace
 from autofit.search.study import _ATTR, SearchResult, TrialRecord, read_records
 from autofit.trial import Measurement
+
+WAITING = (optuna.trial.TrialState.WAITING,)
+BUDGET_RTOL = 0.02  # budgets this close are the same budget
 
 
 class Tuner:
@@ -40,56 +44,37 @@ class Tuner:
     def records(self) -> list[TrialRecord]:
         return read_records(self.study)
 
-    def _fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
-        return lambda config: self.memory.fits(config, records)
-
     def run(self) -> SearchResult:
         start = time.monotonic()
         records = self.records()
-        resumed = len(records)
-        if resumed:
-            logger.info("resuming study {}: {} finished trials are not run again", self.study.study_name, resumed)
-        last_seeds = seeding.starting_points(self.space, self._fits(records))
-        self._enqueue(list(self.starts) + last_seeds, records)
-
-        since_best, duplicates, stop_reason = 0, 0, "grid exhausted"
+        resumed = self.spent(records)
+        if records:
+            logger.info("resuming study {}: {} finished trials are not run again ({} measured under this budget)",
+                        self.study.study_name, len(records), resumed)
+        skipped, stop_reason = {"known": 0, "pruned": 0}, None
         best = _best(records, self.budget_bytes)
-        while True:
-            if len(records) >= self.max_trials:
-                stop_reason = f"{self.max_trials} trials"
+        # Patience carries over a resume: a study that had stopped improving stays stopped.
+        since_best = sum(1 for r in records if self._holds(r) and (best is None or r.number > best.number))
+        # Given starts (e.g. where training was demoted to) are measured first, before the seeds.
+        self._queue, self._seeds = list(self.starts), set(self.starts)
+        while stop_reason is None:
+            stop_reason = self._stop_reason(records, since_best, skipped, start)
+            if stop_reason is not None:
                 break
-            if self.timeout_s is not None and time.monotonic() - start >= self.timeout_s:
-                stop_reason = f"timeout {self.timeout_s:.0f}s"
-                break
-            if since_best >= self.patience:
-                stop_reason = f"no improvement in {self.patience} measured trials"
-                break
-            if len({r.config for r in records}) >= self.space.size or duplicates >= 3 * self.patience:
-                break
-            if self.should_stop():
-                stop_reason = "stopped"
-                break
-
-            if not self._pending():
-                # Seeds placed with an older calibration may have missed: place them again
-                # where they now fit, once per change of what has been learned.
-                seeds = seeding.starting_points(self.space, self._fits(records))
-                if seeds != last_seeds:
-                    self._enqueue(seeds, records)
-                    last_seeds = seeds
+            planned = self._next(records, best)
+            if planned is not None:
+                self.study.enqueue_trial(self.space.params(planned))
             trial = self.study.ask()
+            queued = self._was_queued(trial)
             config = self.space.suggest(trial)
-            seen = next((r for r in records if r.config == config), None)
-            if seen is not None:
-                # Already measured (by us, an earlier run or another worker): tell the sampler
-                # the same result again, and look next door to the best instead.
-                duplicates += 1
-                self._tell(trial, seen, store=False)
-                self._enqueue(self.space.neighbours((best or seen).config), records, limit=1)
+            known = self.known(config, records)
+            if known is not None or not self.memory.fits(config, records):
+                skipped["known" if known is not None else "pruned"] += 1
+                self._skip(trial, config, known, stale=queued and config != planned, best=best, records=records)
                 continue
-            duplicates = 0
+            skipped = {"known": 0, "pruned": 0}
             record = self._evaluate(trial.number, config, records)
-            if self.should_stop() and record.status not in ("ok", "oom", "pruned"):
+            if self.should_stop() and record.status not in ("ok", "oom"):
                 # Cut short by a stop request: not a result. Failing the trial leaves the
                 # config unmeasured, so a resumed study measures it.
                 self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
@@ -98,66 +83,175 @@ class Tuner:
             self._tell(trial, record)
             records = self.records()  # other workers sharing the study may have finished trials too
             new_best = _best(records, self.budget_bytes)
-            if record.measurement is not None:
-                improved = new_best is not None and (best is None or new_best.samples_per_s > best.samples_per_s)
-                since_best = 0 if improved else since_best + 1
-            if new_best is not None and new_best is not best and (best is None or new_best.config != best.config):
-                self._enqueue(seeding.refinements(self.space, self._fits(records), new_best.config), records,
-                              limit=3)
+            improved = new_best is not None and (best is None or new_best.samples_per_s > best.samples_per_s)
+            since_best = 0 if improved else since_best + 1
+            if improved and (best is None or new_best.config != best.config):
+                # The wave of seeds under way first (one per precision: which is fastest is
+                # not known until each is measured), then around the new best; the
+                # refinements of the old best are stale.
+                self._queue = ([c for c in self._queue if c in self._seeds]
+                               + seeding.refinements(self.space, self._fits(records), new_best.config))
             best = new_best
-            self.on_trial(record, best, len(records))
+            self.on_trial(record, best, self.spent(records))
 
+        self._drop_queue()
+        noise, rounds = None, 0
         if not self.should_stop():
             self.ensure_reference()
+            if not self._timed_out(start):  # out of time: the longer validation still compares
+                noise, rounds = self.remeasure_contenders()
         records = self.records()
+        ranked = choice.rank(records, self.budget_bytes)
         return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=time.monotonic() - start,
-                            resumed=resumed, stop_reason=stop_reason, ranked=self.rank(records))
+                            resumed=resumed, stop_reason=stop_reason, ranked=[r.record for r in ranked],
+                            noise=noise, choice=choice.describe(ranked, noise, rounds))
+
+    # --- what is known, what counts ----------------------------------------------------
+
+    def known(self, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord | None:
+        """A record of `config` whose result holds under this budget: a measurement, an OOM
+        under a budget at least this one, or a second timeout (one timeout is retried: it
+        may have been the machine, not the config). A pruned record is never one: pruning
+        is re-decided every time."""
+        timeouts = 0
+        for r in records:
+            if r.config != config or r.repeat:
+                continue
+            if r.status in ("ok", "unhealthy", "error"):
+                return r
+            if r.status == "oom" and (record_budget(r) or 0) >= self.budget_bytes:
+                return r
+            if r.status == "timeout":
+                timeouts += 1
+                if timeouts >= 2:
+                    return r
+        return None
+
+    def spent(self, records: list[TrialRecord]) -> int:
+        """Trials that count against `max_trials`: measurements taken under this budget.
+        Pruned proposals and repeats do not."""
+        return sum(1 for r in records if self._holds(r))
+
+    def _holds(self, r: TrialRecord) -> bool:
+        """A search measurement taken under this budget (what other processes leave free
+        moves it by a little between runs). Measurements under another budget still inform
+        the model and are not repeated, but a larger budget opens configs the old trials
+        could not reach: they do not spend this budget's trials or patience."""
+        budget = record_budget(r)
+        return (r.measurement is not None and not r.repeat
+                and (budget is None or abs(budget - self.budget_bytes) <= BUDGET_RTOL * self.budget_bytes))
+
+    def _stop_reason(self, records, since_best: int, skipped: dict, start: float) -> str | None:
+        if self.spent(records) >= self.max_trials:
+            return f"{self.max_trials} trials measured"
+        if self._timed_out(start):
+            return f"timeout {self.timeout_s:g}s"
+        if since_best >= self.patience:
+            return f"no improvement in {self.patience} measured trials"
+        if len({r.config for r in records if self.known(r.config, records)}) >= self.space.size:
+            return "every config in the space is measured"
+        if sum(skipped.values()) >= 3 * self.patience:
+            return (f"{sum(skipped.values())} proposals in a row measured nothing new: {skipped['known']} "
+                    f"duplicates, {skipped['pruned']} predicted not to fit")
+        if self.should_stop():
+            return "stopped"
+        return None
+
+    def _timed_out(self, start: float) -> bool:
+        return self.timeout_s is not None and time.monotonic() - start >= self.timeout_s
+
+    # --- after the search ----------------------------------------------------------------
 
     def ensure_reference(self) -> None:
         """Measure a full-precision reference if the study has none, so low-precision winners
-        can be checked: the smallest-memory 32-true config predicted to fit."""
-        records = self.records()
-        if reference_for(None, records, same_freeze=False) is not None:
-            return
+        can be checked: the fastest 32-true (else tf32) config predicted to fit, i.e. the
+        largest micro batch with the fewest checkpointed blocks, nothing frozen."""
         precision = next((p for p in REFERENCE_PRECISIONS if p in self.space.precisions), None)
-        if precision is None:
-            return
-        candidates = sorted((c for c in self.space.grid() if c.precision == precision and c.freeze_blocks == 0),
-                            key=lambda c: self.memory.predicted_peak(c))
-        config = next((c for c in candidates if self.memory.fits(c, records)
-                       and c not in {r.config for r in records}), None)
-        if config is None:
-            logger.warning("no {} reference fits: numeric health of 16-bit precisions is checked "
-                           "for finite losses and scaler skips only", precision)
-            return
-        self.study.enqueue_trial(self.space.params(config))
-        # Queued trials are asked oldest first. The search is over, so those ahead of the
-        # reference are failed unmeasured (a resumed study may propose them again): only
-        # the one reference trial runs past --trials.
-        waiting = len(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
-        for _ in range(waiting):
-            trial = self.study.ask()
-            asked = self.space.suggest(trial)
-            if asked != config:
-                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                continue
-            self._tell(trial, self._evaluate(trial.number, asked, records))
-            return
+        for _ in range(3):  # an OOM refits the model; the next frontier point is smaller
+            records = self.records()
+            if precision is None or reference_for(None, records, same_freeze=False) is not None:
+                return
+            line = [c for c in seeding.frontier(self.space, self._fits(records), precision, 0, limit=3)
+                    if self.known(c, records) is None]
+            if not line:
+                break
+            self._measure_now(line[0], records)
+        logger.warning("no {} reference fits: numeric health of 16-bit precisions is checked "
+                       "for finite losses and scaler skips only", precision)
 
-    def rank(self, records: list[TrialRecord]) -> list[TrialRecord]:
-        ok = [r for r in records if r.feasible(self.budget_bytes) and health_problem(r, records) is None]
-        return sorted(ok, key=lambda r: r.samples_per_s, reverse=True)
+    def remeasure_contenders(self) -> tuple[float | None, int]:
+        """Re-measure the configs within noise of the best, interleaved, until the leader's
+        lead exceeds the noise seen (MIN_ROUNDS to MAX_ROUNDS rounds). Repeats are stored,
+        so a resumed study does not take them again. Returns (noise seen, rounds)."""
+        records = self.records()
+        # The field is drawn from the search's own measurements, so a resumed study draws
+        # the same one and finds its repeats already taken.
+        first = choice.rank(records, self.budget_bytes, repeats=False)
+        field = choice.contenders(first, choice.prior_noise(first))
+        if len(field) < 2:
+            return choice.observed_noise(records), 0
+        taken = {r.record.config: r.measurements for r in choice.rank(records, self.budget_bytes)}
+        rounds = min(taken.get(f.record.config, 1) for f in field) - 1
+        while rounds < choice.MAX_ROUNDS:
+            if rounds >= choice.MIN_ROUNDS:
+                ranked = choice.rank(records, self.budget_bytes)
+                observed = choice.observed_noise(records)
+                noise = choice.NOISE_PRIOR if observed is None else observed
+                if choice.settled([r for r in ranked if r.record.config in {f.record.config for f in field}], noise):
+                    break
+            for contender in field:
+                if self.should_stop():
+                    return choice.observed_noise(records), rounds
+                self._measure_now(contender.record.config, records, repeat=True)
+            records = self.records()
+            rounds += 1
+        return choice.observed_noise(records), rounds
+
+    def _measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False) -> TrialRecord:
+        """Measure one config outside the sampler's choice, as a trial of the study."""
+        self.study.enqueue_trial(self.space.params(config))
+        trial = self.study.ask()
+        record = self._evaluate(trial.number, self.space.suggest(trial), records).replace(repeat=repeat)
+        self._tell(trial, record)
+        return record
+
+    def _drop_queue(self) -> None:
+        """The search is over: queued seeds and refinements are failed unmeasured (a resumed
+        study may propose them again)."""
+        for _ in range(len(self.study.get_trials(deepcopy=False, states=WAITING))):
+            self.study.tell(self.study.ask(), state=optuna.trial.TrialState.FAIL)
+
+    # --- one trial -------------------------------------------------------------------------
+
+    def _fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
+        return lambda config: self.memory.fits(config, records)
+
+    def _pruned(self, number: int, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord:
+        blocker = self.memory.blocked_by_oom(config, records)
+        why = (f"no smaller than {blocker.config.short()}, out of memory" if blocker is not None else
+               f"predicted peak {self.memory.corrected_peak(config, records) / 2**30:.2f} GiB exceeds the budget")
+        return TrialRecord(number=number, config=config, status="pruned", measurement=None, reason=why,
+                           predicted_peak_bytes=self.memory.predicted_peak(config), budget_bytes=self.budget_bytes)
+
+    def _skip(self, trial: optuna.Trial, config: TrainConfig, known: TrialRecord | None, *, stale: bool,
+              best: TrialRecord | None, records: list[TrialRecord]) -> None:
+        """Answer a trial that measures nothing new."""
+        if stale:
+            # Another worker's plan, gone stale: dropped, so the sampler learns nothing from a guess.
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        elif known is not None:
+            # The sampler proposed a measured config: tell it the same result again, and
+            # look next door to the best instead.
+            self._tell(trial, known, store=False)
+            self._queue[:0] = self.space.neighbours((best or known).config)
+        else:
+            self._tell(trial, self._pruned(trial.number, config, records))
 
     def _evaluate(self, number: int, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord:
-        predicted = self.memory.predicted_peak(config)
-        if not self.memory.fits(config, records):
-            corrected = self.memory.corrected_peak(config, records)
-            return TrialRecord(number=number, config=config, status="pruned", predicted_peak_bytes=predicted,
-                               measurement=None,
-                               reason=f"predicted peak {corrected / 2**30:.2f} GiB exceeds the budget")
         measurement = self.measure(config)
         record = TrialRecord(number=number, config=config, status=measurement.status,
-                             predicted_peak_bytes=predicted, measurement=measurement, reason=measurement.reason)
+                             predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
+                             reason=measurement.reason, budget_bytes=self.budget_bytes)
         if record.status == "ok" and record.peak_memory_bytes is not None and record.peak_memory_bytes > self.budget_bytes:
             record = record.replace(status="oom", reason="peak exceeded the budget")
         if record.status == "ok":
@@ -180,27 +274,33 @@ class Tuner:
         value = record.samples_per_s if record.status == "ok" else 0.0
         self.study.tell(trial, value if math.isfinite(value) else 0.0)
 
-    def _pending(self, *, running: bool = False) -> set[tuple]:
-        """Configs queued (and, with `running`, being measured by this or another worker
-        sharing the study). A queued trial keeps its values in `fixed_params` until asked."""
-        states = (optuna.trial.TrialState.WAITING,) + ((optuna.trial.TrialState.RUNNING,) if running else ())
-        return {tuple(sorted(t.system_attrs.get("fixed_params", t.params).items()))
-                for t in self.study.get_trials(deepcopy=False, states=states)}
+    def _was_queued(self, trial: optuna.Trial) -> bool:
+        """Asked from the queue (a seed, refinement or neighbour), not proposed by the sampler."""
+        frozen = self.study.get_trials(deepcopy=False)
+        return trial.number < len(frozen) and "fixed_params" in frozen[trial.number].system_attrs
 
-    def _enqueue(self, configs: list[TrainConfig], records: list[TrialRecord], limit: int | None = None) -> None:
-        """Queue configs not yet tried, not already queued, and predicted to fit."""
-        done, waiting, added = {r.config for r in records}, self._pending(running=True), 0
-        for config in configs:
-            key = tuple(sorted(self.space.params(config).items()))
-            if config in done or key in waiting or not self.memory.fits(config, records):
-                continue
-            self.study.enqueue_trial(self.space.params(config))
-            waiting.add(key)
-            added += 1
-            if added == limit:
-                return
-
+    def _next(self, records: list[TrialRecord], best: TrialRecord | None) -> TrainConfig | None:
+        """The next config this tuner plans to measure, re-checked now: not known, predicted
+        to fit, not being measured by another worker. When the plan runs out: the next wave
+        of seeds (placed under the current fit), then the refinements of the best again (the
+        fit may have moved the frontier next to it). None: let the sampler propose."""
+        running = {tuple(sorted(t.params.items()))
+                   for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
+        for refill in range(3):
+            while self._queue:
+                config = self._queue.pop(0)
+                if (self.known(config, records) is None and self.memory.fits(config, records)
+                        and tuple(sorted(self.space.params(config).items())) not in running):
+                    return config
+            fits = self._fits(records)
+            if refill == 0:
+                fresh = [c for c in seeding.starting_points(self.space, fits) if self.known(c, records) is None]
+                self._queue = [c for c in fresh if fits(c)][:len(self.space.precisions)]
+                self._seeds.update(self._queue)
+            elif refill == 1 and best is not None:
+                self._queue = seeding.refinements(self.space, fits, best.config)[:3]
+        return None
 
 def _best(records: list[TrialRecord], budget_bytes: int) -> TrialRecord | None:
-    feasible = [r for r in records if r.feasible(budget_bytes)]
+    feasible = [r for r in records if r.feasible(budget_bytes) and not r.repeat]
     return max(feasible, key=lambda r: r.samples_per_s, default=None)

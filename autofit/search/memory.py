@@ -1,15 +1,86 @@
 """The memory model: the estimator's prediction, its calibration from measured trials, and
-the pruning decision (predicted to fit the budget or not)."""
+the pruning decision (predicted to fit the budget or not).
+
+    predicted peak = scale x estimator bytes + overhead bytes
+
+`overhead_bytes` is what the device adds whatever the config (CUDA context, cuBLAS/cuDNN
+workspaces, lazily loaded kernels); `scale` is what grows with the tensors (allocator
+fragmentation, kernels the estimator does not see). Both are fitted per group of configs
+(precision, checkpointing on or off) from the trials measured so far. The model is
+re-fitted from the records on every decision, so a decision is never frozen: a config
+pruned under an early fit is re-decided under the current one.
+"""
 
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from autofit.knobs import TrainConfig
 from autofit.search.study import TrialRecord
 
+# Margin on the budget: wide while nothing is measured (the estimator's own error), narrow
+# once the fit is anchored by measurements.
+UNCALIBRATED_MARGIN = 0.10
+CALIBRATED_MARGIN = 0.02
+# An affine fit needs points whose estimates differ by more than this fraction; closer
+# points say nothing about the slope.
+MIN_SPREAD = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """peak = scale x estimate + overhead_bytes, from `points` measured trials."""
+
+    scale: float = 1.0
+    overhead_bytes: float = 0.0
+    points: int = 0
+
+    def predict(self, estimate_bytes: float) -> float:
+        return self.scale * estimate_bytes + self.overhead_bytes
+
+
+def fit_points(points: list[tuple[float, float]], overhead_hint: float = 0.0) -> Fit:
+    """Least-squares affine fit of measured on estimated bytes. With one point, or points
+    too close to tell a slope, the overhead is the measured device overhead (`overhead_hint`)
+    and the scale carries the rest. The overhead is never negative and the scale stays
+    within [0.5, 2]: outside that the estimator is not what is being corrected."""
+    if not points:
+        return Fit()
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if len(points) >= 2 and min(xs) < (1 - MIN_SPREAD) * max(xs):
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        scale = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        overhead = my - scale * mx
+        if overhead >= 0 and 0.5 <= scale <= 2.0:
+            return Fit(scale, overhead, len(points))
+    # One usable anchor: the device overhead as measured, the median ratio of the rest.
+    overhead = min(overhead_hint, min(ys))
+    scale = statistics.median((y - overhead) / x for x, y in zip(xs, ys))
+    return Fit(min(max(scale, 0.5), 2.0), overhead, len(points))
+
+
+def _group(config: TrainConfig) -> tuple:
+    return config.precision, config.checkpoint_blocks > 0
+
+
+def _needs_more(config: TrainConfig, than: TrainConfig) -> bool:
+    """`config` holds everything `than` holds in memory, or more."""
+    same_otherwise = config.replace(micro_batch_size=than.micro_batch_size, grad_accum_steps=than.grad_accum_steps,
+                                    checkpoint_blocks=than.checkpoint_blocks, freeze_blocks=than.freeze_blocks)
+    return (same_otherwise == than and config.micro_batch_size >= than.micro_batch_size
+            and config.checkpoint_blocks <= than.checkpoint_blocks and config.freeze_blocks <= than.freeze_blocks)
+
+
+def record_budget(record: TrialRecord) -> int | None:
+    """The budget a record ran under (older records: the measurement's)."""
+    if record.budget_bytes is not None:
+        return record.budget_bytes
+    return None if record.measurement is None else record.measurement.budget_bytes
+
 
 class MemoryModel:
-    """Predicted peak bytes of a config, corrected by what the study has measured."""
+    """Predicted peak bytes of a config, fitted to what the study has measured."""
 
     def __init__(self, estimate: Callable[[TrainConfig], int], budget_bytes: int):
         self.estimate, self.budget_bytes = estimate, budget_bytes
@@ -21,40 +92,48 @@ class MemoryModel:
             self._estimates[config] = int(self.estimate(config))
         return self._estimates[config]
 
-    def correction(self, config: TrainConfig, records: list[TrialRecord]) -> tuple[float, bool]:
-        """Measured / predicted peak for configs like this one (same precision, checkpointing
-        on or off): the estimator's blind spots (CUDA context, fragmentation, kernels) learned
-        on this device. An OOM at a prediction below budget raises the factor to at least
-        budget / prediction. Returns (factor, calibrated by measurements)."""
-        group = (config.precision, config.checkpoint_blocks > 0)
-        ratios, all_ratios, floor = [], [], 0.0
+    def fit(self, config: TrainConfig, records: list[TrialRecord]) -> Fit:
+        """The fit for `config`'s group; the pooled fit while its group has no measurement.
+        An out-of-memory trial is a fact at any budget (its peak exceeded the budget it ran
+        under), so a fit that predicts it would have fitted is raised until it does not."""
+        pooled, same, overheads, ooms = [], [], [], []
         for r in records:
             if not r.predicted_peak_bytes:
                 continue
-            same = (r.config.precision, r.config.checkpoint_blocks > 0) == group
             if r.status in ("ok", "unhealthy") and r.peak_memory_bytes:
-                ratio = r.peak_memory_bytes / r.predicted_peak_bytes
-                all_ratios.append(ratio)
-                if same:
-                    ratios.append(ratio)
-            elif r.status == "oom" and same:
-                floor = max(floor, 1.02 * self.budget_bytes / r.predicted_peak_bytes)
-        chosen = ratios or all_ratios
-        factor = statistics.median(chosen) if chosen else 1.0
-        return max(factor, floor), bool(chosen)
-
-    def fits(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
-        """Predicted to fit: the calibrated prediction within budget (with a margin for the
-        estimator's error while nothing is measured), and below every config of the same
-        precision that ran out of memory: peak grows with what the estimator predicts."""
-        predicted = self.predicted_peak(config)
-        if any(r.status == "oom" and r.config.precision == config.precision and r.predicted_peak_bytes
-               and predicted >= r.predicted_peak_bytes for r in records):
-            return False
-        factor, calibrated = self.correction(config, records)
-        margin = 0.02 if calibrated else 0.10
-        return predicted * factor <= self.budget_bytes * (1 + margin)
+                point = (float(r.predicted_peak_bytes), float(r.peak_memory_bytes))
+                pooled.append(point)
+                if _group(r.config) == _group(config):
+                    same.append(point)
+                if r.measurement.overhead_bytes:
+                    overheads.append(r.measurement.overhead_bytes)
+            elif r.status == "oom" and _group(r.config) == _group(config) and record_budget(r):
+                ooms.append((r.predicted_peak_bytes, record_budget(r)))
+        hint = statistics.median(overheads) if overheads else 0.0
+        fit = fit_points(same or pooled, hint)
+        for estimate_bytes, oom_budget in ooms:
+            needed = 1.02 * oom_budget
+            if fit.predict(estimate_bytes) < needed:
+                fit = Fit((needed - fit.overhead_bytes) / estimate_bytes, fit.overhead_bytes, fit.points)
+        return fit
 
     def corrected_peak(self, config: TrainConfig, records: list[TrialRecord]) -> int:
-        factor, _ = self.correction(config, records)
-        return int(self.predicted_peak(config) * factor)
+        return int(self.fit(config, records).predict(self.predicted_peak(config)))
+
+    def blocked_by_oom(self, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord | None:
+        """An out-of-memory trial, under a budget at least this one, that `config` needs at
+        least as much memory as: same precision, a micro batch as large or larger, no more
+        checkpointed and no more frozen blocks. That holds whatever the estimator's error;
+        an order by estimated bytes would not (what the estimator misses grows with the
+        activations, not with the weights). An OOM under a smaller budget blocks nothing."""
+        return next((r for r in records if r.status == "oom" and _needs_more(config, r.config)
+                     and (record_budget(r) or 0) >= self.budget_bytes), None)
+
+    def fits(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
+        """Predicted to fit: the fitted prediction within budget (with a margin for the
+        estimator's error while nothing is measured), and not blocked by an OOM."""
+        if self.blocked_by_oom(config, records) is not None:
+            return False
+        fit = self.fit(config, records)
+        margin = CALIBRATED_MARGIN if fit.points else UNCALIBRATED_MARGIN
+        return fit.predict(self.predicted_peak(config)) <= self.budget_bytes * (1 + margin)

@@ -19,7 +19,7 @@ def fewest_checkpointed(space: SearchSpace, fits: Fits, precision: str, micro: i
 
     if fits(at(0)):  # the common case on a roomy device: one estimate
         return at(0)
-    lo, hi = 1, space.max_checkpoint_blocks
+    lo, hi = 1, space.checkpointable(freeze_blocks)
     if hi == 0 or not fits(at(hi)):
         return None
     while lo < hi:  # invariant: at(hi) fits
@@ -47,25 +47,27 @@ def frontier(space: SearchSpace, fits: Fits, precision: str, freeze_blocks: int 
 
 
 def starting_points(space: SearchSpace, fits: Fits) -> list[TrainConfig]:
-    """Per precision, the largest micro batch predicted to fit without checkpointing, then
-    the frontier points where checkpointing lets a larger micro batch fit."""
+    """In waves, one config per precision each: the largest micro batch predicted to fit
+    without checkpointing, then the frontier points where checkpointing lets a larger
+    micro batch fit."""
     # Freezing is opt-in; once allowed, the deepest freeze is both smaller and faster.
     freeze = space.max_freeze_blocks
-    seeds = []
+    waves: list[list[TrainConfig]] = []
     for precision in space.precisions:
         plain = next((c for c in frontier(space, fits, precision, freeze, limit=len(space.micro_batch_sizes))
                       if c.checkpoint_blocks == 0), None)
-        seeds += [plain] if plain else []
-        seeds += [c for c in frontier(space, fits, precision, freeze, limit=2)
-                  if c not in seeds and (plain is None or c.micro_batch_size > plain.micro_batch_size)]
-    return seeds
+        mine = [plain] if plain else []
+        mine += [c for c in frontier(space, fits, precision, freeze, limit=2)
+                 if c not in mine and (plain is None or c.micro_batch_size > plain.micro_batch_size)]
+        waves.append(mine)
+    return [wave[i] for i in range(3) for wave in waves if i < len(wave)]
 
 
 def refinements(space: SearchSpace, fits: Fits, best: TrainConfig) -> list[TrainConfig]:
-    """After a new best: its neighbours at its precision (cheap local steps), then its
-    precision's frontier under the now-calibrated model, nearest micro batch first."""
-    candidates = [c for c in space.neighbours(best) if c.precision == best.precision]
-    line = frontier(space, fits, best.precision, best.freeze_blocks, limit=len(space.micro_batch_sizes))
+    """After a new best: its precision's frontier under the now-calibrated model at the micro
+    batches next to the best's, then its neighbours at its precision (cheap local steps)."""
     sizes = space.micro_batch_sizes
     here = sizes.index(best.micro_batch_size)
-    return candidates + sorted(line, key=lambda c: abs(sizes.index(c.micro_batch_size) - here))
+    line = frontier(space, fits, best.precision, best.freeze_blocks, limit=len(sizes))
+    near = sorted((c for c in line if c != best), key=lambda c: abs(sizes.index(c.micro_batch_size) - here))
+    return near[:2] + [c for c in space.neighbours(best) if c.precision == best.precision] + near[2:]

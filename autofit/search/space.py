@@ -78,8 +78,20 @@ class SearchSpace:
     def _from_values(self, values: dict) -> TrainConfig:
         return self.config(**values)
 
+    def checkpointable(self, freeze_blocks: int) -> int:
+        """Blocks that can be checkpointed: only trainable ones. A frozen block (the first
+        `freeze_blocks`) saves no activations for backward, so checkpointing it changes nothing."""
+        return max(0, self.max_checkpoint_blocks - freeze_blocks)
+
+    def valid(self, config: TrainConfig) -> bool:
+        """In the space and not equivalent to another point of it."""
+        return config.checkpoint_blocks <= self.checkpointable(config.freeze_blocks)
+
     def suggest(self, trial: optuna.Trial) -> TrainConfig:
-        return self._from_values({k.field: k.suggest(trial) for k in self.knobs()})
+        values = {k.field: k.suggest(trial) for k in self.knobs()}
+        # Checkpointing beyond the trainable blocks is the same point as checkpointing all of them.
+        values["checkpoint_blocks"] = min(values["checkpoint_blocks"], self.checkpointable(values["freeze_blocks"]))
+        return self._from_values(values)
 
     def params(self, config: TrainConfig) -> dict:
         """Optuna parameters of `config` (for enqueueing)."""
@@ -87,15 +99,18 @@ class SearchSpace:
 
     def grid(self) -> list[TrainConfig]:
         knobs = self.knobs()
-        return [self._from_values(dict(zip((k.field for k in knobs), combo)))
-                for combo in itertools.product(*(k.values for k in knobs))]
+        configs = (self._from_values(dict(zip((k.field for k in knobs), combo)))
+                   for combo in itertools.product(*(k.values for k in knobs)))
+        return [c for c in configs if self.valid(c)]
 
     @property
     def size(self) -> int:
+        """len(grid()), without building it."""
         size = 1
         for k in self.knobs():
-            size *= len(k.values)
-        return size
+            if k.field not in ("checkpoint_blocks", "freeze_blocks"):
+                size *= len(k.values)
+        return size * sum(self.checkpointable(f) + 1 for f in range(self.max_freeze_blocks + 1))
 
     def neighbours(self, config: TrainConfig) -> list[TrainConfig]:
         """Configs one step away along one knob, plus one more micro batch paid for by one
@@ -108,7 +123,7 @@ class SearchSpace:
         by_field = {k.field: k for k in ordered}
         for move in moves:
             moved = self._step(config, move, by_field)
-            if moved is not None:
+            if moved is not None and self.valid(moved):
                 out.append(moved)
         for k in self.knobs():
             if not k.ordered:

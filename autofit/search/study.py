@@ -22,6 +22,8 @@ class TrialRecord:
     predicted_peak_bytes: int | None
     measurement: Measurement | None
     reason: str | None = None
+    budget_bytes: int | None = None  # the budget it ran (or was pruned) under; None in older studies
+    repeat: bool = False  # a re-measurement of a measured config (noise), not a search trial
 
     @property
     def samples_per_s(self) -> float:
@@ -46,7 +48,7 @@ class TrialRecord:
 
     def to_attr(self) -> dict:
         return {"status": self.status, "predicted_peak_bytes": self.predicted_peak_bytes, "reason": self.reason,
-                "config": self.config.to_dict(),
+                "budget_bytes": self.budget_bytes, "repeat": self.repeat, "config": self.config.to_dict(),
                 "measurement": None if self.measurement is None else self.measurement.to_dict()}
 
     @classmethod
@@ -54,6 +56,7 @@ class TrialRecord:
         m = attr.get("measurement")
         return cls(number=number, config=TrainConfig.from_dict(attr["config"]), status=attr["status"],
                    predicted_peak_bytes=attr.get("predicted_peak_bytes"), reason=attr.get("reason"),
+                   budget_bytes=attr.get("budget_bytes"), repeat=bool(attr.get("repeat", False)),
                    measurement=None if m is None else Measurement.from_dict(m))
 
 
@@ -65,12 +68,15 @@ class SearchResult:
     resumed: int  # records loaded from the stored study rather than run by this call
     stop_reason: str
     ranked: list[TrialRecord] = field(default_factory=list)  # feasible and healthy, fastest first
+    noise: float | None = None  # relative spread of repeated measurements of the contenders
+    choice: str = ""  # how the winner was chosen among contenders within noise
 
     def count(self, status: str) -> int:
-        return sum(r.status == status for r in self.records)
+        return sum(r.status == status and not r.repeat for r in self.records)
 
     @property
     def measured(self) -> int:
+        """Measurements taken, repeats included."""
         return sum(r.measurement is not None for r in self.records)
 
 
