@@ -59,6 +59,11 @@ class SearchSummary:
     storage: str
     baseline: dict = field(default_factory=dict)  # the 32-true largest-fitting baseline, if measured
     speedup: float | None = None  # winner samples/s over that baseline
+    stop_reason: str = ""  # why the search stopped
+    choice: str = ""  # how the winner was chosen among contenders within noise
+    noise: float | None = None  # run-to-run relative spread of repeated measurements
+    host_load: float | None = None  # 1-minute load average per CPU core while validating
+    note: str = ""  # why the profile is the baseline, or what to distrust in its figures
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

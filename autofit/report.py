@@ -29,8 +29,17 @@ def format_trial_line(record: TrialRecord, best: TrialRecord | None, considered:
             f"{format_bytes(peak):>10}{estimated} {share} of budget {speed}  {best_text}{reason}")
 
 
+def _rows(result: SearchResult) -> list[TrialRecord]:
+    """One row per search trial: repeats of a measured config and pruned proposals of a
+    config proposed (or measured) more than once are left out."""
+    measured = {r.config for r in result.records if r.measurement is not None}
+    pruned = {r.config: r for r in result.records if r.status == "pruned" and r.config not in measured}
+    rows = [r for r in result.records if r.measurement is not None and not r.repeat] + list(pruned.values())
+    return sorted(rows, key=lambda r: (r.status != "ok", -r.samples_per_s))
+
+
 def trials_table(result: SearchResult, winner: TrialRecord | None) -> str:
-    rows = sorted(result.records, key=lambda r: (r.status != "ok", -r.samples_per_s))
+    rows = _rows(result)
     lines = [f"{'':2}{'#':>4}  {'config':<40} {'status':<9} {'peak':>10} {'samples/s':>10}"]
     for r in rows:
         mark = "★" if winner is not None and r.number == winner.number else ""
@@ -87,7 +96,7 @@ def _svg(result: SearchResult, winner: TrialRecord | None, width: int = 760, hei
 
 def write_html_report(path: Path, profile: Profile, result: SearchResult, winner: TrialRecord | None) -> Path:
     rows = []
-    for r in sorted(result.records, key=lambda r: (r.status != "ok", -r.samples_per_s)):
+    for r in _rows(result):
         mark = "★" if winner is not None and r.number == winner.number else ""
         speed = f"{r.samples_per_s:.1f}" if r.status == "ok" else ""
         rows.append(f"<tr><td>{mark}</td><td>{r.number}</td><td>{html.escape(r.config.short())}</td>"
@@ -104,7 +113,9 @@ tr:nth-child(even){{background:#f3f3f3}}</style></head><body>
 {profile.measured.validated_steps} steps, peak {format_bytes(profile.measured.peak_memory_bytes)} of a
 {format_bytes(profile.budget_bytes)} budget; {speedup}.</p>
 <p>{s.trials} trials: {s.measured} measured, {s.pruned} pruned by the memory estimate, {s.oom} out of memory,
-{s.unhealthy} unhealthy, {s.failed} failed; search wall time {s.wall_s:.0f} s.</p>
+{s.unhealthy} unhealthy, {s.failed} failed; search wall time {s.wall_s:.0f} s; stopped: {html.escape(s.stop_reason)}.</p>
+{f"<p>Choice: {html.escape(s.choice)}.</p>" if s.choice else ""}
+{f"<p><b>Note:</b> {html.escape(s.note)}.</p>" if s.note else ""}
 {_svg(result, winner)}
 <table><tr><th></th><th>#</th><th>config</th><th>status</th><th>peak</th><th>predicted</th><th>samples/s</th><th>reason</th></tr>
 {''.join(rows)}</table></body></html>

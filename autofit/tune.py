@@ -6,6 +6,7 @@
 
 import dataclasses
 import os
+import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from loguru import logger
 
 from autofit import __version__
 from autofit.device.probe import DeviceInfo, usable_budget_bytes
-from autofit.errors import NothingFitsError
+from autofit.errors import NothingFitsError, TrialError
 from autofit.estimate import EstimateError, estimate_memory
 from autofit.knobs import block_count
 from autofit.precision import supported_precisions
@@ -121,8 +122,15 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     logger.info("tuning {} on {} ({}): budget {}, {} configs in the space, up to {} trials",
                 spec.name, device.name, execute_on, format_bytes(budget_bytes), space.size, max_trials)
 
+    timeouts: dict = {}  # config -> timeouts so far: a retry gets twice the time
+
     def run_trial(config) -> Measurement:
-        return measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event)
+        limit_s = spec.search.trial_timeout_s * 2 ** timeouts.get(config, 0)
+        m = measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
+                    timeout_s=limit_s)
+        if m.status == "timeout":
+            timeouts[config] = timeouts.get(config, 0) + 1
+        return m
 
     def predict(config) -> int:
         """Predicted peak; 0 (unknown: measure it) for a config the estimator cannot run."""
@@ -158,19 +166,30 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     if not result.ranked:
         raise NothingFitsError(_nothing_fits_message(result, tuner, space))
 
-    def run_long(config) -> Measurement:
+    def run_long(config, steps: int, timeout_s: float) -> Measurement:
         return measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
-                       measure_steps=spec.search.validate_steps)
+                       measure_steps=steps, timeout_s=timeout_s)
 
-    winner, validated = _validate(spec, result, run_trial_steps=run_long, demoted=demoted)
-    baseline = _baseline(result)
+    winner, validated = validate(spec, result, run_long, demoted=demoted)
+    host_load = _host_load()
+    baseline = _baseline(result, demoted)
     # The speed-up compares like with like: the baseline re-measured over as many steps as
     # the winner's validation, so one noisy short trial cannot make or break it.
-    baseline_m = None
+    baseline_m, note = None, ""
     if baseline is not None:
-        baseline_m = validated if baseline.config == winner.config else run_long(baseline.config)
+        baseline_m = validated if baseline.config == winner.config else _run_validation(spec, baseline, run_long)
         if baseline_m.status != "ok" or not baseline_m.samples_per_s:
             baseline_m = None
+    if baseline_m is not None and baseline.config != winner.config:
+        winner, validated, baseline_m, note = never_worse(spec, (winner, validated), (baseline, baseline_m), run_long)
+    if winner.config == getattr(baseline, "config", None) and not note:
+        note = (f"nothing measured beat the 32-true baseline (search stopped: {result.stop_reason}; "
+                f"{result.count('ok')} configs measured): the profile is the baseline")
+    if note:
+        logger.warning(note)
+    if host_load is not None and host_load > LOADED_HOST:
+        logger.warning("the host was loaded while validating (load {:.1f} per core): throughput figures are "
+                       "noisy; re-run on a quiet machine to trust the speed-up", host_load)
     profile = Profile(
         model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
         device=device_from_info(device),
@@ -187,6 +206,9 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
             baseline={} if baseline_m is None else {"config": baseline.config.to_dict(),
                                                     "samples_per_s": baseline_m.samples_per_s},
             speedup=None if baseline_m is None else round(validated.samples_per_s / baseline_m.samples_per_s, 3),
+            stop_reason=result.stop_reason, choice=result.choice,
+            noise=None if result.noise is None else round(result.noise, 4),
+            host_load=None if host_load is None else round(host_load, 2), note=note,
         ),
         created=utc_now(),
         autofit=__version__,
@@ -214,30 +236,102 @@ def _total_peak(m: Measurement) -> int:
     return (m.peak_memory_bytes or 0) + (m.overhead_bytes or 0)
 
 
-def _validate(spec: ModelSpec, result: SearchResult, run_trial_steps,
-              demoted: set = frozenset()) -> tuple[TrialRecord, Measurement]:
+# 1-minute load average per core above which throughput measured on a CPU is flagged.
+LOADED_HOST = 0.8
+VALIDATION_ATTEMPTS = 2  # a validation that times out is retried once with twice the time
+
+
+def run_timeout_s(spec: ModelSpec, record: TrialRecord, steps: int) -> float:
+    """The time a run of `steps` timed steps of `record`'s config may take: the trial's own
+    start-up (its wall time less its steps) plus warm-up and `steps` at its measured step
+    time, three times over, and never less than one trial's timeout. The trial timeout is
+    meant for a few steps; a 50-step validation of a slow config needs more."""
+    m, search = record.measurement, spec.search
+    if m is None or not m.step_time_s:
+        return search.trial_timeout_s * max(1.0, steps / search.measure_steps)
+    startup_s = max(0.0, m.wall_s - (search.warmup_steps + search.measure_steps) * m.step_time_s)
+    return max(search.trial_timeout_s, 3 * (startup_s + (search.warmup_steps + steps) * m.step_time_s))
+
+
+def _run_validation(spec: ModelSpec, record: TrialRecord, run_long) -> Measurement:
+    """One validation run; a timeout (the machine, not the config) is retried with twice the time."""
+    steps = spec.search.validate_steps
+    limit_s = run_timeout_s(spec, record, steps)
+    for attempt in range(VALIDATION_ATTEMPTS):
+        m = run_long(record.config, steps, limit_s * 2 ** attempt)
+        if m.status != "timeout":
+            return m
+        logger.warning("validation of {} timed out after {:.0f}s{}", record.config.short(), limit_s * 2 ** attempt,
+                       "; retrying with twice the time" if attempt + 1 < VALIDATION_ATTEMPTS else "")
+    return m
+
+
+def validate(spec: ModelSpec, result: SearchResult, run_long,
+             demoted: set = frozenset()) -> tuple[TrialRecord, Measurement]:
     """Re-run the best configs longer in fresh children; the first that stays ok and inside
     the budget wins. Short trials can miss slow leaks and late allocator growth. Configs
-    that ran out of memory in training (`demoted`) are passed over."""
+    that ran out of memory in training (`demoted`) are passed over.
+    `run_long(config, steps, timeout_s)` measures one config."""
     ranked = [r for r in result.ranked if r.config not in demoted]
     if not ranked:
         raise NothingFitsError("every configuration that fits in the search ran out of memory in training "
                                "(see the .demotions.json beside the profile)")
+    failures = []
     for record in ranked[:5]:
         logger.info("validating {} over {} steps", record.config.short(), spec.search.validate_steps)
-        m = run_trial_steps(record.config)
+        m = _run_validation(spec, record, run_long)
         if m.status == "ok" and _total_peak(m) <= result.budget_bytes:
             return record, m
+        failures.append(m.status)
         logger.warning("validation of {} failed: {} ({}); trying the next best", record.config.short(),
                        m.status, m.reason or f"peak {format_bytes(_total_peak(m))} over budget")
+    if failures and all(f == "timeout" for f in failures):
+        # Not "nothing fits": the machine was too slow or too busy; a rerun resumes the study.
+        raise TrialError(f"every validation run timed out (search.trial_timeout_s is "
+                         f"{spec.search.trial_timeout_s:g}s); rerun, or raise search.trial_timeout_s")
     raise NothingFitsError("no configuration passed validation: the best five all failed their longer run")
 
 
-def _baseline(result: SearchResult) -> TrialRecord | None:
+def never_worse(spec: ModelSpec, winner: tuple[TrialRecord, Measurement], baseline: tuple[TrialRecord, Measurement],
+                run_long) -> tuple[TrialRecord, Measurement, Measurement, str]:
+    """The profile is never slower than doing nothing. When the validated winner is slower
+    than the validated baseline, both are measured again, interleaved, twice; the medians
+    decide. Returns (winner, its measurement, the baseline's, a note when the baseline won)."""
+    (w, wm), (b, bm) = winner, baseline
+    if wm.samples_per_s >= bm.samples_per_s:
+        return w, wm, bm, ""
+    logger.info("validated {} ({:.4g} samples/s) is slower than the baseline {} ({:.4g}): measuring both "
+                "again, interleaved", w.config.short(), wm.samples_per_s, b.config.short(), bm.samples_per_s)
+    runs = {w.config: [wm], b.config: [bm]}
+    for _ in range(2):
+        for record in (w, b):
+            m = _run_validation(spec, record, run_long)
+            if m.status == "ok" and m.samples_per_s:
+                runs[record.config].append(m)
+    w_med, b_med = (statistics.median(x.samples_per_s for x in runs[c]) for c in (w.config, b.config))
+    w_best = min(runs[w.config], key=lambda x: abs(x.samples_per_s - w_med))
+    b_best = min(runs[b.config], key=lambda x: abs(x.samples_per_s - b_med))
+    if w_med >= b_med:
+        return w, w_best, b_best, ""
+    note = (f"the search's winner {w.config.short()} validated at {w_med:.4g} samples/s, below the 32-true "
+            f"baseline's {b_med:.4g} (medians of {len(runs[w.config])} and {len(runs[b.config])} interleaved "
+            f"runs): the profile is the baseline")
+    return b, b_best, b_best, note
+
+
+def _host_load() -> float | None:
+    """The 1-minute load average per CPU core (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return None
+
+
+def _baseline(result: SearchResult, demoted: set = frozenset()) -> TrialRecord | None:
     """What a user without autofit runs: 32-true, no checkpointing or freezing, the largest
-    micro batch that fits."""
+    micro batch that fits (and did not run out of memory in training)."""
     plain = [r for r in result.records if r.config.precision == "32-true" and r.config.checkpoint_blocks == 0
-             and r.config.freeze_blocks == 0 and r.feasible(result.budget_bytes)]
+             and r.config.freeze_blocks == 0 and r.feasible(result.budget_bytes) and r.config not in demoted]
     return max(plain, key=lambda r: r.config.micro_batch_size, default=None)
 
 
@@ -247,7 +341,8 @@ def _nothing_fits_message(result: SearchResult, tuner: Tuner, space: SearchSpace
     smallest = min(peaks, key=lambda p: p[0], default=None)
     frugal = space.config(min(space.precisions, key=lambda p: ("bf16-true", "bf16-mixed", "16-mixed").index(p)
                               if p in ("bf16-true", "bf16-mixed", "16-mixed") else 9),
-                          space.micro_batch_sizes[0], space.max_checkpoint_blocks, space.max_freeze_blocks)
+                          space.micro_batch_sizes[0], space.checkpointable(space.max_freeze_blocks),
+                          space.max_freeze_blocks)
     needed = tuner.memory.corrected_peak(frugal, result.records)
     unhealthy = result.count("unhealthy") + result.count("error") + result.count("timeout")
     seen = (f"; the smallest peak seen was {format_bytes(smallest[0])} ({smallest[1].config.short()})"

@@ -81,17 +81,114 @@ def test_killed_tune_resumes_without_measuring_finished_trials_again(tmp_path):
         # Duplicate proposals are told the cached result but carry no record of their own.
         return [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and "autofit" in t.user_attrs]
 
+    def searched() -> list:
+        """Configs measured by the search (not pruned proposals, not noise repeats)."""
+        return [t for t in finished() if t.user_attrs["autofit"]["status"] != "pruned"
+                and not t.user_attrs["autofit"].get("repeat")]
+
     deadline = time.monotonic() + 240
     while len(finished()) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    before = {json.dumps(t.user_attrs["autofit"]["config"], sort_keys=True) for t in finished()}
-    assert 2 <= len(before) < 7
+    stored = len(finished())
+    before = {json.dumps(t.user_attrs["autofit"]["config"], sort_keys=True) for t in searched()}
+    assert 1 <= len(before) < 7
 
     result = run_cli("tune", *args[1:], "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert f"{len(before)} finished trials are not run again" in result.stderr
-    after = [json.dumps(t.user_attrs["autofit"]["config"], sort_keys=True) for t in finished()]
+    assert f"{stored} finished trials are not run again" in result.stderr
+    after = [json.dumps(t.user_attrs["autofit"]["config"], sort_keys=True) for t in searched()]
     assert len(after) == len(set(after)) >= 7  # every config considered once across both runs
     assert before <= set(after)
+
+
+@pytest.mark.slow
+def test_tune_out_of_time_writes_the_baseline_and_says_why(tmp_path, tune_spec):
+    """`--timeout` that ends the search at once: the profile is the 32-true baseline (the
+    fastest full-precision config predicted to fit), never the slowest config, with a note."""
+    result = run_cli("tune", tune_spec, "--device", "cpu", "--timeout", "0.001", "--out", tmp_path / "profiles",
+                     "--state-dir", tmp_path / "state", "--json", "--no-report", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    profile = Profile.load(json.loads(result.stdout)["profile_path"])
+    spec = load_spec(tune_spec)
+    assert profile.config == TrainConfig(precision="32-true", micro_batch_size=spec.train.global_batch_size)
+    assert profile.search.speedup == 1.0 and "the profile is the baseline" in profile.search.note
+    assert profile.search.stop_reason.startswith("timeout")
+    assert profile.search.host_load is not None
+
+
+# --- validation and the baseline, in-process with simulated runs ------------------------
+
+def _record(config: TrainConfig, step_time_s: float, wall_s: float):
+    from autofit.search import TrialRecord
+    from autofit.trial import Measurement
+
+    m = Measurement(status="ok", config=config, samples_per_s=config.global_batch_size / step_time_s,
+                    step_time_s=step_time_s, peak_memory_bytes=1, wall_s=wall_s)
+    return TrialRecord(number=0, config=config, status="ok", predicted_peak_bytes=1, measurement=m)
+
+
+def _slow_run(step_time_s: float, calls: list, speeds: dict | None = None):
+    """A run that takes `step_time_s` per step and times out when its limit is shorter."""
+    from autofit.trial import Measurement
+
+    def run_long(config, steps, timeout_s):
+        calls.append((config, timeout_s))
+        if timeout_s < (steps + 2) * step_time_s:
+            return Measurement(status="timeout", config=config, reason="simulated timeout")
+        sps = (speeds or {}).get(config, [config.global_batch_size / step_time_s])
+        return Measurement(status="ok", config=config, samples_per_s=sps.pop(0) if len(sps) > 1 else sps[0],
+                           step_time_s=step_time_s, peak_memory_bytes=1)
+    return run_long
+
+
+def test_a_validation_longer_than_one_trial_timeout_completes(tmp_path):
+    from autofit.search import SearchResult
+    from autofit.tune import validate
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={**SEARCH, "validate_steps": 50,
+                                                                "trial_timeout_s": 10})))
+    config = TrainConfig(micro_batch_size=spec.train.global_batch_size)
+    # 1 s per step: the search trial (1 step + start-up) fits in 10 s, 50 steps do not.
+    record = _record(config, step_time_s=1.0, wall_s=3.0)
+    result = SearchResult(records=[record], budget_bytes=2, wall_s=0, resumed=0, stop_reason="", ranked=[record])
+    calls = []
+    winner, m = validate(spec, result, _slow_run(1.0, calls))
+    assert m.status == "ok" and winner is record
+    assert calls[0][1] > spec.search.trial_timeout_s and len(calls) == 1
+
+
+def test_validation_that_only_times_out_is_not_nothing_fits(tmp_path):
+    from autofit.errors import NothingFitsError, TrialError
+    from autofit.search import SearchResult
+    from autofit.tune import validate
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={**SEARCH, "trial_timeout_s": 10})))
+    config = TrainConfig(micro_batch_size=spec.train.global_batch_size)
+    record = _record(config, step_time_s=0.01, wall_s=1.0)  # the search saw it fast; now the machine stalls
+    result = SearchResult(records=[record], budget_bytes=2, wall_s=0, resumed=0, stop_reason="", ranked=[record])
+    calls = []
+    with pytest.raises(TrialError, match="timed out") as err:
+        validate(spec, result, _slow_run(1e6, calls))
+    assert not isinstance(err.value, NothingFitsError)
+    assert len(calls) == 2 and calls[1][1] == 2 * calls[0][1]  # retried once with twice the time
+
+
+def test_a_winner_slower_than_the_baseline_is_never_the_profile(tmp_path):
+    from autofit.tune import never_worse
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
+    n = spec.train.global_batch_size
+    base_cfg = TrainConfig(micro_batch_size=n)
+    win_cfg = TrainConfig(precision="bf16-mixed", micro_batch_size=n)
+    winner, baseline = _record(win_cfg, 0.01, 1.0), _record(base_cfg, 0.01, 1.0)
+    slow = {win_cfg: [90.0, 91.0], base_cfg: [100.0, 99.0]}
+    w, wm, bm, note = never_worse(spec, (winner, winner.measurement.__class__(
+        status="ok", config=win_cfg, samples_per_s=95.0)), (baseline, baseline.measurement), _slow_run(0.01, [], slow))
+    assert w is baseline and "the profile is the baseline" in note and wm.samples_per_s == bm.samples_per_s
+    # Slower once, by noise: measured again interleaved, the winner holds.
+    noisy = {win_cfg: [120.0, 118.0], base_cfg: [100.0, 99.0]}
+    w, wm, bm, note = never_worse(spec, (winner, winner.measurement.__class__(
+        status="ok", config=win_cfg, samples_per_s=95.0)), (baseline, baseline.measurement), _slow_run(0.01, [], noisy))
+    assert w is winner and note == ""
