@@ -3,6 +3,7 @@ double the accumulation and do the step again, training exactly as a run at the 
 micro batch from that step on; the store records the demotion and the next tune uses it."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -143,3 +144,22 @@ def test_unreadable_demotions_are_kept_aside(tmp_path):
     record_demotion(profile_path, event, spec_hash="sha256:a")
     assert read_demotions(profile_path) == [event]
     assert (tmp_path / "m--cpu.demotions.json.unreadable").read_text() == "{not json"
+
+
+def test_train_under_a_tight_budget_demotes_and_stays_within_it(tmp_path, capsys):
+    """A real out-of-memory error on the CPU: the tracker refuses the allocation that would
+    cross --memory-budget, the step is done again at mb=4, and the peak stays within it."""
+    from autofit.estimate import estimate_memory
+    from conftest import run_main
+
+    spec_path = write_spec(tmp_path, text_spec_dict(train={"global_batch_size": 8, "steps": 2}))
+    spec = load_spec(spec_path)
+    full, half = (estimate_memory(spec, c).peak_bytes for c in (TrainConfig(micro_batch_size=8), BIG))
+    budget = (full + half) // 2
+    code, _, err = run_main(capsys, "train", spec_path, "--memory-budget", budget, "--no-progress",
+                            "--checkpoint-dir", tmp_path / "run", "--metrics-out", tmp_path / "metrics.json")
+    assert code == 0, err
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert [d["to_config"]["micro_batch_size"] for d in metrics["demotions"]] == [4]
+    assert metrics["peak_memory_bytes"] <= budget and metrics["steps"] == 2
+    assert read_demotions(tmp_path / "store" / "tiny-text--cpu.yaml")[0].to_config == BIG

@@ -190,3 +190,24 @@ def test_bucketing_is_searched_only_where_it_can_help(tmp_path):
     for data, searched in (({}, True), ({"padding": "max_length"}, False), ({"packing": True}, False)):
         space = search_space(parse_spec(text_spec_dict(data), source_dir=tmp_path), cpu)
         assert ("length_bucketing" in {k.field for k in space.knobs()}) == searched
+
+
+def test_hf_causal_lm_trains_on_text_with_an_attention_mask(tmp_path):
+    pytest.importorskip("transformers")
+    raw = text_spec_dict({"max_length": 32})
+    raw["model"] = {"hf": {"class": "GPT2LMHeadModel", "config": {"n_layer": 1, "n_embd": 32, "n_head": 2,
+                                                                 "vocab_size": 512, "n_positions": 32,
+                                                                 # no dropout: its masks differ by batch shape
+                                                                 "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                                                 "attn_pdrop": 0.0}}}
+    w = build_workload(parse_spec(raw, source_dir=tmp_path))
+    grads = []
+    for micro in (8, 2):
+        torch.manual_seed(0)
+        model = w.build_model()
+        micro_batches = w.data.step_batches(2, 0, 8, micro)
+        assert set(micro_batches[0]) == {"input_ids", "attention_mask", "labels"}
+        for mb in micro_batches:
+            (w.loss_fn(model, mb) / len(micro_batches)).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)

@@ -51,12 +51,15 @@ class LiveBytesTracker(TorchDispatchMode):
         self._check(n_bytes)
 
     def _check(self, n_bytes: int) -> None:
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
+        # An allocation over the budget is refused before it counts toward the peak, as a
+        # capped GPU allocator refuses it: a run that recovers from the error (a halved micro
+        # batch) reports the peak it really ran at, within the budget.
         if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             raise torch.OutOfMemoryError(
                 f"memory budget exceeded: allocating {n_bytes} bytes with {self.live_bytes - n_bytes} live "
                 f"would exceed the budget of {self.budget_bytes} bytes")
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
 
     def _free(self, key: int) -> None:
         self.live_bytes -= self._sizes.pop(key, 0)
