@@ -92,7 +92,7 @@ def cmd_tune(args) -> int:
 
     outcome = tune_command(args.spec, device=args.device, memory_budget=args.memory_budget, trials=args.trials,
                            timeout_s=args.timeout, storage=args.storage, out_dir=args.out,
-                           state_dir=args.state_dir, report=not args.no_report)
+                           state_dir=args.state_dir, report=not args.no_report, nproc=args.nproc)
     if args.json:
         print(json.dumps(outcome.summary(), default=str))
     else:
@@ -105,6 +105,9 @@ def _add_tune(sub) -> None:
     p.add_argument("spec", help="model.yaml")
     p.add_argument("--device", help="cuda index or cpu (default: the first GPU, else the CPU)")
     p.add_argument("--memory-budget", help="emulate a smaller device: 24GiB, 0.8 (of total), bytes")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="tune for N ranks (one per GPU, or N CPU processes): DDP or FSDP2, trials through "
+                        "torchrun; budgets are per rank (default: 1)")
     p.add_argument("--trials", type=int, help="most configurations to consider (default: search.trials)")
     p.add_argument("--timeout", type=float, help="stop searching after this many seconds")
     p.add_argument("--storage", help="Optuna storage URL shared by several workers (default: SQLite in the state folder)")

@@ -99,11 +99,11 @@ def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int
     if device_kind not in DEVICE_KINDS:
         raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
     workload = build_workload(spec)
-    global_batch = spec.train.global_batch_size
-    sizes = spec.micro_batch_sizes()
+    rank_batch = spec.train.global_batch_size // config.world_size  # each rank's share
+    sizes = [m for m in range(1, rank_batch + 1) if rank_batch % m == 0]
 
     def fits(micro: int) -> bool:
-        trial = config.replace(micro_batch_size=micro, grad_accum_steps=global_batch // micro)
+        trial = config.replace(micro_batch_size=micro, grad_accum_steps=rank_batch // micro)
         return _estimate(spec, workload, trial, device_kind).peak_bytes <= budget_bytes
 
     lo, hi = 0, len(sizes) - 1  # invariant: everything below lo fits, everything above hi does not

@@ -83,6 +83,14 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
     data = {} if isinstance(profile, TrainConfig) else profile.data
     if data.get("kind") == "text" or config.length_bucketing:
         _hf_lengths(args, notes, config, data, fields)
+    if config.parallelism == "ddp":
+        # The Trainer runs DDP by itself when launched by torchrun; only the buckets are set.
+        args["ddp_bucket_cap_mb"] = config.bucket_cap_mb
+        notes.append(_launch_note(config))
+    elif config.parallelism == "fsdp":
+        args["fsdp"] = "full_shard auto_wrap" if config.reshard_after_forward else "shard_grad_op auto_wrap"
+        args["fsdp_config"] = {"version": 2, "reshard_after_forward": config.reshard_after_forward}
+        notes.append(_launch_note(config))
     if config.freeze_blocks > 0:
         notes.append(f"freeze_blocks={config.freeze_blocks}: TrainingArguments cannot freeze parameters; "
                      f"freeze them before building the Trainer: "
@@ -144,8 +152,23 @@ def hf_notes(profile, *, n_blocks: int | None = None) -> list[str]:
 def to_lightning(profile) -> dict:
     """Keyword arguments for `lightning.Trainer`."""
     config = _config(profile)
-    return {"precision": _LIGHTNING_PRECISION[config.precision],
-            "accumulate_grad_batches": config.grad_accum_steps}
+    out = {"precision": _LIGHTNING_PRECISION[config.precision], "accumulate_grad_batches": config.grad_accum_steps}
+    if config.distributed:
+        # One node by default; for several, devices x num_nodes must stay world_size.
+        out |= {"strategy": config.parallelism, "devices": config.world_size, "num_nodes": 1}
+    return out
+
+
+def torchrun_command(config: TrainConfig, spec_path: str = "MODEL_YAML", profile_path: str = "PROFILE") -> str:
+    """The launch line of a profile: one process per rank on this node through torchrun."""
+    return (f"torchrun --standalone --nproc-per-node {config.world_size} -m autofit train "
+            f"{shlex.quote(spec_path)} --profile {shlex.quote(profile_path)}")
+
+
+def _launch_note(config: TrainConfig) -> str:
+    return (f"{config.parallelism} over {config.world_size} ranks: launch the script with "
+            f"`torchrun --nproc-per-node {config.world_size} train.py`; per_device_train_batch_size "
+            f"is each rank's micro batch")
 
 
 def lightning_notes(profile) -> list[str]:
@@ -154,6 +177,15 @@ def lightning_notes(profile) -> list[str]:
     notes = [f"micro_batch_size={config.micro_batch_size}: pass it to your DataLoader(batch_size=...)"]
     if config.precision == "tf32":
         notes.append("tf32: Lightning calls this 32-true; also call torch.set_float32_matmul_precision('high')")
+    if config.parallelism == "fsdp":
+        notes.append("strategy=fsdp: Lightning's FSDPStrategy; for FSDP2's fully_shard as autofit measured it, "
+                     "use ModelParallelStrategy and call fully_shard in configure_model(), with "
+                     f"reshard_after_forward={config.reshard_after_forward}")
+    elif config.parallelism == "ddp":
+        notes.append(f"strategy=ddp: for the measured buckets pass DDPStrategy(bucket_cap_mb={config.bucket_cap_mb}, "
+                     f"gradient_as_bucket_view={config.gradient_as_bucket_view})")
+    if config.distributed:
+        notes.append(f"several nodes: devices (per node) x num_nodes must equal world_size={config.world_size}")
     if config.checkpoint_blocks or config.freeze_blocks:
         notes.append(f"checkpoint_blocks={config.checkpoint_blocks}, freeze_blocks={config.freeze_blocks}: "
                      f"apply them to the model in configure_model() with "
@@ -172,6 +204,9 @@ def to_env(profile) -> dict[str, str]:
         "AUTOFIT_CHECKPOINT_BLOCKS": str(config.checkpoint_blocks),
         "AUTOFIT_FREEZE_BLOCKS": str(config.freeze_blocks),
     }
+    if config.distributed:
+        env |= {"AUTOFIT_PARALLELISM": config.parallelism, "AUTOFIT_WORLD_SIZE": str(config.world_size),
+                "AUTOFIT_TORCHRUN": torchrun_command(config)}
     if not isinstance(profile, TrainConfig):
         env["AUTOFIT_MODEL"] = profile.model.name
         env["AUTOFIT_DEVICE_FINGERPRINT"] = profile.device.fingerprint
@@ -191,7 +226,12 @@ def render(profile, fmt: str, *, n_blocks: int | None = None) -> str:
     if fmt == "lightning":
         return _comments(lightning_notes(profile)) + yaml.safe_dump(to_lightning(profile), sort_keys=False)
     if fmt == "env":
-        return "".join(f"{key}={shlex.quote(value)}\n" for key, value in to_env(profile).items())
+        config = _config(profile)
+        launch = (f"# run: {torchrun_command(config, 'MODEL_YAML', profile.file_name)}\n"
+                  f"# several nodes: torchrun --nnodes NODES --nproc-per-node GPUS_PER_NODE --rdzv-backend c10d "
+                  f"--rdzv-endpoint HOST:29500 ... (NODES x GPUS_PER_NODE = {config.world_size})\n"
+                  if config.distributed and not isinstance(profile, TrainConfig) else "")
+        return launch + "".join(f"{key}={shlex.quote(value)}\n" for key, value in to_env(profile).items())
     raise ProfileError(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
 

@@ -60,6 +60,13 @@ class TrainConfig:
                 raise SpecError(f"{name}: must be an integer >= 0, got {value!r}")
         if not isinstance(self.length_bucketing, bool):
             raise SpecError(f"length_bucketing: must be true or false, got {self.length_bucketing!r}")
+        # Another strategy's knobs are inert: reset to their defaults, so configs that differ
+        # only there are one config (equal, one hash, measured once).
+        if self.parallelism != "fsdp":
+            object.__setattr__(self, "reshard_after_forward", True)
+        if self.parallelism != "ddp":
+            object.__setattr__(self, "bucket_cap_mb", 25)
+            object.__setattr__(self, "gradient_as_bucket_view", False)
         if self.parallelism == "none" and self.world_size != 1:
             raise SpecError(f"world_size: parallelism none runs one process, got world_size={self.world_size}; "
                             f"set parallelism to ddp or fsdp")

@@ -261,6 +261,7 @@ def list_rows(store: ProfileStore | str | Path | None = None, specs: tuple[Model
             "fingerprint": p.device.fingerprint, "precision": c.precision,
             "micro_batch_size": c.micro_batch_size, "grad_accum_steps": c.grad_accum_steps,
             "checkpoint_blocks": c.checkpoint_blocks, "freeze_blocks": c.freeze_blocks,
+            "parallelism": c.parallelism, "world_size": c.world_size,
             "samples_per_s": p.measured.samples_per_s, "created": p.created,
             "stale": store.stale_reasons(p, by_name.get(p.model.name)),
         })
@@ -270,9 +271,13 @@ def list_rows(store: ProfileStore | str | Path | None = None, specs: tuple[Model
 def render_table(rows: list[dict], root: Path) -> str:
     if not rows:
         return f"no profiles in {root}/ (make one with `{tune_hint(root)}`)\n"
-    header = ("FILE", "MODEL", "DEVICE", "PRECISION", "MICROxACCUM", "CKPT", "FREEZE", "SAMPLES/S", "STALE")
+    header = ("FILE", "MODEL", "DEVICE", "RANKS", "PRECISION", "MICROxACCUM", "CKPT", "FREEZE", "SAMPLES/S",
+              "STALE")
+    # RANKS: a profile is for one world size (`-xN` in its file name); 1 is one process.
     table = [header] + [(
-        r["file"], r["model"], r["device"], r["precision"], f"{r['micro_batch_size']}x{r['grad_accum_steps']}",
+        r["file"], r["model"], r["device"],
+        "1" if r["world_size"] == 1 else f"{r['world_size']} {r['parallelism']}",
+        r["precision"], f"{r['micro_batch_size']}x{r['grad_accum_steps']}",
         str(r["checkpoint_blocks"]), str(r["freeze_blocks"]), _number(r["samples_per_s"]),
         "; ".join(r["stale"]) if r["stale"] else "no",
     ) for r in rows]

@@ -46,7 +46,7 @@ def study_name(spec: ModelSpec, device: DeviceInfo, emulated_budget_bytes: int |
     return name if emulated_budget_bytes is None else f"{name}-budget{emulated_budget_bytes}"
 
 
-def search_space(spec: ModelSpec, device: DeviceInfo) -> SearchSpace:
+def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchSpace:
     # The block count comes from a model built on the meta device: no memory, any size.
     # Only the model: a data source may sample real batches while it is built.
     workload = build_workload(spec)
@@ -61,9 +61,10 @@ def search_space(spec: ModelSpec, device: DeviceInfo) -> SearchSpace:
     # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
     bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing
                  and spec.train.global_batch_size > 1)
+    rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
     return SearchSpace(
         global_batch_size=spec.train.global_batch_size, precisions=tuple(precisions),
-        micro_batch_sizes=tuple(spec.micro_batch_sizes()),
+        micro_batch_sizes=tuple(m for m in range(1, rank_batch + 1) if rank_batch % m == 0), world_size=nproc,
         max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
         length_bucketing=(False, True) if bucketing else (False,),
@@ -104,10 +105,12 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
          execute_on: str | None = None, trials: int | None = None, timeout_s: float | None = None,
          emulated_budget_bytes: int | None = None, stop_event: threading.Event | None = None,
          on_trial: Callable[[TrialRecord, TrialRecord | None, int], None] | None = None,
-         report: bool = True) -> TuneOutcome:
+         report: bool = True, nproc: int = 1) -> TuneOutcome:
     """Search, validate and save. `execute_on` is where trials run ("cpu" or a CUDA index;
     default: the device itself; an emulated GPU runs on the CPU under its budget).
     `emulated_budget_bytes` (from --memory-budget) keys a study apart from the full card's.
+    `nproc` > 1 tunes data-parallel jobs over that many ranks (DDP or FSDP2, each trial
+    launched through torchrun); `budget_bytes` is then each rank's.
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
     if emulated_budget_bytes is not None:
@@ -115,7 +118,11 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         # its own fingerprint and file name, so it never stands in for the full device.
         tag = f"budget-{format_bytes(emulated_budget_bytes).replace(' ', '').replace('.', '_').lower()}"
         device = dataclasses.replace(device, fingerprint=f"{device.fingerprint}-{tag}", slug=f"{device.slug}-{tag}")
-    space = search_space(spec, device)
+    if nproc > 1:
+        # A profile for N ranks is not one for a single process: its own fingerprint and file
+        # name (`…-x8`), so the store keeps both and never hands one out for the other.
+        device = dataclasses.replace(device, fingerprint=f"{device.fingerprint}-x{nproc}", slug=f"{device.slug}-x{nproc}")
+    space = search_space(spec, device, nproc)
     max_trials = trials or spec.search.trials
     name = study_name(spec, device, emulated_budget_bytes)
     study = make_study(study_name=name, storage=storage, seed=spec.train.seed)
@@ -355,7 +362,7 @@ def _nothing_fits_message(result: SearchResult, tuner: Tuner, space: SearchSpace
 def tune_command(spec_path: str | Path, *, device: str | None = None, memory_budget: str | None = None,
                  trials: int | None = None, timeout_s: float | None = None, storage: str | None = None,
                  out_dir: str | Path | None = None, state_dir: str | Path | None = None,
-                 report: bool = True) -> TuneOutcome:
+                 report: bool = True, nproc: int = 1) -> TuneOutcome:
     """`autofit tune`: probe, budget, search, validate, save."""
     from autofit.commands import ensure_folder, parse_budget
     from autofit.device.probe import select_device
@@ -367,6 +374,9 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
         raise SpecError(f"--trials: must be a positive integer, got {trials}")
     if timeout_s is not None and timeout_s <= 0:
         raise SpecError(f"--timeout: must be positive seconds, got {timeout_s}")
+    if nproc < 1 or spec.train.global_batch_size % nproc:
+        raise SpecError(f"--nproc: must be a positive divisor of train.global_batch_size "
+                        f"({spec.train.global_batch_size}), got {nproc}")
     info = select_device(device)
     emulated = parse_budget(memory_budget, total_bytes=info.memory_total_bytes)
     budget_bytes = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=emulated)
@@ -375,4 +385,4 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
         storage = f"sqlite:///{folder.resolve() / 'studies.db'}"
     out_dir = ensure_folder(Path(out_dir) if out_dir is not None else default_root(), "--out")
     return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
-                trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated)
+                trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated, nproc=nproc)

@@ -227,3 +227,98 @@ def test_estimate_orders_the_strategies_by_what_they_keep(tmp_path):
     assert fsdp.model_state_bytes == pytest.approx(one.model_state_bytes / 2, abs=16)
     assert fsdp.peak_bytes < ddp_view.peak_bytes < ddp.peak_bytes
     assert fsdp.peak_bytes < fsdp_kept.peak_bytes
+
+
+# ---- the search space, exports and the store ---------------------------------------------
+
+
+def test_nproc_adds_the_strategies_and_their_memory_knobs_to_the_space():
+    from autofit.search.space import SearchSpace
+
+    one = SearchSpace(global_batch_size=16, precisions=("32-true",), micro_batch_sizes=(1, 2, 4, 8, 16),
+                      max_checkpoint_blocks=0, max_freeze_blocks=0)
+    two = SearchSpace(global_batch_size=16, precisions=("32-true",), micro_batch_sizes=(1, 2, 4, 8),
+                      max_checkpoint_blocks=0, max_freeze_blocks=0, world_size=2)
+    assert {k.field for k in two.knobs()} - {k.field for k in one.knobs()} == {
+        "parallelism", "reshard_after_forward", "gradient_as_bucket_view"}
+    grid = set(two.grid())
+    assert all(c.world_size == 2 and c.global_batch_size == 16 for c in grid)
+    # DDP with or without bucket views, FSDP2 resharding or not: 4 strategies x 4 micro batches.
+    assert len(grid) == 16
+    assert {(c.parallelism, c.gradient_as_bucket_view, c.reshard_after_forward) for c in grid} == {
+        ("ddp", True, True), ("ddp", False, True), ("fsdp", False, True), ("fsdp", False, False)}
+    assert [s["parallelism"] for s in two.strategies()] == ["ddp", "fsdp"]
+    assert all(c.parallelism == "none" for c in one.grid())
+
+
+def test_exports_carry_the_strategy_and_the_launch_command(tmp_path):
+    from autofit.export import render, to_hf_training_args, to_lightning
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    fsdp = TrainConfig(micro_batch_size=2, grad_accum_steps=2, parallelism="fsdp", world_size=2,
+                       reshard_after_forward=False)
+    assert to_lightning(fsdp) == {"precision": "32-true", "accumulate_grad_batches": 2, "strategy": "fsdp",
+                                       "devices": 2, "num_nodes": 1}
+    hf = to_hf_training_args(fsdp)
+    assert hf["fsdp"] == "shard_grad_op auto_wrap" and hf["fsdp_config"] == {"version": 2,
+                                                                              "reshard_after_forward": False}
+    assert to_hf_training_args(TrainConfig(micro_batch_size=4, parallelism="ddp", world_size=2))["ddp_bucket_cap_mb"] == 25
+    assert "strategy" not in to_lightning(TrainConfig(micro_batch_size=8))
+    profile = _profile_file(tmp_path, spec, fsdp)
+    from autofit.profile import Profile
+
+    env = render(Profile.load(profile), "env")
+    assert "# run: torchrun --standalone --nproc-per-node 2 -m autofit train MODEL_YAML --profile tiny--cpu.yaml" in env
+    assert "AUTOFIT_PARALLELISM=fsdp\nAUTOFIT_WORLD_SIZE=2\n" in env
+
+
+def test_the_store_lists_each_profile_s_world_size(tmp_path):
+    from autofit.store import list_rows, render_table
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    store = tmp_path / "profiles"
+    store.mkdir()
+    _profile_file(store, spec, TrainConfig(micro_batch_size=2, grad_accum_steps=2, parallelism="fsdp", world_size=2))
+    rows = list_rows(store)
+    assert [(r["parallelism"], r["world_size"]) for r in rows] == [("fsdp", 2)]
+    assert "2 fsdp" in render_table(rows, store)
+
+
+@pytest.mark.slow
+def test_tune_nproc_2_picks_a_strategy_by_measurement_and_torchrun_trains_inside_the_budget(tmp_path):
+    """examples/tiny-gpt.yaml over 2 gloo ranks, bf16-mixed, no checkpointing. Per rank,
+    micro batch 8 measures 10.28 MiB under DDP (bucket views) and 9.83 MiB under FSDP2: a
+    budget of 10.6 MiB (10.07 usable after the 5% headroom) fits only the sharded one there.
+    Which strategy wins is then up to the measured samples/s."""
+    import yaml
+
+    from conftest import EXAMPLES, run_cli
+
+    spec = yaml.safe_load((EXAMPLES / "tiny-gpt.yaml").read_text())
+    spec["data"]["path"] = str(EXAMPLES / "data" / "train.bin")
+    spec["search"] |= {"precisions": ["bf16-mixed"], "activation_checkpointing": False, "trials": 8,
+                       "patience": 4, "measure_steps": 2, "validate_steps": 3}
+    spec_path = write_spec(tmp_path, spec)
+    result = run_cli("tune", spec_path, "--nproc", "2", "--device", "cpu", "--memory-budget", "10.6MiB",
+                     "--out", tmp_path / "profiles", "--state-dir", tmp_path / "state", "--no-report", "--json",
+                     timeout=900, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    trials = summary["trials"]
+    at_8 = {(t["config"]["parallelism"], t["status"]) for t in trials if t["config"]["micro_batch_size"] == 8}
+    assert ("fsdp", "ok") in at_8 and ("ddp", "ok") not in at_8, at_8
+    assert any(t["config"]["parallelism"] == "ddp" and t["status"] == "ok" for t in trials), trials
+    ok = [t for t in trials if t["status"] == "ok"]
+    winner = max(ok, key=lambda t: t["samples_per_s"])
+    from autofit.profile import Profile
+
+    profile = Profile.load(summary["profile_path"])
+    assert profile.file_name.endswith("-x2.yaml")
+    assert profile.config.to_dict() == winner["config"]
+    metrics_path = tmp_path / "metrics.json"
+    train_run = torchrun("-m", "autofit", "train", spec_path, "--profile", summary["profile_path"],
+                         "--steps", 4, "--memory-budget", profile.budget_bytes, "--no-progress",
+                         "--checkpoint-dir", tmp_path / "ckpt", "--metrics-out", metrics_path)
+    assert train_run.returncode == 0, train_run.stderr[-3000:]
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["world_size"] == 2 and 0 < metrics["peak_memory_bytes"] <= profile.budget_bytes

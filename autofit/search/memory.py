@@ -61,7 +61,8 @@ def fit_points(points: list[tuple[float, float]], overhead_hint: float = 0.0) ->
 
 
 def _group(config: TrainConfig) -> tuple:
-    return config.precision, config.checkpoint_blocks > 0
+    # Per strategy too: DDP's and FSDP2's buffers are modelled, not traced.
+    return config.precision, config.checkpoint_blocks > 0, config.parallelism
 
 
 def _needs_more(config: TrainConfig, than: TrainConfig) -> bool:

@@ -55,11 +55,14 @@ class SearchSpace:
     max_checkpoint_blocks: int
     max_freeze_blocks: int
     length_bucketing: tuple[bool, ...] = (False,)  # (False, True) where sorting by length can help
-
+    # Ranks (`--nproc`). Above 1 the strategy and its memory knobs join the space, and the
+    # micro batches divide each rank's share of the global batch.
+    world_size: int = 1
+    parallelisms: tuple[str, ...] = ("ddp", "fsdp")
 
     def knobs(self) -> tuple[Knob, ...]:
         """The knobs, in the order Optuna suggests them. Add a new knob here."""
-        return (
+        knobs = (
             Knob(field="precision", param="precision", values=self.precisions, ordered=False),
             Knob(field="micro_batch_size", param="micro_batch_index", values=self.micro_batch_sizes),
             Knob(field="checkpoint_blocks", param="checkpoint_blocks",
@@ -68,11 +71,32 @@ class SearchSpace:
         ) + ((Knob(field="length_bucketing", param="length_bucketing", values=self.length_bucketing, ordered=False),)
              # Declared only where it has a choice: studies of other data keep their parameters.
              if len(self.length_bucketing) > 1 else ())
+        if self.world_size == 1:
+            return knobs
+        # A strategy's knob is inert under the other strategy (TrainConfig resets it), so
+        # those pairs are one config and are measured once.
+        return knobs + (
+            Knob(field="parallelism", param="parallelism", values=self.parallelisms, ordered=False),
+            Knob(field="reshard_after_forward", param="reshard_after_forward", values=(True, False), ordered=False),
+            Knob(field="gradient_as_bucket_view", param="gradient_as_bucket_view", values=(True, False),
+                 ordered=False),
+        )
+
+    def strategies(self) -> list[dict]:
+        """The strategies seeds start from, each with its leaner memory setting (FSDP2
+        resharding after forward, DDP gradients as bucket views)."""
+        if self.world_size == 1:
+            return [{}]
+        lean = {"ddp": {"gradient_as_bucket_view": True}, "fsdp": {"reshard_after_forward": True}}
+        return [{"parallelism": p, **lean[p]} for p in self.parallelisms]
 
     def config(self, precision: str, micro_batch_size: int, checkpoint_blocks: int = 0,
                freeze_blocks: int = 0, **other) -> TrainConfig:
+        rank_batch = self.global_batch_size // self.world_size
+        if self.world_size > 1:
+            other = {"parallelism": self.parallelisms[0], **other, "world_size": self.world_size}
         return TrainConfig(precision=precision, micro_batch_size=micro_batch_size,
-                           grad_accum_steps=self.global_batch_size // micro_batch_size,
+                           grad_accum_steps=rank_batch // micro_batch_size,
                            checkpoint_blocks=checkpoint_blocks, freeze_blocks=freeze_blocks, **other)
 
     def _from_values(self, values: dict) -> TrainConfig:
