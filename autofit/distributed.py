@@ -118,6 +118,17 @@ def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device) -> n
     return model
 
 
+def grad_scaler(scaler: torch.amp.GradScaler, config: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
+    """Under FSDP2 each rank sees only its shards' gradients: an inf on one rank must skip
+    the step on every rank, or the replicas drift apart. ShardedGradScaler all-reduces the
+    found-inf flag (DDP's gradients are all-reduced already, so its plain scaler agrees)."""
+    if config.parallelism != "fsdp" or not scaler.is_enabled():
+        return scaler
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device.type, enabled=True)
+
+
 def no_sync(model: nn.Module, config: TrainConfig, *, last: bool):
     """DDP all-reduces gradients only on the last micro batch of an accumulation window.
     (FSDP2 reduce-scatters every micro batch: keeping unsharded gradients would cost the

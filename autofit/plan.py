@@ -68,7 +68,7 @@ class TrainingPlan:
                                f"{type(model).__name__}: nothing to train")
         # Built from the trainable parameters only: frozen ones get no optimizer state.
         self.optimizer = optimizer_factory(self.parameters) if optimizer_factory is not None else None
-        self.scaler = self.policy.make_scaler(self.device.type)
+        self.scaler = distributed.grad_scaler(self.policy.make_scaler(self.device.type), config, self.device)
         self.skipped_steps = 0
         self.steps_done = 0  # optimizer steps taken
         self.demotions: list[Demotion] = []  # out-of-memory recoveries, oldest first

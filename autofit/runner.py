@@ -98,7 +98,7 @@ class Runner:
         if not self.params:
             raise ValueError("every parameter is frozen: nothing to train")
         self.optimizer = build_optimizer(spec.optimizer, self.params, config=config, device=device)
-        self.scaler = self.policy.make_scaler(device.type)
+        self.scaler = distributed.grad_scaler(self.policy.make_scaler(device.type), config, device)
         self.skipped_steps = 0
 
     def global_batch(self, step: int) -> list:

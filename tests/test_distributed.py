@@ -296,8 +296,10 @@ def test_tune_nproc_2_picks_a_strategy_by_measurement_and_torchrun_trains_inside
 
     spec = yaml.safe_load((EXAMPLES / "tiny-gpt.yaml").read_text())
     spec["data"]["path"] = str(EXAMPLES / "data" / "train.bin")
-    spec["search"] |= {"precisions": ["bf16-mixed"], "activation_checkpointing": False, "trials": 8,
-                       "patience": 4, "measure_steps": 2, "validate_steps": 3}
+    # The example's own trial budget and patience; one precision and no checkpointing keep
+    # the space to the strategies and micro batches.
+    spec["search"] |= {"precisions": ["bf16-mixed"], "activation_checkpointing": False, "measure_steps": 2,
+                       "validate_steps": 3}
     spec_path = write_spec(tmp_path, spec)
     result = run_cli("tune", spec_path, "--nproc", "2", "--device", "cpu", "--memory-budget", "10.6MiB",
                      "--out", tmp_path / "profiles", "--state-dir", tmp_path / "state", "--no-report", "--json",
@@ -322,3 +324,17 @@ def test_tune_nproc_2_picks_a_strategy_by_measurement_and_torchrun_trains_inside
     assert train_run.returncode == 0, train_run.stderr[-3000:]
     metrics = json.loads(metrics_path.read_text())
     assert metrics["world_size"] == 2 and 0 < metrics["peak_memory_bytes"] <= profile.budget_bytes
+
+
+def test_fsdp_fp16_skips_steps_on_every_rank_together():
+    """16-mixed under FSDP2: an inf in one rank's gradient shard must skip the step on all
+    ranks, so the scaler is torch's ShardedGradScaler (it all-reduces found-inf)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from autofit.distributed import grad_scaler
+
+    fp16 = torch.amp.GradScaler("cpu", enabled=True)
+    fsdp = TrainConfig(micro_batch_size=1, parallelism="fsdp", world_size=2, precision="16-mixed")
+    assert isinstance(grad_scaler(fp16, fsdp, torch.device("cpu")), ShardedGradScaler)
+    ddp = fsdp.replace(parallelism="ddp")
+    assert grad_scaler(fp16, ddp, torch.device("cpu")) is fp16  # DDP's gradients are all-reduced: they agree
