@@ -285,6 +285,9 @@ def test_the_store_lists_each_profile_s_world_size(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("AUTOFIT_LONG_TESTS"),
+                    reason="about 12 two-rank trials: 9.5 min on the shared 2-core host, over the suite's "
+                           "budget; run with AUTOFIT_LONG_TESTS=1")
 def test_tune_nproc_2_picks_a_strategy_by_measurement_and_torchrun_trains_inside_the_budget(tmp_path):
     """examples/tiny-gpt.yaml over 2 gloo ranks, bf16-mixed, no checkpointing. Per rank,
     micro batch 8 measures 10.28 MiB under DDP (bucket views) and 9.83 MiB under FSDP2: a
