@@ -170,6 +170,12 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                 result.count("oom"), result.wall_s)
     if stop_event is not None and stop_event.is_set():
         raise InterruptedError("tune stopped before validation; rerun to resume the study")
+    if not result.ranked and result.count("timeout") and not any(
+            r.status in ("ok", "oom", "unhealthy") for r in result.records):
+        # Only timeouts: the machine was too slow or too busy, which says nothing about fit.
+        raise TrialError(f"every measured trial timed out (search.trial_timeout_s is "
+                         f"{spec.search.trial_timeout_s:g}s, doubled on retry); rerun to resume the study, "
+                         f"or raise search.trial_timeout_s")
     if not result.ranked:
         raise NothingFitsError(_nothing_fits_message(result, tuner, space))
 

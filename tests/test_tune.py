@@ -192,3 +192,14 @@ def test_a_winner_slower_than_the_baseline_is_never_the_profile(tmp_path):
     w, wm, bm, note = never_worse(spec, (winner, winner.measurement.__class__(
         status="ok", config=win_cfg, samples_per_s=95.0)), (baseline, baseline.measurement), _slow_run(0.01, [], noisy))
     assert w is winner and note == ""
+
+
+@pytest.mark.slow
+def test_only_timeouts_is_not_nothing_fits(tmp_path):
+    """Trials that all time out say nothing about memory: exit 1 with what to do, not exit 3."""
+    spec_path = write_spec(tmp_path, tiny_gpt_dict(search={**SEARCH, "trial_timeout_s": 0.001}))
+    result = run_cli("tune", spec_path, "--device", "cpu", "--out", tmp_path / "profiles",
+                     "--state-dir", tmp_path / "state", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "timed out" in last and "nothing fits" not in last
