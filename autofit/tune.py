@@ -308,7 +308,8 @@ def validate(spec: ModelSpec, result: SearchResult, run_long,
 def never_worse(spec: ModelSpec, winner: tuple[TrialRecord, Measurement], baseline: tuple[TrialRecord, Measurement],
                 run_long) -> tuple[TrialRecord, Measurement, Measurement, str]:
     """The profile is never slower than doing nothing. When the validated winner is slower
-    than the validated baseline, both are measured again, interleaved, twice; the medians
+    than the validated baseline, both are measured again, interleaved: once, and a second
+    time when that round disagrees with the first (noise larger than the gap); the medians
     decide. Returns (winner, its measurement, the baseline's, a note when the baseline won)."""
     (w, wm), (b, bm) = winner, baseline
     if wm.samples_per_s >= bm.samples_per_s:
@@ -317,10 +318,14 @@ def never_worse(spec: ModelSpec, winner: tuple[TrialRecord, Measurement], baseli
                 "again, interleaved", w.config.short(), wm.samples_per_s, b.config.short(), bm.samples_per_s)
     runs = {w.config: [wm], b.config: [bm]}
     for _ in range(2):
+        round_sps = {}
         for record in (w, b):
             m = _run_validation(spec, record, run_long)
             if m.status == "ok" and m.samples_per_s:
                 runs[record.config].append(m)
+                round_sps[record.config] = m.samples_per_s
+        if round_sps.get(w.config, 0.0) < round_sps.get(b.config, 0.0):
+            break  # this round agrees with the validation: the winner is slower
     w_med, b_med = (statistics.median(x.samples_per_s for x in runs[c]) for c in (w.config, b.config))
     w_best = min(runs[w.config], key=lambda x: abs(x.samples_per_s - w_med))
     b_best = min(runs[b.config], key=lambda x: abs(x.samples_per_s - b_med))
