@@ -17,7 +17,7 @@ from autofit.search.study import TrialRecord
 # shared GPU or a busy CPU moves by a few percent between calls.
 NOISE_PRIOR = 0.03
 MAX_CONTENDERS = 3
-MIN_ROUNDS, MAX_ROUNDS = 2, 4
+MIN_ROUNDS, MAX_ROUNDS = 1, 3
 
 
 @dataclass(frozen=True, slots=True)
