@@ -29,6 +29,7 @@ from autofit.runner import Runner
 from autofit.spec import parse_spec
 from autofit.workload import build_workload
 
+PARENT_PID_ENV = "AUTOFIT_TRIAL_PARENT_PID"  # set by autofit.trial for the child it starts
 TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist
 
 
@@ -238,6 +239,7 @@ def main(request_path: str, result_path: str) -> int:
     request = json.loads(Path(request_path).read_text())
     world = distributed.launched_world()
     if world is None or world.world_size == 1:
+        _exit_with_parent(Path(request_path).parent)
         atomic_write_text(result_path, json.dumps(run_request(request), default=str) + "\n")
         return 0
     _die_with_parent()
@@ -251,19 +253,44 @@ def main(request_path: str, result_path: str) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
-    """torchrun starts each rank in a session of its own, so killing the trial's process group
-    does not reach the ranks; the kernel kills a rank when its torchrun dies (Linux)."""
+def _parent_death_signal(signum: int) -> bool:
+    """Ask the kernel (Linux) to send `signum` to this process when its parent dies."""
     import ctypes
-    import signal
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        return libc.prctl(1, signum) == 0  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # torchrun died before prctl took effect
+        return False
+
+
+def _die_with_parent() -> None:
+    """torchrun starts each rank in a session of its own, so killing the trial's process group
+    does not reach the ranks; the kernel kills a rank when its torchrun dies (Linux)."""
+    import signal
+
+    if _parent_death_signal(signal.SIGKILL) and os.getppid() == 1:  # torchrun died before prctl
         os._exit(1)
+
+
+def _exit_with_parent(trial_dir: Path) -> None:
+    """A SIGKILLed `autofit tune` can neither kill its trial nor remove the trial's folder: the
+    kernel sends this child SIGTERM when the parent dies, and the child removes the folder
+    (the parent's job while it lives) and exits, instead of holding the device until its timeout."""
+    import shutil
+    import signal
+
+    # The parent names itself: it may have died while this child was still importing torch.
+    parent = int(os.environ.get(PARENT_PID_ENV) or os.getppid())
+
+    def on_term(signum, frame):
+        if os.getppid() != parent and trial_dir.name.startswith("autofit-trial-"):
+            shutil.rmtree(trial_dir, ignore_errors=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    if _parent_death_signal(signal.SIGTERM) and os.getppid() != parent:  # died before prctl
+        on_term(signal.SIGTERM, None)
 
 
 if __name__ == "__main__":

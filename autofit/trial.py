@@ -177,6 +177,7 @@ def _child_env(device: str) -> dict:
     env = dict(os.environ)
     # NVML numbers GPUs by PCI bus; so must CUDA, or probe's index 0 is another card.
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["AUTOFIT_TRIAL_PARENT_PID"] = str(os.getpid())  # the child exits (and cleans up) when we die
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU trial must not create a CUDA context by accident
     package_root = str(Path(__file__).resolve().parents[1])

@@ -91,8 +91,8 @@ def test_cli_trial_json(tiny_spec_path):
     out = json.loads(result.stdout)
     assert CLI_KEYS <= set(out)
     assert out["status"] == "ok"
-    assert out["config"] == {"precision": "bf16-mixed", "micro_batch_size": 4, "grad_accum_steps": 2,
-                             "checkpoint_blocks": 0, "freeze_blocks": 0}
+    # --set precision and micro batch flow through; accumulation follows the global batch of 8.
+    assert out["config"] == TrainConfig(precision="bf16-mixed", micro_batch_size=4, grad_accum_steps=2).to_dict()
 
 
 def test_cli_trial_oom_prints_json_and_exits_3(tiny_spec_path):
@@ -118,3 +118,48 @@ def test_spec_round_trips_through_the_request(tmp_path):
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
     again = parse_spec(yaml.safe_load(yaml.safe_dump(spec.to_dict())), source_dir=spec.source_dir)
     assert again == spec and again.spec_hash == spec.spec_hash
+
+
+def test_a_killed_parent_takes_its_trial_child_and_folder_with_it(tmp_path):
+    """SIGKILL to the process measuring a trial (a killed `autofit tune`): the kernel's
+    parent-death signal makes the child remove its autofit-trial-* folder and exit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    spec = faulty_spec(tmp_path, "hang")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    script = ("from autofit.spec import load_spec; from autofit.knobs import TrainConfig; "
+              "from autofit.trial import measure; "
+              f"measure(load_spec({str(spec)!r}), TrainConfig(micro_batch_size=8), device='cpu', timeout_s=300)")
+    parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(temp)})
+
+    def children() -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if "autofit._trial_child" in cmdline and str(temp) in cmdline:
+                pids.append(int(entry))
+        return pids
+
+    deadline = time.monotonic() + 120
+    while not children() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert children(), "the trial child never started"
+    time.sleep(1.0)  # past the child's start-up, into the hanging step
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30  # a child still importing torch notices once it starts
+    while (children() or list(temp.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = children()
+    for pid in left:  # never leave one behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the trial child outlived its killed parent"
+    assert not list(temp.iterdir()), "the trial folder outlived its killed parent"
