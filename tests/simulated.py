@@ -11,7 +11,11 @@ shape of real hardware, so the exhaustive-grid optimum is known exactly.
   weight-gradient work;
 - the estimator sees the tensors only: not the context, not the fragmentation, and it can
   be off by a constant factor (`estimate_bias`);
-- per-call measurement noise (`noise`, uniform +-) on top of a fixed +-1% per config.
+- per-call measurement noise (`noise`, uniform +-) on top of a fixed +-1% per config;
+- over several ranks (`world_size`), per rank: DDP keeps whole model states plus a bucket
+  copy of the gradients (unless they are bucket views) and pays a little for its overlapped
+  all-reduce; FSDP2 shards the states, holds one gathered block in flight (every block if it
+  does not reshard after forward) and pays more for its gathers. Throughput is global.
 """
 
 import hashlib
@@ -45,6 +49,7 @@ class Landscape:
     fragmentation: float = 0.0  # extra fraction of activation bytes the allocator wastes
     m_peak: float | None = None  # throughput falls past this micro batch
     noise: float = 0.0  # per-call measurement noise, uniform +-
+    world_size: int = 1
     calls: list = field(default_factory=list)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
@@ -54,13 +59,21 @@ class Landscape:
 
     def space(self) -> SearchSpace:
         n = self.global_batch_size
+        per_rank = n // self.world_size
         return SearchSpace(global_batch_size=n, precisions=tuple(self.rate),
-                           micro_batch_sizes=tuple(m for m in range(1, n + 1) if n % m == 0),
-                           max_checkpoint_blocks=self.n_blocks, max_freeze_blocks=self.max_freeze_blocks)
+                           micro_batch_sizes=tuple(m for m in range(1, per_rank + 1) if per_rank % m == 0),
+                           max_checkpoint_blocks=self.n_blocks, max_freeze_blocks=self.max_freeze_blocks,
+                           world_size=self.world_size)
 
     def tensor_bytes(self, c: TrainConfig) -> float:
         trainable = 1 - 0.9 * c.freeze_blocks / self.n_blocks
-        states = self.params * (8 if c.precision == "bf16-true" else 4) * (1 + 3 * trainable)
+        weight_bytes = 2 if c.precision == "bf16-true" else 4
+        states = self.params * weight_bytes * (1 + 3 * trainable)
+        if c.parallelism == "fsdp":
+            gathered_blocks = 1 if c.reshard_after_forward else self.n_blocks
+            states = states / self.world_size + self.params / self.n_blocks * weight_bytes * gathered_blocks
+        elif c.parallelism == "ddp" and not c.gradient_as_bucket_view:
+            states += self.params * weight_bytes * trainable
         return states + self.activation_bytes(c)
 
     def activation_bytes(self, c: TrainConfig) -> float:
@@ -79,6 +92,10 @@ class Landscape:
         speed /= 1 + (c.checkpoint_blocks / self.n_blocks) / 3
         speed /= 1 + 0.03 * (c.grad_accum_steps - 1) / max(1, m)
         speed *= 1 + 0.25 * c.freeze_blocks / self.n_blocks
+        if c.parallelism == "ddp":
+            speed *= self.world_size / (1 + 0.4 / m)  # the all-reduce, amortised over the micro batch
+        elif c.parallelism == "fsdp":
+            speed *= self.world_size / (1 + (0.8 if c.reshard_after_forward else 0.6) / m)
         fixed = int(hashlib.sha256(repr(c).encode()).hexdigest()[:4], 16) / 0xFFFF  # deterministic +-1%
         return speed * (0.99 + 0.02 * fixed)
 
@@ -141,6 +158,12 @@ LANDSCAPES = [
               m_half=4.0, max_freeze_blocks=4, unhealthy=("16-mixed",), estimate_bias=0.88),
     # A grid of more than 5,000 configs: 20 micro batches x 4 precisions x checkpointing x
     # freezing, with a context and noise.
+    # Two ranks of a 24 GiB card: whole model states leave DDP only small micro batches or
+    # checkpointing; sharded FSDP2 fits larger ones, but its gathers cost more per step.
+    Landscape(name="two-ranks", params=1.2e9, act_bytes_per_sample_block=150e6, n_blocks=24,
+              global_batch_size=64, budget_bytes=24 * GiB, world_size=2,
+              rate={"32-true": 100.0, "bf16-mixed": 300.0}, m_half=6.0, estimate_bias=0.9,
+              context_bytes=0.8 * GiB),
     Landscape(name="large-grid", params=1.3e9, act_bytes_per_sample_block=100e6, n_blocks=16,
               global_batch_size=240, budget_bytes=32 * GiB,
               rate={"32-true": 100.0, "tf32": 180.0, "bf16-mixed": 300.0, "bf16-true": 320.0},

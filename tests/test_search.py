@@ -178,3 +178,27 @@ def test_search_space_for_python_data(tmp_path):
     (tmp_path / "faulty.py").write_text((FIXTURES / "faulty.py").read_text())
     space = search_space(load_spec(write_spec(tmp_path, spec_dict)), cpu_device())
     assert space.max_checkpoint_blocks == 2
+
+
+def test_every_strategy_s_seed_is_measured_before_refinements():
+    """Over two ranks with one precision, the first wave is one seed per strategy: which
+    strategy is faster is measured before any refinement around the first one measured."""
+    import dataclasses
+
+    landscape = dataclasses.replace(_landscape("two-ranks"), rate={"bf16-mixed": 300.0})
+    landscape.reset()
+    run_tuner(landscape, max_trials=2)
+    assert {c.parallelism for c in landscape.calls[:2]} == {"ddp", "fsdp"}, [c.short() for c in landscape.calls]
+
+
+def test_a_strategy_whose_seed_ran_out_of_memory_is_measured_again_before_refining_the_other():
+    """Two ranks, one precision, 28 GiB: DDP's seed runs out of memory and FSDP2's fits. The
+    next trial goes to DDP again (at a config the refit model predicts to fit), not to
+    refining FSDP2: otherwise a small trial budget never learns what DDP does."""
+    import dataclasses
+
+    landscape = dataclasses.replace(_landscape("two-ranks"), rate={"bf16-mixed": 300.0}, budget_bytes=28 * GiB)
+    landscape.reset()
+    run_tuner(landscape, max_trials=3)
+    first = [(c.parallelism, landscape.peak_bytes(c) <= landscape.budget_bytes) for c in landscape.calls[:3]]
+    assert first[:2] == [("ddp", False), ("fsdp", True)] and first[2][0] == "ddp", first

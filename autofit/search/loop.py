@@ -86,10 +86,10 @@ class Tuner:
             improved = new_best is not None and (best is None or new_best.samples_per_s > best.samples_per_s)
             since_best = 0 if improved else since_best + 1
             if improved and (best is None or new_best.config != best.config):
-                # The wave of seeds under way first (one per precision: which is fastest is
-                # not known until each is measured), then around the new best; the
+                # The wave of seeds under way first (one per precision and strategy: which
+                # is fastest is not known until each is measured), then around the new best; the
                 # refinements of the old best are stale.
-                self._queue = ([c for c in self._queue if c in self._seeds]
+                self._queue = ([c for c in self._queue if c in self._seeds] + self._unseeded(records)
                                + seeding.refinements(self.space, self._fits(records), new_best.config))
             best = new_best
             self.on_trial(record, best, self.spent(records))
@@ -274,6 +274,26 @@ class Tuner:
         value = record.samples_per_s if record.status == "ok" else 0.0
         self.study.tell(trial, value if math.isfinite(value) else 0.0)
 
+    def _unseeded(self, records: list[TrialRecord]) -> list[TrainConfig]:
+        """For each precision and strategy with nothing measured yet (its seed ran out of
+        memory, or was dropped as no longer fitting), the largest config predicted to fit
+        now: each is measured before refining around another's best."""
+        fits = self._fits(records)
+        measured = {(r.config.precision, tuple(self.space.strategy_of(r.config).items()))
+                    for r in records if r.measurement is not None and r.status != "oom"}
+        queued = {(c.precision, tuple(self.space.strategy_of(c).items())) for c in self._queue if c in self._seeds}
+        out = []
+        for seed in seeding.starting_points(self.space, fits):
+            group = (seed.precision, tuple(self.space.strategy_of(seed).items()))
+            if group in measured or group in queued:
+                continue
+            instead = seeding.replacement(self.space, fits, seed)
+            if instead is not None and self.known(instead, records) is None:
+                out.append(instead)
+                queued.add(group)
+        self._seeds.update(out)
+        return out
+
     def _was_queued(self, trial: optuna.Trial) -> bool:
         """Asked from the queue (a seed, refinement or neighbour), not proposed by the sampler."""
         frozen = self.study.get_trials(deepcopy=False)
@@ -292,14 +312,25 @@ class Tuner:
                 if (self.known(config, records) is None and self.memory.fits(config, records)
                         and tuple(sorted(self.space.params(config).items())) not in running):
                     return config
+                if config in self._seeds and self.known(config, records) is None:
+                    # A seed that no longer fits (the fit moved since it was planned): its
+                    # precision and strategy's largest config that fits now, in its place.
+                    instead = seeding.replacement(self.space, self._fits(records), config)
+                    if instead is not None and instead != config and self.known(instead, records) is None:
+                        self._queue.insert(0, instead)
+                        self._seeds.add(instead)
             fits = self._fits(records)
             if refill == 0:
                 fresh = [c for c in seeding.starting_points(self.space, fits) if self.known(c, records) is None]
-                self._queue = [c for c in fresh if fits(c)][:len(self.space.precisions)]
+                # One wave: a seed per precision and strategy, since which is fastest is
+                # only known once each is measured.
+                wave = len(self.space.precisions) * len(self.space.strategies())
+                self._queue = [c for c in fresh if fits(c)][:wave]
                 self._seeds.update(self._queue)
             elif refill == 1 and best is not None:
                 self._queue = seeding.refinements(self.space, fits, best.config)[:3]
         return None
+
 
 def _best(records: list[TrialRecord], budget_bytes: int) -> TrialRecord | None:
     feasible = [r for r in records if r.feasible(budget_bytes) and not r.repeat]

@@ -65,11 +65,17 @@ def starting_points(space: SearchSpace, fits: Fits) -> list[TrainConfig]:
     return [wave[i] for i in range(3) for wave in waves if i < len(wave)]
 
 
+def replacement(space: SearchSpace, fits: Fits, seed: TrainConfig) -> TrainConfig | None:
+    """For a seed that ran out of memory: the largest config of its precision and strategy
+    predicted to fit now (the fit has just learned from the OOM)."""
+    line = frontier(space, fits, seed.precision, seed.freeze_blocks, 1, space.strategy_of(seed))
+    return line[0] if line else None
+
+
 def refinements(space: SearchSpace, fits: Fits, best: TrainConfig) -> list[TrainConfig]:
     """After a new best: its precision's frontier under the now-calibrated model at the micro
     batches next to the best's, then its neighbours at its precision (cheap local steps)."""
-    strategy = {} if space.world_size == 1 else {
-        name: getattr(best, name) for name in ("parallelism", "reshard_after_forward", "gradient_as_bucket_view")}
+    strategy = space.strategy_of(best)
     sizes = space.micro_batch_sizes
     here = sizes.index(best.micro_batch_size)
     line = frontier(space, fits, best.precision, best.freeze_blocks, len(sizes), strategy)

@@ -90,6 +90,13 @@ class SearchSpace:
         lean = {"ddp": {"gradient_as_bucket_view": True}, "fsdp": {"reshard_after_forward": True}}
         return [{"parallelism": p, **lean[p]} for p in self.parallelisms]
 
+    def strategy_of(self, config: TrainConfig) -> dict:
+        """`config`'s strategy and its memory knobs ({} on one rank)."""
+        if self.world_size == 1:
+            return {}
+        return {name: getattr(config, name) for name in ("parallelism", "reshard_after_forward",
+                                                         "gradient_as_bucket_view")}
+
     def config(self, precision: str, micro_batch_size: int, checkpoint_blocks: int = 0,
                freeze_blocks: int = 0, **other) -> TrainConfig:
         rank_batch = self.global_batch_size // self.world_size
