@@ -40,12 +40,12 @@ class _Trial:
         self.budget_bytes = request["budget_bytes"]
         self.warmup_steps, self.measure_steps = request["warmup_steps"], request["measure_steps"]
         device = request["device"]
-        self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(device))
+        self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(device.split(",")[0]))
         world = distributed.launched_world()
         if world is not None and self.config.distributed:
             # One GPU per rank; a rank that waits on a dead peer gives up before the trial's
             # own timeout, so the parent gets a reason rather than a kill.
-            self.device = distributed.rank_device(world.local_rank, "cpu" if device == "cpu" else None)
+            self.device = distributed.rank_device(world.local_rank, device if device == "cpu" or "," in device else None)
             distributed.init_process_group(self.device, timeout_s=max(30.0, 0.8 * request.get("timeout_s", 600)))
         self.tracker = LiveBytesTracker(budget_bytes=self.budget_bytes) if self.device.type == "cpu" else None
         self.overhead_bytes: int | None = 0 if self.device.type == "cpu" else None

@@ -6,7 +6,9 @@
 
 Each poll reads the GPU inventory and the models folder. Every (model, GPU kind) pair
 without a valid profile in the store is queued, and a queued pair is tuned on an idle GPU
-of its kind, one tune per GPU, in a worker thread whose trials are child processes. The
+of its kind, one tune per GPU, in a worker thread whose trials are child processes. A host
+with N > 1 GPUs of one kind also keeps each model's N-rank profile (DDP or FSDP2 through
+torchrun; `multi_gpu: false` turns it off), tuned when all N are idle. The
 main thread never tunes: it keeps polling, pinging systemd's watchdog and answering
 signals, and stops a tune when another job appears on its GPU; the pair is queued again
 and resumes from its stored study. Installation: docs/service.md.
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit.device.probe import usable_budget_bytes
+from autofit.device.probe import DeviceInfo, usable_budget_bytes
 from autofit.errors import AutofitError
 from autofit.inventory import FileInventory, Gpu, IdleTracker, NvmlInventory, descendant_pids
 from autofit.notify import Notifier
@@ -33,6 +35,7 @@ from autofit.service_state import STATE_SCHEMA, PairState, StateLock, iso_utc, p
 from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec, load_spec
 from autofit.store import ProfileStore
+from autofit.tune import device_for_ranks
 
 _TICK_S = 0.1  # how often the main loop looks at signals, finished tunes and the watchdog
 _HEARTBEAT_S = 10.0  # state.json is rewritten at least this often, so `status` sees a live service
@@ -47,7 +50,7 @@ class Service:
         self.notifier = Notifier()
         self.idle = IdleTracker()
         self.pairs: dict[str, PairState] = {}
-        self.tunes: dict[str, TuneJob] = {}  # by GPU slot
+        self.tunes: dict[str, TuneJob] = {}  # by GPU slot (a job on N GPUs under each of its slots)
         self.gpus: list[Gpu] = []
         self.gpu_busy: dict[str, str | None] = {}  # slot -> why it cannot take a tune now (None: free)
         self.specs: dict[str, tuple[Path, ModelSpec]] = {}
@@ -213,15 +216,15 @@ class Service:
         """Each pair's status, and the queue: pairs with no valid profile and nothing holding them back."""
         store = ProfileStore(self.config.store_dir)
         profiles = store.list()  # one read of the store per poll
-        kinds = {g.device.fingerprint: g.device for g in self.gpus}
         devices = [g.device for g in self.gpus]
         tuning = {job.key for job in self.tunes.values()}
         queue, active = [], set()
         for name, (_, spec) in sorted(self.specs.items()):
-            for fingerprint, device in kinds.items():
+            for fingerprint, device, world_size in self._kinds(spec):
                 key = pair_key(name, fingerprint)
                 active.add(key)
-                pair = self.pairs.setdefault(key, PairState(model=name, fingerprint=fingerprint, device=device.name))
+                pair = self.pairs.setdefault(key, PairState(model=name, fingerprint=fingerprint, device=device.name,
+                                                            world_size=world_size))
                 pair.spec_hash = spec.spec_hash
                 mine = sorted((item for item in profiles if item[1].model.name == name
                                and item[1].device.fingerprint == fingerprint),
@@ -249,61 +252,86 @@ class Service:
                 pair.status, pair.detail = "inactive", "the model or this GPU kind is not present now"
         self.queue = queue
 
+    def _kinds(self, spec: ModelSpec) -> list[tuple[str, DeviceInfo, int]]:
+        """(fingerprint, device, ranks) of each profile `spec` should have on this host: one per
+        GPU kind, and with `multi_gpu` one over all N > 1 GPUs of a kind whose global batch
+        splits N ways."""
+        by_kind: dict[str, list[Gpu]] = {}
+        for gpu in self.gpus:
+            by_kind.setdefault(gpu.device.fingerprint, []).append(gpu)
+        kinds = [(fingerprint, gpus[0].device, 1) for fingerprint, gpus in by_kind.items()]
+        if self.config.multi_gpu:
+            kinds += [(device_for_ranks(gpus[0].device, len(gpus)).fingerprint, gpus[0].device, len(gpus))
+                      for gpus in by_kind.values()
+                      if len(gpus) > 1 and spec.train.global_batch_size % len(gpus) == 0]
+        return kinds
+
+    def _jobs(self) -> list[TuneJob]:
+        """The running tunes, each once (a job on N GPUs is under each of its slots)."""
+        return list({id(job): job for job in self.tunes.values()}.values())
+
     def _schedule(self) -> None:
         for key in list(self.queue):
             if self.inventory.emulated and self.tunes:
                 break  # every emulated card's trials share the one CPU: measuring two at once would skew both
             pair = self.pairs[key]
-            free = [g for g in self.gpus if g.device.fingerprint == pair.fingerprint and g.slot not in self.tunes]
-            gpu = next((g for g in free if self.gpu_busy.get(g.slot) is None), None)
-            if gpu is None:
-                reasons = "; ".join(f"{g.slot} {self.gpu_busy.get(g.slot)}" for g in free) or "its GPUs are tuning"
-                pair.detail = f"waiting for an idle GPU: {reasons}"
+            free = [g for g in self.gpus if g.device.fingerprint == pair.gpu_fingerprint and g.slot not in self.tunes]
+            idle = [g for g in free if self.gpu_busy.get(g.slot) is None]
+            if len(idle) < pair.world_size:
+                reasons = ("; ".join(f"{g.slot} {self.gpu_busy.get(g.slot)}" for g in free if g not in idle)
+                           or "its GPUs are tuning")
+                need = "an idle GPU" if pair.world_size == 1 else f"{pair.world_size} idle GPUs"
+                pair.detail = f"waiting for {need}: {reasons}"
                 continue
-            self._start(pair, gpu)
+            self._start(pair, idle[:pair.world_size])
 
-    def _start(self, pair: PairState, gpu: Gpu) -> None:
+    def _start(self, pair: PairState, gpus: list[Gpu]) -> None:
         spec = self.specs[pair.model][1]
-        job = TuneJob(key=pair.key, gpu=gpu, spec=spec, trials=self.config.trials or spec.search.trials,
-                      budget_bytes=usable_budget_bytes(gpu.device, headroom=self._headroom(spec)))
+        # The budget is each rank's: every GPU of a kind has the same memory.
+        job = TuneJob(key=pair.key, gpu=gpus[0], gpus=tuple(gpus), spec=spec,
+                      trials=self.config.trials or spec.search.trials,
+                      budget_bytes=usable_budget_bytes(gpus[0].device, headroom=self._headroom(spec)))
         pair.tunes += 1
         pair.status, pair.detail = "tuning", None
-        pair.last_tune = {"gpu": gpu.slot, "started": job.started, "ended": None, "result": None}
-        self.tunes[gpu.slot] = job
+        pair.last_tune = {"gpu": "+".join(g.slot for g in gpus), "started": job.started, "ended": None,
+                          "result": None}
+        for gpu in gpus:
+            self.tunes[gpu.slot] = job
+            self.gpu_busy[gpu.slot] = "tuning"
         self.queue.remove(pair.key)
-        self.gpu_busy[gpu.slot] = "tuning"
-        logger.info("{}: tuning {} (tune #{} of this pair), budget {}", gpu.label, spec.name, pair.tunes,
-                    format_bytes(job.budget_bytes))
+        logger.info("{}: tuning {} (tune #{} of this pair), budget {}{}", job.label, spec.name, pair.tunes,
+                    format_bytes(job.budget_bytes), f" per rank, {job.nproc} ranks" if job.nproc > 1 else "")
         job.start(store_dir=self.config.store_dir, storage=self.config.storage_url)
 
     def _reap(self) -> bool:
         """Record the tunes that ended; True if any did."""
-        ended = [slot for slot, job in self.tunes.items() if not job.alive]
-        for slot in ended:
-            job = self.tunes.pop(slot)
+        ended = [job for job in self._jobs() if not job.alive]
+        for job in ended:
+            for gpu in job.gpus:
+                self.tunes.pop(gpu.slot)
+                if job.stop_event.is_set():
+                    self.idle.reset(gpu)  # whatever stopped it may still be there: wait a full idle period
             result = job.settle(self.pairs[job.key], headroom=self._headroom(job.spec))
-            if job.stop_event.is_set():
-                self.idle.reset(job.gpu)  # whatever stopped it may still be there: wait a full idle period
-            logger.info("{}: {}: {}", job.gpu.label, job.spec.name, result)
+            logger.info("{}: {}: {}", job.label, job.spec.name, result)
         return bool(ended)
 
     def _shutdown(self) -> None:
-        logger.info("stopping: {} running tune(s) will be interrupted and resume on restart", len(self.tunes))
+        logger.info("stopping: {} running tune(s) will be interrupted and resume on restart", len(self._jobs()))
         self.notifier.stopping("stopping")
-        for job in self.tunes.values():
+        for job in self._jobs():
             job.stop("the service is stopping")
         deadline_s = time.monotonic() + _STOP_JOIN_S
-        for job in list(self.tunes.values()):
+        for job in self._jobs():
             job.thread.join(timeout=max(0.0, deadline_s - time.monotonic()))
         self._reap()
         if self.tunes:
             # A worker stuck past the deadline: its trial children must not outlive us.
             logger.warning("{} tune(s) did not stop within {:.0f} s; killing their trial processes",
-                           len(self.tunes), _STOP_JOIN_S)
+                           len(self._jobs()), _STOP_JOIN_S)
             for pid in descendant_pids():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-            for job in self.tunes.values():
+            for job in self._jobs():
                 pair = self.pairs[job.key]
                 pair.status, pair.detail = "interrupted", "the service stopped during this tune; resumes from its study"
         self._save_state(force=True)
@@ -312,7 +340,7 @@ class Service:
     # --- state and status ------------------------------------------------------------------
 
     def status_line(self) -> str:
-        parts = [t.line for t in self.tunes.values()]
+        parts = [t.line for t in self._jobs()]
         ready = sum(p.status == "ready" for p in self.pairs.values())
         if self.queue:
             parts.append(f"{len(self.queue)} queued")
@@ -338,7 +366,7 @@ class Service:
             "spec_errors": self.spec_errors,
             "queue": [{"model": self.pairs[k].model, "device": self.pairs[k].device,
                        "fingerprint": self.pairs[k].fingerprint} for k in self.queue],
-            "running": [job.to_dict() for job in self.tunes.values()],
+            "running": [job.to_dict() for job in self._jobs()],
             "pairs": [p.to_dict() for p in self.pairs.values()],
         }
 

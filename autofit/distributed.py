@@ -41,9 +41,13 @@ def launched_world() -> RankInfo | None:
 
 
 def rank_device(local_rank: int, requested: str | None = None) -> torch.device:
-    """One GPU per rank (LOCAL_RANK picks it), else the CPU."""
+    """One GPU per rank, else the CPU. `requested` "2,3" lists the CUDA indices this job may
+    use (rank i takes the i-th: the service tunes on the GPUs of one kind it found idle);
+    otherwise LOCAL_RANK picks it."""
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
+    if requested and "," in requested:
+        return torch.device("cuda", int(requested.split(",")[local_rank]))
     return torch.device("cuda", local_rank)
 
 

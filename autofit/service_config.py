@@ -5,6 +5,7 @@
     state_dir: /var/lib/autofit   # lock, state.json, the default SQLite study storage
     poll_interval_s: 30
     idle: {max_utilization: 5, min_idle_s: 120}
+    multi_gpu: true               # also tune over all GPUs of a kind (DDP/FSDP2) where there are several
 
 Relative paths are relative to the config file, so a config and its models folder can be
 moved together. Errors name the key, as model.yaml errors do, and exit with code 2.
@@ -43,6 +44,9 @@ class ServiceConfig:
     memory_headroom: float | None = None  # None: each spec's search.memory_headroom
     idle: IdleRule = IdleRule()
     trials: int | None = None  # per tune; None: each spec's search.trials
+    # A host with N > 1 GPUs of one kind also gets each model's N-rank profile (DDP or
+    # FSDP2 through torchrun), tuned when all N are idle.
+    multi_gpu: bool = True
 
     @property
     def storage_url(self) -> str:
@@ -53,7 +57,7 @@ class ServiceConfig:
                 "state_dir": str(self.state_dir), "storage": _redact(self.storage_url),
                 "poll_interval_s": self.poll_interval_s, "memory_headroom": self.memory_headroom,
                 "idle": {"max_utilization": self.idle.max_utilization, "min_idle_s": self.idle.min_idle_s},
-                "trials": self.trials}
+                "trials": self.trials, "multi_gpu": self.multi_gpu}
 
 
 def resolve_config_path(path: str | Path | None) -> Path:
@@ -111,10 +115,12 @@ def _parse(raw, path: Path) -> ServiceConfig:
     idle = IdleRule(max_utilization=max_utilization,
                     min_idle_s=idle_reader.number("min_idle_s", default=120.0, minimum=0.0))
     idle_reader.finish()
+    multi_gpu = top.get("multi_gpu", bool, default=True)
     top.finish()
     return ServiceConfig(path=path, models_dir=models_dir, store_dir=store_dir, state_dir=state_dir,
                          storage=storage, poll_interval_s=poll_interval_s,
-                         memory_headroom=None if headroom is None else float(headroom), idle=idle, trials=trials)
+                         memory_headroom=None if headroom is None else float(headroom), idle=idle, trials=trials,
+                         multi_gpu=multi_gpu)
 
 
 def _redact(url: str) -> str:

@@ -17,7 +17,7 @@ from autofit.inventory import Gpu
 from autofit.profile import utc_now
 from autofit.service_state import PairState, iso_utc
 from autofit.spec import ModelSpec
-from autofit.tune import TuneOutcome, study_name, tune
+from autofit.tune import TuneOutcome, device_for_ranks, study_name, tune
 
 _RETRY_FIRST_S, _RETRY_MAX_S = 60.0, 3600.0  # back-off after a tune that crashed
 
@@ -25,7 +25,7 @@ _RETRY_FIRST_S, _RETRY_MAX_S = 60.0, 3600.0  # back-off after a tune that crashe
 @dataclass(kw_only=True)
 class TuneJob:
     key: str  # the pair's key
-    gpu: Gpu
+    gpu: Gpu  # the first of `gpus`: its label and kind name the job
     spec: ModelSpec
     budget_bytes: int
     trials: int
@@ -37,6 +37,21 @@ class TuneJob:
     thread: threading.Thread | None = None
     outcome: TuneOutcome | None = None
     error: Exception | None = None
+    gpus: tuple[Gpu, ...] = ()  # every GPU it runs on, one rank each; () is (gpu,)
+
+    def __post_init__(self):
+        self.gpus = self.gpus or (self.gpu,)
+
+    @property
+    def nproc(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def label(self) -> str:
+        """`gpu0 H100 80GB HBM3`, or `gpu0+gpu1 H100 80GB HBM3` for a job on two."""
+        if self.nproc == 1:
+            return self.gpu.label
+        return "+".join(g.slot for g in self.gpus) + self.gpu.label.removeprefix(self.gpu.slot)
 
     @property
     def alive(self) -> bool:
@@ -45,7 +60,7 @@ class TuneJob:
     @property
     def line(self) -> str:
         """The systemd STATUS text: `gpu0 H100 80GB HBM3: tuning gpt-small, trial 12/40`."""
-        return f"{self.gpu.label}: tuning {self.spec.name}, trial {self.trial}/{self.trials}"
+        return f"{self.label}: tuning {self.spec.name}, trial {self.trial}/{self.trials}"
 
     @property
     def trial(self) -> int:
@@ -53,7 +68,7 @@ class TuneJob:
         return min(self.trials_done + 1, self.trials)
 
     def to_dict(self) -> dict:
-        return {"gpu": self.gpu.slot, "device": self.gpu.device.name, "model": self.spec.name,
+        return {"gpu": "+".join(g.slot for g in self.gpus), "device": self.gpu.device.name, "world_size": self.nproc, "model": self.spec.name,
                 "fingerprint": self.gpu.device.fingerprint, "trial": self.trial, "trials_done": self.trials_done,
                 "trials": self.trials, "resumed_trials": self.resumed, "started": self.started,
                 "stopping": self.stop_reason}
@@ -66,7 +81,7 @@ class TuneJob:
     def stop(self, reason: str) -> None:
         """Kill the running trial child and end the search; the study keeps what finished."""
         if not self.stop_event.is_set():
-            logger.warning("{}: stopping the tune of {}: {}", self.gpu.label, self.spec.name, reason)
+            logger.warning("{}: stopping the tune of {}: {}", self.label, self.spec.name, reason)
             self.stop_reason = reason
             self.stop_event.set()
 
@@ -74,16 +89,19 @@ class TuneJob:
         try:
             # The study is keyed by spec and GPU kind (an emulated card's fingerprint names its
             # memory), as tune() keys it: the same pair always resumes the same study.
-            self.resumed = self.trials_done = finished_trials(storage, study_name(self.spec, self.gpu.device))
+            device = self.gpu.device
+            self.resumed = self.trials_done = finished_trials(
+                storage, study_name(self.spec, device_for_ranks(device, self.nproc)))
 
             def on_trial(record, best, considered: int) -> None:
                 self.trials_done = considered  # the tuner counts across resumes itself
 
             # tune() writes the profile into the store itself, atomically, after validation.
-            self.outcome = tune(self.spec, device=self.gpu.device, budget_bytes=self.budget_bytes,
-                                out_dir=store_dir, storage=storage,
-                                execute_on="cpu" if self.gpu.device.emulated else None,
-                                trials=self.trials, stop_event=self.stop_event, on_trial=on_trial)
+            # Emulated cards run their trials on the CPU; N ranks take one GPU each, by index.
+            execute_on = "cpu" if device.emulated else ",".join(str(g.device.index) for g in self.gpus)
+            self.outcome = tune(self.spec, device=device, budget_bytes=self.budget_bytes, out_dir=store_dir,
+                                storage=storage, execute_on=execute_on, trials=self.trials,
+                                stop_event=self.stop_event, on_trial=on_trial, nproc=self.nproc)
         except Exception as exc:  # every ending is judged by the main thread, in settle()
             self.error = exc
 
@@ -112,7 +130,7 @@ class TuneJob:
                             "retry_after_unix_s": retry_after_unix_s}
             pair.status, pair.detail = "failed", error
             result = f"failed: {error}; retrying after {iso_utc(retry_after_unix_s)}"
-            logger.opt(exception=self.error).error("{}: tuning {} failed", self.gpu.label, self.spec.name)
+            logger.opt(exception=self.error).error("{}: tuning {} failed", self.label, self.spec.name)
         pair.last_tune = {**(pair.last_tune or {}), "ended": utc_now(), "result": result, "trials": self.trials_done}
         return result
 

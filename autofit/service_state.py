@@ -33,8 +33,9 @@ class PairState:
     """One (model, GPU kind) pair: what the service did about it, across restarts."""
 
     model: str
-    fingerprint: str  # the GPU kind (device fingerprint)
+    fingerprint: str  # the GPU kind (device fingerprint; `…-xN` for N ranks, as its profiles)
     device: str  # the GPU's name, for people
+    world_size: int = 1  # GPUs of that kind a tune of this pair takes, one rank each
     status: str = "queued"  # one of PAIR_STATUSES
     detail: str | None = None  # why queued / interrupted / failed, in words
     spec_hash: str | None = None  # of the spec as last read
@@ -51,6 +52,11 @@ class PairState:
     @property
     def key(self) -> str:
         return pair_key(self.model, self.fingerprint)
+
+    @property
+    def gpu_fingerprint(self) -> str:
+        """The fingerprint of each GPU it runs on."""
+        return self.fingerprint.removesuffix(f"-x{self.world_size}") if self.world_size > 1 else self.fingerprint
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

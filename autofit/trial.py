@@ -88,6 +88,8 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     """
     check_global_batch(config, spec.train.global_batch_size)
     device = _device_arg(device)
+    if "," in device and len(device.split(",")) != config.world_size:
+        raise DeviceError(f"device: {device!r} lists {len(device.split(','))} GPUs for {config.world_size} rank(s)")
     timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
     request = {
         "spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
@@ -167,9 +169,10 @@ def _max(ranks: list[dict], key: str):
 
 
 def _device_arg(device: str | int) -> str:
+    """"cpu", a CUDA index, or for a multi-rank trial one CUDA index per rank ("2,3")."""
     text = str(device).strip().lower().removeprefix("cuda:")
-    if text != "cpu" and not text.isdigit():
-        raise DeviceError(f"device: expected 'cpu' or a CUDA index, got {device!r}")
+    if text != "cpu" and not all(part.isdigit() for part in text.split(",")):
+        raise DeviceError(f"device: expected 'cpu', a CUDA index or a list of them (2,3), got {device!r}")
     return text
 
 

@@ -46,6 +46,15 @@ def study_name(spec: ModelSpec, device: DeviceInfo, emulated_budget_bytes: int |
     return name if emulated_budget_bytes is None else f"{name}-budget{emulated_budget_bytes}"
 
 
+def device_for_ranks(device: DeviceInfo, nproc: int) -> DeviceInfo:
+    """The device a profile for `nproc` ranks is keyed by. A profile for N ranks is not one
+    for a single process: its own fingerprint and file name (`…-x8`), so the store keeps
+    both and never hands one out for the other."""
+    if nproc == 1:
+        return device
+    return dataclasses.replace(device, fingerprint=f"{device.fingerprint}-x{nproc}", slug=f"{device.slug}-x{nproc}")
+
+
 def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchSpace:
     # The block count comes from a model built on the meta device: no memory, any size.
     # Only the model: a data source may sample real batches while it is built.
@@ -118,10 +127,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         # its own fingerprint and file name, so it never stands in for the full device.
         tag = f"budget-{format_bytes(emulated_budget_bytes).replace(' ', '').replace('.', '_').lower()}"
         device = dataclasses.replace(device, fingerprint=f"{device.fingerprint}-{tag}", slug=f"{device.slug}-{tag}")
-    if nproc > 1:
-        # A profile for N ranks is not one for a single process: its own fingerprint and file
-        # name (`…-x8`), so the store keeps both and never hands one out for the other.
-        device = dataclasses.replace(device, fingerprint=f"{device.fingerprint}-x{nproc}", slug=f"{device.slug}-x{nproc}")
+    device = device_for_ranks(device, nproc)
     space = search_space(spec, device, nproc)
     max_trials = trials or spec.search.trials
     name = study_name(spec, device, emulated_budget_bytes)

@@ -424,6 +424,74 @@ def test_a_foreign_process_stops_the_tune_and_the_pair_waits_for_an_idle_gpu(tmp
     assert len(started) == 2 and pair.tunes == 2 and pair.status == "tuning"
 
 
+class TwoGpus(FakeNvml):
+    """Two GPUs of one kind, each with its own other processes."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpus_ = [Gpu(slot=f"gpu{i}", device=dataclasses.replace(self.gpu.device, index=i)) for i in (0, 1)]
+        self.foreign = {"gpu0": (), "gpu1": ()}
+
+    def gpus(self):
+        return self.gpus_
+
+    def activity(self, gpu, own_pids):
+        return Activity(foreign_pids=self.foreign[gpu.slot], utilization_percent=0.0)
+
+
+def test_two_gpus_of_a_kind_get_a_two_rank_profile_tuned_on_both(tmp_path, monkeypatch):
+    """Besides the one-GPU profile, a pair over both GPUs (`…-x2`): it waits until both are
+    idle, tunes on both (torchrun ranks on CUDA 0 and 1), and another job on either stops it."""
+    from autofit.errors import NothingFitsError
+
+    config = write_config(tmp_path)
+    write_spec(tmp_path / "models", model("alpha"), "alpha.yaml")
+    started = []
+    monkeypatch.setattr(TuneJob, "start", lambda job, **where: started.append(job))  # no real tune here
+    service = Service(config)
+    service.inventory = gpus = TwoGpus()
+    service._poll()
+    fingerprint = gpus.gpu.device.fingerprint
+    single, double = service.pairs[f"alpha@{fingerprint}"], service.pairs[f"alpha@{fingerprint}-x2"]
+    assert (single.world_size, double.world_size) == (1, 2)
+    (first,) = started
+    assert first.key == single.key and first.gpus == (gpus.gpus_[0],)
+    assert double.status == "queued" and double.detail.startswith("waiting for 2 idle GPUs")
+
+    first.error = NothingFitsError("nothing fits on one")  # the one-GPU tune ends: a measured verdict
+    assert service._reap()
+    service._poll()
+    second = started[-1]
+    assert second.key == double.key and second.nproc == 2 and double.status == "tuning"
+    assert service.tunes == {"gpu0": second, "gpu1": second}
+    assert second.line.startswith("gpu0+gpu1 H100")
+
+    calls = []
+
+    def fake_tune(spec, **kwargs):
+        calls.append(kwargs)
+        raise NothingFitsError("stop here")
+
+    monkeypatch.setattr("autofit.service_job.tune", fake_tune)
+    second._work(tmp_path / "profiles", f"sqlite:///{tmp_path / 'studies.db'}")
+    assert calls[0]["nproc"] == 2 and calls[0]["execute_on"] == "0,1"
+
+    gpus.foreign["gpu1"] = (4242,)
+    service._poll()
+    assert second.stop_event.is_set() and "pid 4242" in second.stop_reason
+    assert service._reap() and service.tunes == {}
+
+
+def test_multi_gpu_false_keeps_one_profile_per_kind(tmp_path, monkeypatch):
+    config = write_config(tmp_path, multi_gpu=False)
+    write_spec(tmp_path / "models", model("alpha"), "alpha.yaml")
+    monkeypatch.setattr(TuneJob, "start", lambda job, **where: None)
+    service = Service(config)
+    service.inventory = TwoGpus()
+    service._poll()
+    assert [p.world_size for p in service.pairs.values()] == [1]
+
+
 def test_nvml_activity_leaves_out_the_service_and_its_trials(monkeypatch):
     nvml = types.ModuleType("pynvml")
     nvml.NVMLError = type("NVMLError", (Exception,), {})
