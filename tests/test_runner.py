@@ -34,14 +34,14 @@ def test_low_precision_trains_with_finite_decreasing_loss(tmp_path, precision):
 
 def test_train_example_lowers_loss_on_real_text(tmp_path):
     metrics_path = tmp_path / "metrics.json"
-    result = run_cli("train", EXAMPLES / "tiny-gpt.yaml", "--steps", "60", "--no-progress",
+    result = run_cli("train", EXAMPLES / "tiny-gpt.yaml", "--steps", "30", "--no-progress",
                      "--checkpoint-dir", tmp_path / "ckpt", "--metrics-out", metrics_path)
     assert result.returncode == 0, result.stderr
     metrics = json.loads(metrics_path.read_text())
     for key in ("steps", "first_loss", "final_loss", "samples_per_s", "tokens_per_s", "peak_memory_bytes", "config", "device"):
         assert key in metrics
-    assert metrics["steps"] == 60
-    assert metrics["final_loss"] < 0.7 * metrics["first_loss"]
+    assert metrics["steps"] == 30
+    assert metrics["final_loss"] < 0.7 * metrics["first_loss"]  # 0.52 measured (5.56 -> 2.89)
     assert metrics["tokens_per_s"] == pytest.approx(metrics["samples_per_s"] * 64)
     assert metrics["config"]["precision"] == "32-true" and metrics["config"]["micro_batch_size"] == 16
 
