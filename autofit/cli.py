@@ -82,7 +82,9 @@ def _add_train(sub) -> None:
     p.add_argument("--metrics-out", help="write the final metrics JSON here")
     p.add_argument("--device", help="cuda index or cpu (default: cuda:0 if present, else cpu)")
     p.add_argument("--checkpoint-dir", help="default: runs/<name>")
-    p.add_argument("--memory-budget", help="cap memory (24GiB, 0.8, bytes); on CPU it is enforced")
+    p.add_argument("--memory-budget", help="cap memory (24GiB, 0.8, bytes); on CPU it is enforced. With "
+                                           "--profile: run the fastest frontier point whose peak fits it "
+                                           "(default: the GPU's free memory now)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
@@ -226,7 +228,7 @@ def cmd_profiles(args) -> int:
         text = show_command(args.profile, store=args.store, device=args.device)
     else:
         text = export_command(args.profile, args.format, store=args.store, device=args.device,
-                              n_blocks=args.n_blocks)
+                              n_blocks=args.n_blocks, memory_budget=args.memory_budget)
     sys.stdout.write(text)
     return 0
 
@@ -252,6 +254,8 @@ def _add_profiles(sub) -> None:
     export.add_argument("--format", default="yaml", choices=("yaml", "json", "hf", "lightning", "env"))
     export.add_argument("--store", help=store_help)
     export.add_argument("--device", help=device_help)
+    export.add_argument("--memory-budget", help="export the fastest frontier point whose peak fits this "
+                                                "(24GiB, 0.8, bytes; default: the GPU's free memory now)")
     export.add_argument("--n-blocks", type=int, help="hf: the model's layer count, so partial checkpointing "
                                                      "can be exported as every_n_layers")
     p.set_defaults(func=cmd_profiles)

@@ -31,6 +31,7 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     (the CPU with gloo where there is none), the spec's default config as DDP."""
     from autofit import distributed
     from autofit.device.probe import select_device
+    from autofit.frontier import choose, memory_available
     from autofit.profile import device_from_info
     from autofit.runner import resolve_device, train
     from autofit.store import default_root, record_demotion
@@ -70,10 +71,20 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     else:
         info = select_device(device)  # a bad index is one line here, not a CUDA error later
         torch_device = resolve_device("cpu" if info.kind == "cpu" else info.index)
+    budget_bytes = parse_budget(memory_budget, total_bytes=info.memory_total_bytes)
     if profile is not None:
         diffs = loaded.device_differences(device_from_info(info))
         if diffs:
             logger.warning("profile {} was tuned on another device: {}", loaded.file_name, "; ".join(diffs))
+        # The fastest frontier point that fits now. Every rank of a torchrun job must run the
+        # same point, so there only --memory-budget (the same on every rank) chooses.
+        if world is not None and world.world_size > 1 and budget_bytes is None:
+            available, why = None, "under torchrun only --memory-budget chooses a smaller point"
+        else:
+            available, why = memory_available(info, headroom=spec.search.memory_headroom,
+                                              memory_budget_bytes=budget_bytes)
+        loaded = choose(loaded, available, why, name=str(profile))
+        config = loaded.config
     workload = build_workload(spec)
     if profile is not None:
         from autofit.tune import data_assumptions
@@ -82,7 +93,6 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
             logger.warning("profile {}: the data has {}", loaded.file_name, diff)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else Path("runs") / spec.name
     ensure_folder(ckpt_dir, "--checkpoint-dir")
-    budget_bytes = parse_budget(memory_budget)
     # Out-of-memory demotions are recorded beside the profile, or where `autofit tune` would
     # write this device's profile: the next tune starts from them.
     record_at = Path(profile) if profile is not None else default_root() / f"{spec.name}--{info.slug}.yaml"

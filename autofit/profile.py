@@ -67,6 +67,19 @@ class SearchSummary:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class FrontierPoint:
+    """One point of the memory/throughput frontier: a config validated like the winner,
+    with its validated figures (`measured.peak_memory_bytes` is the reserved peak plus the
+    device overhead, what the budget has to hold)."""
+
+    config: TrainConfig
+    measured: Measured
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), "measured": dataclasses.asdict(self.measured)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Profile:
     model: ProfileModel
     device: ProfileDevice
@@ -79,7 +92,19 @@ class Profile:
     # Varying-length data: the lengths the peak and speed were measured for (e.g. text's
     # longest_tokens, padding, packing). Empty for fixed-size data.
     data: dict = field(default_factory=dict)
+    # The validated frontier, smallest peak first, the winner last (see autofit/frontier.py).
+    # Empty in profiles written before it existed: `points` is then the winner alone.
+    frontier: tuple[FrontierPoint, ...] = ()
     schema: int = PROFILE_SCHEMA
+
+    @property
+    def points(self) -> tuple[FrontierPoint, ...]:
+        """The configs this profile may run, smallest peak first; the winner last."""
+        return self.frontier or (FrontierPoint(config=self.config, measured=self.measured),)
+
+    def at(self, point: FrontierPoint) -> "Profile":
+        """This profile running `point`: its config and figures in place of the winner's."""
+        return dataclasses.replace(self, config=point.config, measured=point.measured)
 
     @property
     def file_name(self) -> str:
@@ -93,6 +118,7 @@ class Profile:
             "budget_bytes": self.budget_bytes,
             "config": self.config.to_dict(),
             "measured": dataclasses.asdict(self.measured),
+        } | ({"frontier": [p.to_dict() for p in self.frontier]} if self.frontier else {}) | {
             "search": dataclasses.asdict(self.search),
             "created": self.created,
             "autofit": self.autofit,
@@ -119,7 +145,7 @@ class Profile:
             config = TrainConfig.from_dict(raw.get("config"), where="config")
         except SpecError as exc:
             raise ProfileError(f"{where}: {exc}") from None
-        return cls(
+        profile = cls(
             model=_section(ProfileModel, raw, "model", where),
             device=_section(ProfileDevice, raw, "device", where),
             budget_bytes=_field(raw, "budget_bytes", int, where),
@@ -129,7 +155,10 @@ class Profile:
             created=_field(raw, "created", str, where),
             autofit=_field(raw, "autofit", str, where),
             data=_field(raw, "data", dict, where) if "data" in raw else {},
+            frontier=_frontier(raw, where) if "frontier" in raw else (),
         )
+        _check_frontier(profile, where)
+        return profile
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
@@ -184,11 +213,30 @@ class Profile:
     # --- using a profile: thin doors to plan.py and export.py (imported lazily: both
     # import the runner and torch's training stack, which reading a profile does not need)
 
+    def fitted(self, *, memory_budget: int | str | None = None, device=None,
+               memory_headroom: float | None = None) -> "Profile":
+        """This profile at the fastest frontier point that fits the memory available now:
+        `memory_budget` (bytes, "24GiB", a fraction) if given, else the GPU's memory less what
+        other processes hold (NVML) less `memory_headroom` (default: the spec's 0.05); a CPU
+        without a budget keeps the winner. Logs the choice; NothingFitsError when none fits."""
+        from autofit.frontier import fit_now
+
+        return fit_now(self, memory_budget=memory_budget, device=device, memory_headroom=memory_headroom)
+
+    def _for_export(self, memory_budget, device) -> "Profile":
+        from autofit.frontier import fit_now
+
+        return fit_now(self, memory_budget=memory_budget, device=device, export=True)
+
     def apply(self, model, optimizer_factory=None, *, device=None, max_grad_norm: float | None = None,
-              store=None):
+              store=None, memory_budget: int | str | None = None, memory_headroom: float | None = None):
         """A `TrainingPlan`: `model` with this profile's checkpointing, freezing, dtype and
         device applied, plus autocast, GradScaler and the runner's step for a custom loop.
         `max_grad_norm` None means no clipping (the profile does not record the spec's).
+
+        The config is the fastest frontier point that fits the memory available now (see
+        `fitted`): the winner when the device is all yours, a smaller point when another
+        process holds part of it or `memory_budget` is smaller.
 
         `plan.step(batch=..., loss_fn=...)` survives an out-of-memory error by halving the
         micro batch; when this profile is in `store` (a folder or `ProfileStore`; default
@@ -197,32 +245,36 @@ class Profile:
         from autofit.plan import TrainingPlan
         from autofit.store import ProfileStore, record_demotion
 
+        chosen = self.fitted(memory_budget=memory_budget, device=device, memory_headroom=memory_headroom)
         root = store.root if isinstance(store, ProfileStore) else ProfileStore(store).root
         on_demotion = None
         if (root / self.file_name).is_file():
             def on_demotion(event):
                 record_demotion(root / self.file_name, event, spec_hash=self.model.spec_hash)
 
-        return TrainingPlan(model, self.config, optimizer_factory, device=device, max_grad_norm=max_grad_norm,
+        return TrainingPlan(model, chosen.config, optimizer_factory, device=device, max_grad_norm=max_grad_norm,
                             on_demotion=on_demotion)
 
-    def to_hf_training_args(self, *, n_blocks: int | None = None) -> dict:
+    # The exports, like `apply`, take the fastest point that fits now (see `fitted`).
+
+    def to_hf_training_args(self, *, n_blocks: int | None = None, memory_budget: int | str | None = None,
+                            device=None) -> dict:
         """kwargs for `transformers.TrainingArguments`; see `autofit.export.hf_notes`."""
         from autofit.export import to_hf_training_args
 
-        return to_hf_training_args(self, n_blocks=n_blocks)
+        return to_hf_training_args(self._for_export(memory_budget, device), n_blocks=n_blocks)
 
-    def to_lightning(self) -> dict:
+    def to_lightning(self, *, memory_budget: int | str | None = None, device=None) -> dict:
         """kwargs for `lightning.Trainer`; see `autofit.export.lightning_notes`."""
         from autofit.export import to_lightning
 
-        return to_lightning(self)
+        return to_lightning(self._for_export(memory_budget, device))
 
-    def to_env(self) -> dict[str, str]:
+    def to_env(self, *, memory_budget: int | str | None = None, device=None) -> dict[str, str]:
         """AUTOFIT_* environment variables."""
         from autofit.export import to_env
 
-        return to_env(self)
+        return to_env(self._for_export(memory_budget, device))
 
 
 def _major(version: str | None) -> str | None:
@@ -248,6 +300,32 @@ def _section(cls, raw: dict, key: str, where: str):
         return cls(**value)
     except TypeError as exc:
         raise ProfileError(f"{where}: {key}: {exc}") from None
+
+
+def _frontier(raw: dict, where: str) -> tuple[FrontierPoint, ...]:
+    points = _field(raw, "frontier", list, where)
+    out = []
+    for i, item in enumerate(points):
+        at = f"frontier[{i}]"
+        if not isinstance(item, dict):
+            raise ProfileError(f"{where}: {at}: expected a mapping with config and measured, got {item!r}")
+        if set(item) - {"config", "measured"}:
+            raise ProfileError(f"{where}: {at}.{sorted(set(item) - {'config', 'measured'})[0]}: unknown key")
+        try:
+            config = TrainConfig.from_dict(item.get("config"), where=f"{at}.config")
+        except SpecError as exc:
+            raise ProfileError(f"{where}: {exc}") from None
+        out.append(FrontierPoint(config=config, measured=_section(Measured, item, "measured", f"{where}: {at}")))
+    return tuple(out)
+
+
+def _check_frontier(profile: "Profile", where: str) -> None:
+    """Every point trains the same job as the winner: same global batch, same ranks."""
+    for i, point in enumerate(profile.frontier):
+        for name in ("global_batch_size", "world_size"):
+            if getattr(point.config, name) != getattr(profile.config, name):
+                raise ProfileError(f"{where}: frontier[{i}].config: {name} {getattr(point.config, name)} differs "
+                                   f"from the config's {getattr(profile.config, name)}")
 
 
 def device_from_info(info) -> ProfileDevice:

@@ -85,6 +85,7 @@ class SearchSpec:
     warmup_steps: int = 2  # optimizer steps before timing, per trial
     measure_steps: int = 5  # timed optimizer steps per trial
     validate_steps: int = 50  # optimizer steps of the final validation run
+    frontier_points: int = 4  # most points the profile keeps, winner included; each other costs a validation
     trial_timeout_s: float = 600.0
 
 
@@ -326,6 +327,7 @@ def _search(r: "_Reader") -> SearchSpec:
         warmup_steps=r.nonnegative_int("warmup_steps", default=2),
         measure_steps=r.positive_int("measure_steps", default=5),
         validate_steps=r.positive_int("validate_steps", default=50),
+        frontier_points=r.positive_int("frontier_points", default=4),
         trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True),
     )
     r.finish()

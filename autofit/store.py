@@ -25,6 +25,7 @@ from autofit.device.probe import DeviceInfo, probe_devices, select_device
 from autofit.errors import ProfileError, SpecError
 from autofit.profile import Profile, device_from_info
 from autofit.recover import Demotion
+from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec
 
 STORE_ENV = "AUTOFIT_STORE"
@@ -305,18 +306,38 @@ def list_command(*, store: str | Path | None = None, spec_paths: tuple[str | Pat
     return render_table(rows, store.root)
 
 
+def frontier_table(profile: Profile) -> str:
+    """The profile's points, smallest peak first, as comment lines (the output stays YAML)."""
+    points = profile.points
+    rows = [("#", "PEAK", "SAMPLES/S", "CONFIG")] + [
+        (str(i), format_bytes(p.measured.peak_memory_bytes), _number(p.measured.samples_per_s),
+         p.config.short() + ("  (winner)" if i == len(points) else ""))
+        for i, p in enumerate(points, 1)]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+    title = ("frontier (at start the fastest point whose peak fits the memory available is run):"
+             if profile.frontier else "frontier: the winner only (a profile written before frontiers)")
+    return f"# {title}\n" + "".join(f"#   {line}\n" for line in lines)
+
+
 def show_command(name_or_path: str, *, store: str | Path | None = None, device: str | None = None) -> str:
-    """The profile's YAML, headed by comments naming its file and any staleness."""
+    """The profile's YAML, headed by comments naming its file, any staleness and its frontier."""
     path, profile, reasons = locate(name_or_path, store=store, device=device)
-    header = f"# {path}\n" + "".join(f"# stale: {reason}\n" for reason in reasons)
+    header = f"# {path}\n" + "".join(f"# stale: {reason}\n" for reason in reasons) + frontier_table(profile)
     return header + profile.to_yaml()
 
 
 def export_command(name_or_path: str, fmt: str, *, store: str | Path | None = None, device: str | None = None,
-                   n_blocks: int | None = None) -> str:
+                   n_blocks: int | None = None, memory_budget: str | None = None) -> str:
+    """One profile in `fmt`, at the fastest frontier point that fits the memory available now
+    on `device` (or `memory_budget`)."""
     from autofit.export import FORMATS, render
 
     if fmt not in FORMATS:  # checked before any probing or file reading
         raise ProfileError(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    _path, profile, _reasons = locate(name_or_path, store=store, device=device)
-    return render(profile, fmt, n_blocks=n_blocks)
+    info = _device_info(device)
+    path, profile, _reasons = locate(name_or_path, store=store, device=info)
+    from autofit.frontier import fit_now
+
+    return render(fit_now(profile, memory_budget=memory_budget, device=info, name=str(path), export=True), fmt,
+                  n_blocks=n_blocks)

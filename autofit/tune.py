@@ -19,9 +19,10 @@ from autofit import __version__
 from autofit.device.probe import DeviceInfo, usable_budget_bytes
 from autofit.errors import NothingFitsError, TrialError
 from autofit.estimate import EstimateError, estimate_memory
+from autofit.frontier import build_frontier, total_peak
 from autofit.knobs import block_count
 from autofit.precision import supported_precisions
-from autofit.profile import Measured, Profile, ProfileModel, SearchSummary, device_from_info, utc_now
+from autofit.profile import Profile, ProfileModel, SearchSummary, device_from_info, utc_now
 from autofit.report import format_trial_line, trials_table, write_html_report
 from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, _redact, make_study
 from autofit.sizes import format_bytes
@@ -185,9 +186,13 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     if not result.ranked:
         raise NothingFitsError(_nothing_fits_message(result, tuner, space))
 
+    validations: dict = {}  # config -> its validation runs, which the frontier reuses
+
     def run_long(config, steps: int, timeout_s: float) -> Measurement:
-        return measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
-                       measure_steps=steps, timeout_s=timeout_s)
+        m = measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
+                    measure_steps=steps, timeout_s=timeout_s)
+        validations.setdefault(config, []).append(m)
+        return m
 
     winner, validated = validate(spec, result, run_long, demoted=demoted)
     host_load = _host_load()
@@ -206,6 +211,12 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                 f"{result.count('ok')} configs measured): the profile is the baseline")
     if note:
         logger.warning(note)
+    frontier = build_frontier(result, winner, validated, max_points=spec.search.frontier_points,
+                              validate_steps=spec.search.validate_steps, validations=validations,
+                              run_validation=lambda record: _run_validation(spec, record, run_long), demoted=demoted,
+                              should_stop=stop_event.is_set if stop_event else None)
+    logger.info("frontier: {}", "; ".join(f"{p.config.short()} peak {format_bytes(p.measured.peak_memory_bytes)} "
+                                          f"{p.measured.samples_per_s:.4g} samples/s" for p in frontier))
     if host_load is not None and host_load > LOADED_HOST:
         logger.warning("the host was loaded while validating (load {:.1f} per core): throughput figures are "
                        "noisy; re-run on a quiet machine to trust the speed-up", host_load)
@@ -214,9 +225,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         device=device_from_info(device),
         budget_bytes=budget_bytes,
         config=winner.config,
-        measured=Measured(samples_per_s=validated.samples_per_s, tokens_per_s=validated.tokens_per_s,
-                          peak_memory_bytes=_total_peak(validated), step_time_s=validated.step_time_s,
-                          validated_steps=spec.search.validate_steps),
+        measured=frontier[-1].measured,  # the winner's validation
         search=SearchSummary(
             trials=len(result.records), measured=result.measured, pruned=result.count("pruned"),
             oom=result.count("oom"), unhealthy=result.count("unhealthy"),
@@ -232,6 +241,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         created=utc_now(),
         autofit=__version__,
         data=data_assumptions(spec),
+        frontier=frontier,
     )
     profile_path = ProfileStore(Path(out_dir)).save(profile)
     report_path = None
@@ -249,10 +259,6 @@ def data_assumptions(spec: ModelSpec, workload=None) -> dict:
     """What the profile's peak and speed assume of varying-length data (empty otherwise)."""
     data = (workload or build_workload(spec)).data
     return data.describe() if isinstance(data, TextData) else {}
-
-
-def _total_peak(m: Measurement) -> int:
-    return (m.peak_memory_bytes or 0) + (m.overhead_bytes or 0)
 
 
 # 1-minute load average per core above which throughput measured on a CPU is flagged.
@@ -299,11 +305,11 @@ def validate(spec: ModelSpec, result: SearchResult, run_long,
     for record in ranked[:5]:
         logger.info("validating {} over {} steps", record.config.short(), spec.search.validate_steps)
         m = _run_validation(spec, record, run_long)
-        if m.status == "ok" and _total_peak(m) <= result.budget_bytes:
+        if m.status == "ok" and total_peak(m) <= result.budget_bytes:
             return record, m
         failures.append(m.status)
         logger.warning("validation of {} failed: {} ({}); trying the next best", record.config.short(),
-                       m.status, m.reason or f"peak {format_bytes(_total_peak(m))} over budget")
+                       m.status, m.reason or f"peak {format_bytes(total_peak(m))} over budget")
     if failures and all(f == "timeout" for f in failures):
         # Not "nothing fits": the machine was too slow or too busy; a rerun resumes the study.
         raise TrialError(f"every validation run timed out (search.trial_timeout_s is "

@@ -1,0 +1,233 @@
+"""The memory/throughput frontier a profile keeps beside its winner, and the choice among
+its points when a job starts.
+
+A tune measures dozens of configs; the fastest under the budget is the winner. On a GPU
+that is not all yours (another job holds a few GiB, a MIG slice) the winner may not fit at
+the next start, so the profile also keeps the Pareto frontier of what the search measured:
+for each peak level, the fastest healthy config at or below it, from the smallest config
+that fits up to the winner.
+
+Every point written is validated like the winner: the same `search.validate_steps` run in
+a fresh child, which must stay ok and inside the tuning budget. A point that fails its
+validation is left out, never written as unvalidated, so any point may be chosen without
+a person looking. At most `search.frontier_points - 1` extra validation runs are spent
+(the smallest config, then points spread evenly in log-peak up to the winner); configs
+already validated on the way (the 32-true baseline) cost nothing.
+
+At start, `autofit train --profile`, `Profile.apply` and the exports take the fastest
+point whose measured peak fits the memory available now: an explicit budget as given, else
+a GPU's memory left by other processes (read through NVML) less the headroom, else (a CPU
+without a budget) the winner.
+"""
+
+# Reading and choosing (`memory_available`, `choose`) import no Optuna: `load_profile(...)
+# .apply(model)` stays light. Building the frontier takes the search's records.
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from loguru import logger
+
+from autofit.device.probe import DeviceInfo, usable_budget_bytes
+from autofit.errors import NothingFitsError
+from autofit.knobs import TrainConfig
+from autofit.profile import FrontierPoint, Measured, Profile
+from autofit.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from autofit.search.study import SearchResult, TrialRecord
+    from autofit.trial import Measurement
+
+
+def total_peak(m: Measurement) -> int:
+    """What the budget has to hold: the allocator's peak plus the device's own overhead."""
+    return (m.peak_memory_bytes or 0) + (m.overhead_bytes or 0)
+
+
+def measured_of(m: Measurement, validated_steps: int) -> Measured:
+    return Measured(samples_per_s=m.samples_per_s, tokens_per_s=m.tokens_per_s, peak_memory_bytes=total_peak(m),
+                    step_time_s=m.step_time_s, validated_steps=validated_steps)
+
+
+def pareto(result: SearchResult, demoted: set = frozenset()) -> list[tuple[TrialRecord, int, float]]:
+    """(record, peak bytes, samples/s) of the search's Pareto frontier, smallest peak first:
+    each healthy feasible config that is faster than every config with a smaller peak. A
+    config's peak is the largest of its measurements, its speed their median."""
+    from autofit.search import choice
+
+    points = []
+    for ranked in choice.rank(result.records, result.budget_bytes):
+        config = ranked.record.config
+        if config in demoted:  # ran out of memory in training: not a point to offer
+            continue
+        peak = max(r.peak_memory_bytes for r in result.records
+                   if r.config == config and r.status == "ok" and r.peak_memory_bytes is not None)
+        points.append((ranked.record, peak, ranked.samples_per_s))
+    out, fastest = [], 0.0
+    for point in sorted(points, key=lambda p: (p[1], -p[2])):
+        if point[2] > fastest:
+            out.append(point)
+            fastest = point[2]
+    return out
+
+
+def spread(candidates: list[tuple[TrialRecord, int, float]], top_peak_bytes: int,
+           count: int) -> list[tuple[TrialRecord, int, float]]:
+    """`count` of `candidates` (smallest peak first): the smallest, then those nearest to
+    peaks spaced evenly in log scale up to `top_peak_bytes`, so whatever memory is free at
+    start, a point sits not far below it."""
+    if count <= 0 or not candidates:
+        return []
+    chosen = [candidates[0]]
+    low = math.log(max(candidates[0][1], 1))
+    high = math.log(max(top_peak_bytes, 1))
+    for i in range(1, count):
+        target = low + (high - low) * i / count
+        rest = [c for c in candidates if c not in chosen]
+        if not rest:
+            break
+        chosen.append(min(rest, key=lambda c: abs(math.log(max(c[1], 1)) - target)))
+    return sorted(chosen, key=lambda c: c[1])
+
+
+def build_frontier(result: SearchResult, winner: TrialRecord, winner_m: Measurement, *, max_points: int,
+                   validate_steps: int, validations: dict[TrainConfig, list[Measurement]],
+                   run_validation: Callable[[TrialRecord], Measurement],
+                   demoted: set = frozenset(), should_stop: Callable[[], bool] | None = None
+                   ) -> tuple[FrontierPoint, ...]:
+    """The validated frontier, smallest peak first, ending with the winner.
+
+    `validations` holds every validation run the tune has taken so far, by config;
+    `run_validation(record)` takes one more. A config any of whose validation runs failed
+    (not ok, or over the budget) is no point; one already validated costs no new run. Once
+    `should_stop()` is true no further run is taken: the points validated so far are kept."""
+    top = FrontierPoint(config=winner.config, measured=measured_of(winner_m, validate_steps))
+    if max_points <= 1:
+        return (top,)
+
+    def failed(m: Measurement) -> bool:
+        return m.status != "ok" or not m.samples_per_s or total_peak(m) > result.budget_bytes
+
+    ranked_top = next((p for p in pareto(result, demoted) if p[0].config == winner.config), None)
+    top_speed = ranked_top[2] if ranked_top else math.inf
+    # Below the winner on both axes: smaller and slower (a smaller config measured faster
+    # than the winner lost to it in the interleaved re-measurement: noise, not a point).
+    candidates = [p for p in pareto(result, demoted) if p[0].config != winner.config
+                  and p[1] < top.measured.peak_memory_bytes and p[2] < top_speed
+                  and not any(failed(m) for m in validations.get(p[0].config, []))]
+    free = [p for p in candidates if validations.get(p[0].config)]
+    to_run = spread([p for p in candidates if p not in free], top.measured.peak_memory_bytes, max_points - 1)
+    points = []
+    for record, _peak, _speed in sorted(free + to_run, key=lambda p: p[1]):
+        runs = validations.get(record.config)
+        if not runs and should_stop is not None and should_stop():
+            continue
+        if not runs:
+            logger.info("validating frontier point {} over {} steps", record.config.short(), validate_steps)
+            runs = [run_validation(record)]
+        m = runs[-1]
+        if failed(m):
+            logger.warning("frontier point {} failed its validation ({}): left out", record.config.short(),
+                           m.reason or m.status if m.status != "ok" else
+                           f"peak {format_bytes(total_peak(m))} over the budget")
+            continue
+        points.append(FrontierPoint(config=record.config, measured=measured_of(m, validate_steps)))
+    # Each point must be smaller and slower than the next one up, in validated figures: a
+    # point that validated as fast as a larger one would be chosen over it wherever both fit.
+    kept = [top]
+    for point in sorted(points, key=lambda p: p.measured.peak_memory_bytes, reverse=True):
+        above = kept[-1].measured
+        if point.measured.peak_memory_bytes < above.peak_memory_bytes and point.measured.samples_per_s < above.samples_per_s:
+            kept.append(point)
+        else:
+            logger.info("frontier point {} left out: validated no slower than a larger point ({:.4g} vs {:.4g} "
+                        "samples/s)", point.config.short(), point.measured.samples_per_s, above.samples_per_s)
+    return tuple(reversed(kept))
+
+
+# --- the choice at start ------------------------------------------------------------------
+
+def memory_available(info: DeviceInfo | None, *, headroom: float,
+                     memory_budget_bytes: int | None = None) -> tuple[int | None, str]:
+    """(bytes a job may use now, where that figure comes from). None: no limit to choose by
+    (a CPU without a budget), so the winner runs. An explicit budget is used as given; a
+    GPU's is its memory less what other processes hold now (NVML), less `headroom`."""
+    if memory_budget_bytes is not None:
+        return memory_budget_bytes, f"the memory budget of {format_bytes(memory_budget_bytes)}"
+    if info is None or info.kind != "cuda":
+        return None, "no memory budget given on the CPU"
+    free = usable_budget_bytes(info, headroom=headroom)
+    return free, (f"{format_bytes(free)} free on {info.name} ({format_bytes(info.memory_used_by_others_bytes)} "
+                  f"held by other processes, {headroom:.0%} headroom)")
+
+
+def choose(profile: Profile, available_bytes: int | None, why: str, *, name: str | None = None) -> Profile:
+    """`profile` running the fastest of its points whose measured peak fits `available_bytes`
+    (None: the winner). Logs which and why; raises NothingFitsError (exit 3) when none fits."""
+    name = name or profile.file_name
+    points = profile.points
+    winner = points[-1]  # the frontier ends with the winner, whichever point `profile` runs now
+    if available_bytes is None:
+        logger.info("profile {}: running the winner {} ({})", name, winner.config.short(), why)
+        return profile.at(winner)
+    fitting = [p for p in points if p.measured.peak_memory_bytes <= available_bytes]
+    if not fitting:
+        smallest = min(points, key=lambda p: p.measured.peak_memory_bytes)
+        raise NothingFitsError(
+            f"profile {name}: none of its {len(points)} point(s) fits {why}: the smallest, "
+            f"{smallest.config.short()}, peaked at {format_bytes(smallest.measured.peak_memory_bytes)}; "
+            f"{format_bytes(available_bytes)} is available")
+    point = max(fitting, key=lambda p: p.measured.samples_per_s)
+    figures = (f"peak {format_bytes(point.measured.peak_memory_bytes)}, "
+               f"{point.measured.samples_per_s:.4g} samples/s")
+    if point is winner:
+        logger.info("profile {}: running the winner {} ({}): it fits {}", name, point.config.short(), figures, why)
+    else:
+        logger.warning("profile {}: running frontier point {} of {}, {} ({}), not the winner {} (peak {}, {:.4g} "
+                       "samples/s): the fastest point that fits {}", name, points.index(point) + 1, len(points),
+                       point.config.short(), figures, winner.config.short(),
+                       format_bytes(winner.measured.peak_memory_bytes), winner.measured.samples_per_s, why)
+    return profile.at(point)
+
+
+def default_headroom() -> float:
+    """The spec's default `search.memory_headroom`, for callers without a model.yaml."""
+    from autofit.spec import SearchSpec
+
+    return SearchSpec.__dataclass_fields__["memory_headroom"].default
+
+
+def fit_now(profile: Profile, *, memory_budget: int | str | None = None, device=None,
+            memory_headroom: float | None = None, name: str | None = None, export: bool = False) -> Profile:
+    """`profile` at the fastest point that fits the memory available now on `device` (a
+    `DeviceInfo`, GPU index, "cpu", a torch.device, or None: the first GPU, else the CPU),
+    read through NVML; or within `memory_budget` (bytes, "24GiB", or a fraction of the
+    device's memory) when given. An `export` may be made on another machine than the one
+    that trains (a login node): there this GPU's free memory only chooses when it is the
+    profile's kind of GPU."""
+    import torch
+
+    from autofit.device.probe import select_device
+    from autofit.errors import ProfileError
+    from autofit.sizes import parse_size
+
+    if isinstance(device, torch.device):
+        device = "cpu" if device.type == "cpu" else (device.index or 0)
+    info = device if isinstance(device, DeviceInfo) else select_device(device)
+    budget_bytes = None
+    if memory_budget is not None:
+        try:
+            budget_bytes = parse_size(memory_budget, total_bytes=info.memory_total_bytes, what="memory_budget")
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
+    headroom = default_headroom() if memory_headroom is None else memory_headroom
+    if not 0.0 <= headroom < 0.5:
+        raise ProfileError(f"memory_headroom: a fraction in [0, 0.5), got {headroom!r}")
+    if export and budget_bytes is None and info.name != profile.device.name:
+        available, why = None, (f"exporting for {profile.device.name} from {info.name}: memory_budget "
+                                f"chooses a smaller point")
+    else:
+        available, why = memory_available(info, headroom=headroom, memory_budget_bytes=budget_bytes)
+    return choose(profile, available, why, name=name)

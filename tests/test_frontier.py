@@ -1,0 +1,241 @@
+"""The frontier a profile keeps (autofit/frontier.py): built from the search's measurements
+and validated before it is written; at start the fastest point that fits the memory
+available now runs (`autofit train --profile`, `Profile.apply`, exports); none fits: exit 3."""
+
+import dataclasses
+import json
+import sys
+
+import pytest
+import torch
+import yaml
+
+from autofit.errors import NothingFitsError, ProfileError
+from autofit.frontier import build_frontier, choose, pareto
+from autofit.knobs import TrainConfig
+from autofit.profile import FrontierPoint, Measured, Profile
+from autofit.search.study import SearchResult, TrialRecord
+from autofit.spec import parse_spec
+from autofit.store import ProfileStore, show_command
+from autofit.trial import Measurement
+from autofit.workload import build_workload
+from conftest import REPO, run_main, tiny_gpt_dict, write_spec
+from test_probe import _fake_nvml, _gpu
+from test_profile import make_profile
+from test_store import warnings  # noqa: F401 (a fixture: loguru warnings as strings)
+
+MiB = 2**20
+BUDGET = 100 * MiB
+
+
+def _config(mb: int, ckpt: int = 0) -> TrainConfig:
+    return TrainConfig(precision="32-true", micro_batch_size=mb, grad_accum_steps=8 // mb, checkpoint_blocks=ckpt)
+
+
+def _m(config, peak_mib: float, sps: float, status: str = "ok") -> Measurement:
+    return Measurement(status=status, config=config, peak_memory_bytes=int(peak_mib * MiB), overhead_bytes=0,
+                       samples_per_s=sps, tokens_per_s=sps * 16, step_time_s=8 / sps if sps else None,
+                       budget_bytes=BUDGET)
+
+
+# (config, peak MiB, samples/s) measured by a search; the Pareto frontier is marked *.
+SEARCH = [
+    (_config(1, 2), 10, 40),  # * the smallest
+    (_config(1), 20, 50),  # *
+    (_config(2, 2), 22, 45),  # dominated: bigger and slower than mb=1
+    (_config(2), 35, 70),  # *
+    (_config(4, 1), 50, 80),  # *
+    (_config(4), 70, 100),  # * the winner
+    (_config(8), 130, 120),  # over the budget
+]
+
+
+def _result() -> SearchResult:
+    records = [TrialRecord(number=i, config=c, status="ok" if peak * MiB <= BUDGET else "oom",
+                           predicted_peak_bytes=int(peak * MiB), measurement=_m(c, peak, sps), budget_bytes=BUDGET)
+               for i, (c, peak, sps) in enumerate(SEARCH)]
+    return SearchResult(records=records, budget_bytes=BUDGET, wall_s=1.0, resumed=0, stop_reason="test")
+
+
+def _frontier(validate, max_points: int = 4, validations: dict | None = None):
+    result = _result()
+    winner = next(r for r in result.records if r.config == _config(4))
+    runs = []
+
+    def run_validation(record):
+        runs.append(record.config)
+        return validate(record.config)
+
+    frontier = build_frontier(result, winner, _m(winner.config, 71, 98), max_points=max_points, validate_steps=3,
+                              validations=validations or {}, run_validation=run_validation)
+    return frontier, runs
+
+
+def test_pareto_keeps_the_fastest_at_each_peak_level_smallest_first():
+    assert [(r.config, peak // MiB) for r, peak, _ in pareto(_result())] == [
+        (_config(1, 2), 10), (_config(1), 20), (_config(2), 35), (_config(4, 1), 50), (_config(4), 70)]
+
+
+def test_frontier_is_validated_bounded_and_ends_with_the_winner():
+    by_config = {c: (peak, sps) for c, peak, sps in SEARCH}
+    frontier, runs = _frontier(lambda c: _m(c, by_config[c][0] + 1, by_config[c][1] * 0.97))
+    # Three extra validation runs at most (frontier_points 4): the smallest, then spread in log-peak.
+    assert len(runs) == 3 and runs[0] == _config(1, 2) and _config(4) not in runs
+    assert frontier[-1].config == _config(4) and frontier[-1].measured.samples_per_s == 98
+    peaks = [p.measured.peak_memory_bytes for p in frontier]
+    speeds = [p.measured.samples_per_s for p in frontier]
+    assert len(frontier) == 4 and peaks == sorted(set(peaks)) and speeds == sorted(set(speeds))
+    # The written figures are the validation's, not the short trial's.
+    assert frontier[0].measured == Measured(samples_per_s=40 * 0.97, tokens_per_s=40 * 0.97 * 16,
+                                            peak_memory_bytes=11 * MiB, step_time_s=8 / (40 * 0.97),
+                                            validated_steps=3)
+
+
+def test_a_point_that_fails_validation_or_validates_too_fast_is_left_out():
+    by_config = {c: (peak, sps) for c, peak, sps in SEARCH}
+
+    def validate(c):
+        if c == _config(1, 2):
+            return _m(c, 10, 0.0, status="oom")
+        if c == _config(2):
+            return _m(c, 35, 99)  # as fast as the winner's validation at half its peak: noise, not a point
+        return _m(c, *by_config[c])
+    frontier, runs = _frontier(validate)
+    assert _config(1, 2) in runs and _config(2) in runs
+    assert [p.config for p in frontier if p.config in (_config(1, 2), _config(2))] == []
+    assert frontier[-1].config == _config(4)
+
+
+def test_validations_already_taken_are_reused_and_failed_ones_never_written():
+    frontier, runs = _frontier(lambda c: _m(c, 21, 49), max_points=2, validations={
+        _config(4, 1): [_m(_config(4, 1), 51, 79)],  # the baseline's validation, say: free
+        _config(1, 2): [_m(_config(1, 2), 10, 0.0, status="timeout")],  # failed once: never a point
+    })
+    assert runs == [_config(1)]  # one new run: the smallest config that did not fail
+    assert [p.config for p in frontier] == [_config(1), _config(4, 1), _config(4)]
+
+
+def test_frontier_points_1_is_the_winner_alone_without_a_run():
+    frontier, runs = _frontier(lambda c: pytest.fail("no validation expected"), max_points=1)
+    assert runs == [] and [p.config for p in frontier] == [_config(4)]
+
+
+# --- the profile file --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def spec():
+    return parse_spec(tiny_gpt_dict(), source_dir=REPO)
+
+
+def _point(config, peak_bytes: int, sps: float) -> FrontierPoint:
+    return FrontierPoint(config=config, measured=Measured(samples_per_s=sps, tokens_per_s=None,
+                                                          peak_memory_bytes=peak_bytes, step_time_s=8 / sps,
+                                                          validated_steps=3))
+
+
+def frontier_profile(spec, peaks=(2 * MiB, 5 * MiB, 9 * MiB), **device) -> Profile:
+    configs = [_config(1, 2), _config(2), _config(8)]
+    points = tuple(_point(c, peak, 100.0 * (i + 1)) for i, (c, peak) in enumerate(zip(configs, peaks)))
+    base = make_profile(spec, points[-1].config, **device)
+    return dataclasses.replace(base, measured=points[-1].measured, frontier=points)
+
+
+def test_frontier_yaml_reads_back_with_the_chosen_config_first(tmp_path, spec):
+    profile = frontier_profile(spec)
+    path = profile.save(tmp_path / profile.file_name)
+    assert Profile.load(path) == profile
+    raw = yaml.safe_load(path.read_text())
+    keys = list(raw)
+    assert keys.index("config") < keys.index("frontier")
+    assert [set(p) for p in raw["frontier"]] == [{"config", "measured"}] * 3
+    assert raw["frontier"][0]["measured"]["peak_memory_bytes"] == 2 * MiB
+    assert raw["frontier"][-1]["config"] == raw["config"]
+    # A profile written before frontiers: still loads, its only point is the winner.
+    del raw["frontier"]
+    old = Profile.from_dict(raw)
+    assert old.frontier == () and [p.config for p in old.points] == [profile.config]
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda raw: raw["frontier"][0].update(speed=1), r"frontier\[0\]\.speed: unknown key"),
+    (lambda raw: raw["frontier"][1]["config"].update(grad_accum_steps=1), r"frontier\[1\]\.config: global_batch"),
+    (lambda raw: raw["frontier"][2]["measured"].pop("samples_per_s"), "samples_per_s"),
+])
+def test_a_bad_frontier_is_a_profile_error(spec, change, match):
+    raw = frontier_profile(spec).to_dict()
+    change(raw)
+    with pytest.raises(ProfileError, match=match):
+        Profile.from_dict(raw)
+
+
+def test_choose_takes_the_fastest_point_that_fits(spec):
+    profile = frontier_profile(spec)
+    assert choose(profile, 9 * MiB, "9 MiB").config == _config(8)
+    assert choose(profile, None, "no budget").config == _config(8)
+    smaller = choose(profile, 8 * MiB, "8 MiB")
+    assert smaller.config == _config(2) and smaller.measured.peak_memory_bytes == 5 * MiB
+    assert smaller.frontier == profile.frontier and choose(smaller, 9 * MiB, "9 MiB").config == _config(8)
+    with pytest.raises(NothingFitsError, match=r"the smallest, 32-true mb=1x8 ckpt=2 freeze=0, peaked at 2\.00 MiB; "
+                                               r"1\.00 MiB is available") as err:
+        choose(profile, 1 * MiB, "1 MiB")
+    assert err.value.exit_code == 3
+
+
+def test_show_lists_the_frontier_as_a_table(tmp_path, spec):
+    profile = frontier_profile(spec)
+    path = profile.save(tmp_path / profile.file_name)
+    text = show_command(str(path), device="cpu")
+    table = [line for line in text.splitlines() if line.startswith("#   ")]
+    assert len(table) == 4 and "PEAK" in table[0] and "SAMPLES/S" in table[0]
+    assert "2.00 MiB" in table[1] and "100.0" in table[1] and "mb=1x8 ckpt=2" in table[1]
+    assert "(winner)" in table[3] and "9.00 MiB" in table[3]
+    assert Profile.from_dict(yaml.safe_load(text)) == profile  # still YAML: the table is comments
+
+
+# --- the choice at start -----------------------------------------------------------------
+
+
+def test_apply_picks_the_smaller_point_when_another_process_holds_gpu_memory(spec, monkeypatch, warnings):
+    """An emulated GPU (NVML fed by a stand-in) of 10 MiB on which another process holds
+    3 MiB: 7 MiB less 5% headroom is free, the winner's 9 MiB does not fit, 5 MiB does."""
+    gpu = _gpu("GPU-aaaa", total=10 * MiB, used=3 * MiB, procs=[(999_999, 3 * MiB)])
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml([gpu]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the model runs on this CPU
+    from autofit.device.probe import select_device
+    profile = frontier_profile(spec, **{"device": select_device(None)})
+    model = build_workload(spec).build_model()
+    plan = profile.apply(model)
+    assert plan.config == _config(2)
+    (said,) = [m for m in warnings if "running frontier point" in m]
+    assert "point 2 of 3" in said and "3.00 MiB held by other processes" in said and "not the winner" in said
+    # All of the card free again: the winner.
+    gpu["used"], gpu["procs"] = 0, []
+    assert profile.apply(build_workload(spec).build_model()).config == _config(8)
+    # An explicit budget chooses whatever the card has free.
+    assert profile.fitted(memory_budget="4MiB").config == _config(1, 2)
+    assert profile.to_env(memory_budget=6 * MiB)["AUTOFIT_MICRO_BATCH_SIZE"] == "2"
+
+
+def test_train_with_a_budget_below_every_point_is_one_line_exit_3(tmp_path, spec, capsys):
+    spec_path = write_spec(tmp_path, tiny_gpt_dict())
+    profile = frontier_profile(spec)
+    path = ProfileStore(tmp_path / "profiles").save(profile)
+    code, out, err = run_main(capsys, "train", spec_path, "--profile", path, "--memory-budget", "1MiB",
+                              "--device", "cpu", "--steps", "1", "--no-progress", "--checkpoint-dir", tmp_path / "ck")
+    assert code == 3 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autofit: error: ")
+    assert "peaked at 2.00 MiB" in lines[0] and "1.00 MiB is available" in lines[0]
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def test_export_picks_the_point_that_fits_the_budget(tmp_path, spec, capsys):
+    profile = frontier_profile(spec)
+    path = ProfileStore(tmp_path / "profiles").save(profile)
+    code, out, err = run_main(capsys, "profiles", "export", path, "--format", "json", "--device", "cpu",
+                              "--memory-budget", "6MiB")
+    assert code == 0, err
+    assert json.loads(out)["config"] == _config(2).to_dict()
+    code, out, _ = run_main(capsys, "profiles", "export", path, "--format", "env", "--device", "cpu")
+    assert code == 0 and "AUTOFIT_MICRO_BATCH_SIZE=8" in out
