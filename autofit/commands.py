@@ -31,7 +31,7 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     (the CPU with gloo where there is none), the spec's default config as DDP."""
     from autofit import distributed
     from autofit.device.probe import select_device
-    from autofit.frontier import choose, memory_available
+    from autofit.frontier import fit_now
     from autofit.profile import device_from_info
     from autofit.runner import resolve_device, train
     from autofit.store import default_root, record_demotion
@@ -76,14 +76,9 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
         diffs = loaded.device_differences(device_from_info(info))
         if diffs:
             logger.warning("profile {} was tuned on another device: {}", loaded.file_name, "; ".join(diffs))
-        # The fastest frontier point that fits now. Every rank of a torchrun job must run the
-        # same point, so there only --memory-budget (the same on every rank) chooses.
-        if world is not None and world.world_size > 1 and budget_bytes is None:
-            available, why = None, "under torchrun only --memory-budget chooses a smaller point"
-        else:
-            available, why = memory_available(info, headroom=spec.search.memory_headroom,
-                                              memory_budget_bytes=budget_bytes)
-        loaded = choose(loaded, available, why, name=str(profile))
+        # The fastest frontier point that fits the memory free now, or the budget.
+        loaded = fit_now(loaded, memory_budget=budget_bytes, device=info, memory_headroom=spec.search.memory_headroom,
+                         name=str(profile))
         config = loaded.config
     workload = build_workload(spec)
     if profile is not None:

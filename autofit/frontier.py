@@ -138,8 +138,8 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_m: Measurem
     # point that validated as fast as a larger one would be chosen over it wherever both fit.
     kept = [top]
     for point in sorted(points, key=lambda p: p.measured.peak_memory_bytes, reverse=True):
-        above = kept[-1].measured
-        if point.measured.peak_memory_bytes < above.peak_memory_bytes and point.measured.samples_per_s < above.samples_per_s:
+        mine, above = point.measured, kept[-1].measured
+        if mine.peak_memory_bytes < above.peak_memory_bytes and mine.samples_per_s < above.samples_per_s:
             kept.append(point)
         else:
             logger.info("frontier point {} left out: validated no slower than a larger point ({:.4g} vs {:.4g} "
@@ -225,7 +225,11 @@ def fit_now(profile: Profile, *, memory_budget: int | str | None = None, device=
     headroom = default_headroom() if memory_headroom is None else memory_headroom
     if not 0.0 <= headroom < 0.5:
         raise ProfileError(f"memory_headroom: a fraction in [0, 0.5), got {headroom!r}")
-    if export and budget_bytes is None and info.name != profile.device.name:
+    if budget_bytes is None and profile.config.world_size > 1:
+        # Each rank reads its own GPU; ranks that chose apart would not train one job.
+        available, why = None, (f"a profile for {profile.config.world_size} ranks: only a memory budget (the "
+                                f"same on every rank) chooses a smaller point")
+    elif export and budget_bytes is None and info.name != profile.device.name:
         available, why = None, (f"exporting for {profile.device.name} from {info.name}: memory_budget "
                                 f"chooses a smaller point")
     else:

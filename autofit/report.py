@@ -94,6 +94,15 @@ def _svg(result: SearchResult, winner: TrialRecord | None, width: int = 760, hei
     return "\n".join(parts)
 
 
+def _frontier_html(profile: Profile) -> str:
+    """The profile's validated frontier: what runs at start when less memory is free."""
+    rows = "".join(f"<tr><td>{html.escape(p.config.short())}</td><td>{format_bytes(p.measured.peak_memory_bytes)}</td>"
+                   f"<td>{p.measured.samples_per_s:.1f}</td></tr>" for p in profile.points)
+    return ("<p>Frontier, validated over as many steps as the winner: at start the fastest point whose peak "
+            "fits the memory free is run.</p><table><tr><th>config</th><th>peak</th><th>samples/s</th></tr>"
+            f"{rows}</table>")
+
+
 def write_html_report(path: Path, profile: Profile, result: SearchResult, winner: TrialRecord | None) -> Path:
     rows = []
     for r in _rows(result):
@@ -116,6 +125,7 @@ tr:nth-child(even){{background:#f3f3f3}}</style></head><body>
 {s.unhealthy} unhealthy, {s.failed} failed; search wall time {s.wall_s:.0f} s; stopped: {html.escape(s.stop_reason)}.</p>
 {f"<p>Choice: {html.escape(s.choice)}.</p>" if s.choice else ""}
 {f"<p><b>Note:</b> {html.escape(s.note)}.</p>" if s.note else ""}
+{_frontier_html(profile)}
 {_svg(result, winner)}
 <table><tr><th></th><th>#</th><th>config</th><th>status</th><th>peak</th><th>predicted</th><th>samples/s</th><th>reason</th></tr>
 {''.join(rows)}</table></body></html>

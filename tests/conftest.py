@@ -24,7 +24,9 @@ def tiny_gpt_dict(**sections) -> dict:
         "data": {"kind": "synthetic"},
         "optimizer": {"name": "adamw", "lr": 1e-3},
         "train": {"global_batch_size": 8, "steps": 10, "seed": 0, "checkpoint_every": 5, "log_every": 5},
-        "search": {"trials": 12, "warmup_steps": 1, "measure_steps": 2, "validate_steps": 3},
+        # frontier_points 1: no extra validation runs per tune (each is a child process);
+        # tests/test_frontier.py covers the frontier.
+        "search": {"trials": 12, "warmup_steps": 1, "measure_steps": 2, "validate_steps": 3, "frontier_points": 1},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(spec.get(key), dict):

@@ -300,7 +300,8 @@ def test_tune_nproc_2_picks_a_strategy_by_measurement_and_torchrun_trains_inside
     # a small trial budget is enough because every strategy's seed is measured first (search
     # quality itself is tested on simulated devices at the default budget).
     spec["search"] |= {"precisions": ["bf16-mixed"], "activation_checkpointing": False, "measure_steps": 2,
-                       "validate_steps": 3, "trials": 5, "patience": 3}
+                       "validate_steps": 3, "trials": 5, "patience": 3,
+                       "frontier_points": 1}  # the frontier is tests/test_frontier.py's
     spec_path = write_spec(tmp_path, spec)
     result = run_cli("tune", spec_path, "--nproc", "2", "--device", "cpu", "--memory-budget", "10.6MiB",
                      "--out", tmp_path / "profiles", "--state-dir", tmp_path / "state", "--no-report", "--json",

@@ -239,3 +239,62 @@ def test_export_picks_the_point_that_fits_the_budget(tmp_path, spec, capsys):
     assert json.loads(out)["config"] == _config(2).to_dict()
     code, out, _ = run_main(capsys, "profiles", "export", path, "--format", "env", "--device", "cpu")
     assert code == 0 and "AUTOFIT_MICRO_BATCH_SIZE=8" in out
+
+
+# --- end to end on the CPU: the example GPT under 16 MiB -----------------------------------
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """One tune of examples/tiny-gpt.yaml at its own trial budget, shared by the tests below."""
+    from conftest import EXAMPLES, run_cli
+
+    folder = tmp_path_factory.mktemp("tuned")
+    result = run_cli("tune", EXAMPLES / "tiny-gpt.yaml", "--device", "cpu", "--memory-budget", "16MiB",
+                     "--out", folder / "profiles", "--state-dir", folder / "state", "--no-report", "--json",
+                     cwd=folder, timeout=1800)
+    assert result.returncode == 0, result.stderr
+    return folder, json.loads(result.stdout)["profile_path"], result.stderr
+
+
+@pytest.mark.slow
+def test_tune_writes_a_validated_frontier_of_at_least_three_points(tuned):
+    _, path, stderr = tuned
+    profile = Profile.load(path)
+    points = profile.points
+    assert len(profile.frontier) >= 3, stderr
+    assert points[-1].config == profile.config and points[-1].measured == profile.measured
+    assert all(p.measured.validated_steps == 10 for p in points)  # the example's validate_steps
+    peaks = [p.measured.peak_memory_bytes for p in points]
+    speeds = [p.measured.samples_per_s for p in points]
+    assert peaks == sorted(set(peaks)) and speeds == sorted(set(speeds)) and peaks[-1] <= profile.budget_bytes
+    assert "validating frontier point" in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share", ["half", "full"])
+def test_train_at_half_the_budget_runs_a_smaller_point_and_at_the_full_budget_the_winner(tuned, capsys, share):
+    from conftest import EXAMPLES
+
+    folder, path, _ = tuned
+    profile = Profile.load(path)
+    budget = profile.budget_bytes // 2 if share == "half" else profile.budget_bytes
+    expected = max((p for p in profile.points if p.measured.peak_memory_bytes <= budget),
+                   key=lambda p: p.measured.samples_per_s)
+    assert (expected.config == profile.config) == (share == "full")
+    metrics_path = folder / f"metrics-{share}.json"
+    code, _, err = run_main(capsys, "train", EXAMPLES / "tiny-gpt.yaml", "--profile", path, "--memory-budget", budget,
+                            "--device", "cpu", "--steps", "2", "--no-progress", "--checkpoint-dir", folder / share,
+                            "--metrics-out", metrics_path)
+    assert code == 0, err
+    metrics = json.loads(metrics_path.read_text())
+    # The CPU tracker holds the run to the budget; the point that fits needs no demotion.
+    assert metrics["config"] == expected.config.to_dict() and not metrics["demotions"]
+    assert metrics["peak_memory_bytes"] <= budget
+    if share == "half":
+        assert "running frontier point" in err and "not the winner" in err
+    # Below every point: one line, exit 3.
+    smallest = profile.points[0].measured.peak_memory_bytes
+    code, _, err = run_main(capsys, "train", EXAMPLES / "tiny-gpt.yaml", "--profile", path, "--memory-budget",
+                            smallest - 1, "--device", "cpu", "--steps", "1", "--no-progress",
+                            "--checkpoint-dir", folder / "none")
+    assert code == 3 and len(err.strip().splitlines()) == 1 and "peaked at" in err
