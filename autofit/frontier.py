@@ -129,22 +129,25 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_m: Measurem
             runs = [run_validation(record)]
         m = runs[-1]
         if failed(m):
-            logger.warning("frontier point {} failed its validation ({}): left out", record.config.short(),
-                           m.reason or m.status if m.status != "ok" else
-                           f"peak {format_bytes(total_peak(m))} over the budget")
+            why = (m.reason or m.status) if m.status != "ok" else (
+                "no throughput" if not m.samples_per_s else f"peak {format_bytes(total_peak(m))} over the budget")
+            logger.warning("frontier point {} failed its validation ({}): left out", record.config.short(), why)
             continue
         points.append(FrontierPoint(config=record.config, measured=measured_of(m, validate_steps)))
-    # Each point must be smaller and slower than the next one up, in validated figures: a
-    # point that validated as fast as a larger one would be chosen over it wherever both fit.
-    kept = [top]
-    for point in sorted(points, key=lambda p: p.measured.peak_memory_bytes, reverse=True):
-        mine, above = point.measured, kept[-1].measured
-        if mine.peak_memory_bytes < above.peak_memory_bytes and mine.samples_per_s < above.samples_per_s:
+    # The Pareto frontier again, in validated figures: each point faster than every smaller
+    # one and smaller and slower than the winner. A point that validated as fast as a larger
+    # one would be chosen over it wherever both fit, so the larger one goes; one that
+    # validated as fast as the winner is noise (the winner beat it in the search).
+    kept, fastest = [], 0.0
+    for point in sorted(points, key=lambda p: (p.measured.peak_memory_bytes, -p.measured.samples_per_s)):
+        mine, top_m = point.measured, top.measured
+        if fastest < mine.samples_per_s < top_m.samples_per_s and mine.peak_memory_bytes < top_m.peak_memory_bytes:
             kept.append(point)
+            fastest = mine.samples_per_s
         else:
-            logger.info("frontier point {} left out: validated no slower than a larger point ({:.4g} vs {:.4g} "
-                        "samples/s)", point.config.short(), point.measured.samples_per_s, above.samples_per_s)
-    return tuple(reversed(kept))
+            logger.info("frontier point {} left out: in validation a smaller point or the winner was as fast "
+                        "({:.4g} samples/s)", point.config.short(), mine.samples_per_s)
+    return (*kept, top)
 
 
 # --- the choice at start ------------------------------------------------------------------

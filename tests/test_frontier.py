@@ -106,6 +106,12 @@ def test_a_point_that_fails_validation_or_validates_too_fast_is_left_out():
     assert frontier[-1].config == _config(4)
 
 
+def test_a_larger_point_that_validates_slower_than_a_smaller_one_is_left_out():
+    speeds = {_config(1, 2): 40, _config(1): 72, _config(2): 70}  # mb=2 is now dominated by mb=1
+    frontier, _ = _frontier(lambda c: _m(c, dict((c2, p) for c2, p, _ in SEARCH)[c], speeds[c]))
+    assert [p.config for p in frontier] == [_config(1, 2), _config(1), _config(4)]
+
+
 def test_validations_already_taken_are_reused_and_failed_ones_never_written():
     frontier, runs = _frontier(lambda c: _m(c, 21, 49), max_points=2, validations={
         _config(4, 1): [_m(_config(4, 1), 51, 79)],  # the baseline's validation, say: free
