@@ -5,6 +5,7 @@ available now runs (`autofit train --profile`, `Profile.apply`, exports); none f
 import dataclasses
 import json
 import sys
+import types
 
 import pytest
 import torch
@@ -245,6 +246,63 @@ def test_export_picks_the_point_that_fits_the_budget(tmp_path, spec, capsys):
     assert json.loads(out)["config"] == _config(2).to_dict()
     code, out, _ = run_main(capsys, "profiles", "export", path, "--format", "env", "--device", "cpu")
     assert code == 0 and "AUTOFIT_MICRO_BATCH_SIZE=8" in out
+
+
+# --- the service: a re-tune validates the frontier again ---------------------------------
+
+def _simulated_peak_bytes(config) -> int:
+    return int(MiB * (1 + config.micro_batch_size * (1 - config.checkpoint_blocks / 3)))
+
+
+def _simulated_measure(calls: list):
+    """`autofit.tune.measure` without a child: a peak that grows with the micro batch and
+    falls with checkpointing, a throughput that grows with the micro batch and falls with
+    checkpointing. Records (config, measure_steps)."""
+    def measure(spec, config, *, measure_steps=None, budget_bytes=None, **_):
+        calls.append((config, measure_steps))
+        peak = _simulated_peak_bytes(config)
+        sps = 100.0 * config.micro_batch_size / (config.micro_batch_size + 1) / (1 + config.checkpoint_blocks / 6)
+        return Measurement(status="ok", config=config, peak_memory_bytes=peak, overhead_bytes=0, samples_per_s=sps,
+                           tokens_per_s=sps * 16, step_time_s=8 / sps, step_times_s=[8 / sps] * 2,
+                           losses=[4.0, 3.9, 3.8], budget_bytes=budget_bytes, wall_s=0.1)
+    return measure
+
+
+def test_the_service_retunes_a_profile_whose_driver_changed_and_validates_its_frontier_again(tmp_path, monkeypatch):
+    """A profile (with a frontier) tuned under driver 570; the GPU now runs 580: the service
+    re-tunes the pair, and the new profile's frontier is validated on the new driver."""
+    from autofit.daemon import Service
+    from autofit.inventory import Gpu
+    from autofit.profile import device_from_info
+    from autofit.spec import load_spec
+    from test_daemon import FakeNvml, model, write_config
+
+    calls = []
+    monkeypatch.setattr("autofit.tune.measure", _simulated_measure(calls))
+    monkeypatch.setattr("autofit.tune.estimate_memory",
+                        lambda spec, config, **_: types.SimpleNamespace(peak_bytes=_simulated_peak_bytes(config)))
+    config = write_config(tmp_path)
+    spec = load_spec(write_spec(tmp_path / "models", model("alpha", trials=6, patience=6, frontier_points=3),
+                                "alpha.yaml"))
+    gpus = FakeNvml()
+    gpus.gpu = Gpu(slot="gpu0", device=dataclasses.replace(gpus.gpu.device, driver_version="580.95.05"))
+    old = frontier_profile(spec)
+    old = dataclasses.replace(old, device=dataclasses.replace(device_from_info(gpus.gpu.device), driver="570.1"))
+    ProfileStore(tmp_path / "profiles").save(old)
+
+    (tmp_path / "state").mkdir()  # what `serve` makes at start
+    service = Service(config)
+    service.inventory = gpus
+    service._poll()
+    (job,) = service.tunes.values()
+    job.thread.join(timeout=600)
+    assert service._reap()
+    ((_, new),) = ProfileStore(tmp_path / "profiles").list()
+    assert new.device.driver == "580.95.05" and new.created != old.created, service.pairs[job.key]
+    assert len(new.frontier) >= 2 and new.frontier[-1].config == new.config
+    validated = {c for c, steps in calls if steps == spec.search.validate_steps}
+    assert {p.config for p in new.frontier} <= validated
+    assert all(p.measured.validated_steps == spec.search.validate_steps for p in new.frontier)
 
 
 # --- end to end on the CPU: the example GPT under 16 MiB -----------------------------------
