@@ -14,7 +14,9 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from loguru import logger
 from autofit import distributed
 from autofit._io import atomic_write_text
 from autofit.device.memory import LiveBytesTracker, cap_cuda_memory, cuda_memory_stats
+from autofit.errors import AutofitError, InputError, SpecError
 from autofit.knobs import TrainConfig
 from autofit.recover import is_oom
 from autofit.runner import Runner
@@ -30,6 +33,8 @@ from autofit.spec import parse_spec
 from autofit.workload import build_workload
 
 PARENT_PID_ENV = "AUTOFIT_TRIAL_PARENT_PID"  # set by autofit.trial for the child it starts
+_PARENT_POLL_S = 0.5
+_TRACEBACK_CHARS = 8000  # of a user's exception, for the parent's --debug
 TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist
 
 
@@ -220,6 +225,12 @@ def run_request(request: dict) -> dict:
     try:
         trial = _Trial(request)
         out |= trial.run()
+    except AutofitError as exc:
+        # The user's input, found bad only here (their own code raised, their spec cannot
+        # be built): the same for every config, so the parent stops with exit 2.
+        logger.opt(exception=exc).error("trial failed")
+        out |= {"status": "error", "reason": str(exc), "input_error": isinstance(exc, (InputError, SpecError)),
+                "traceback": _traceback_text(exc)}
     except Exception as exc:
         first_line = (str(exc).strip().splitlines() or [""])[0]
         if is_oom(exc):
@@ -231,6 +242,12 @@ def run_request(request: dict) -> dict:
     if trial is not None:
         out |= trial.memory()
     return out | {"wall_s": time.perf_counter() - started}
+
+
+def _traceback_text(exc: AutofitError) -> str:
+    """The user's exception's traceback when their code raised, else ours; for --debug."""
+    cause = exc.__cause__ or exc
+    return "".join(traceback.format_exception(cause))[-_TRACEBACK_CHARS:]
 
 
 def main(request_path: str, result_path: str) -> int:
@@ -288,9 +305,18 @@ def _exit_with_parent(trial_dir: Path) -> None:
             shutil.rmtree(trial_dir, ignore_errors=True)
         os._exit(128 + signum)
 
+    def watch() -> None:
+        # Python runs a signal handler only in the main thread, and only once the kernel's
+        # signal wakes it: one delivered to a torch worker thread leaves a main thread asleep
+        # in the user's forward (or a blocking C call) untouched. A watcher thread does not wait.
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        on_term(signal.SIGTERM, None)
+
     signal.signal(signal.SIGTERM, on_term)
     if _parent_death_signal(signal.SIGTERM) and os.getppid() != parent:  # died before prctl
         on_term(signal.SIGTERM, None)
+    threading.Thread(target=watch, name="autofit-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

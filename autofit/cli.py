@@ -10,7 +10,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from loguru import logger
@@ -47,8 +49,10 @@ def _write_json(path: str | None, payload: dict) -> None:
 def cmd_train(args) -> int:
     from autofit.commands import train_command
 
+    if args.metrics_out is not None:  # checked before the run, not after it
+        _check_output_file(args.metrics_out, "--metrics-out")
     metrics = train_command(args.spec, profile=args.profile, steps=args.steps, resume=args.resume,
-                            device=args.device, checkpoint_dir=args.checkpoint_dir,
+                            overwrite=args.overwrite, device=args.device, checkpoint_dir=args.checkpoint_dir,
                             memory_budget=args.memory_budget, progress=not args.no_progress)
     if metrics.get("rank", 0) != 0:
         return 0  # under torchrun the metrics are rank 0's to report
@@ -61,6 +65,11 @@ def cmd_train(args) -> int:
               f"lower optimizer.lr or use a profile with a healthy precision", file=sys.stderr)
         return 3
     return 0
+
+
+def _check_output_file(path: str, what: str) -> None:
+    if Path(path).is_dir():
+        raise SpecError(f"{what}: {path} is a folder; give a file name")
 
 
 def _finite(value):
@@ -76,14 +85,18 @@ def _finite(value):
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model.yaml with the built-in AMP runner")
     p.add_argument("spec", help="model.yaml")
-    p.add_argument("--profile", help="training profile (YAML) from `autofit tune`")
+    p.add_argument("--profile", help="a profile from `autofit tune`: a model name (the store's profile for this "
+                                     "device), a file in the store, or a path")
     p.add_argument("--steps", type=int, help="optimizer steps (default: train.steps)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run's checkpoint in the checkpoint folder (default: refuse)")
     p.add_argument("--metrics-out", help="write the final metrics JSON here")
     p.add_argument("--device", help="cuda index or cpu (default: cuda:0 if present, else cpu)")
     p.add_argument("--checkpoint-dir", help="default: runs/<name>")
     p.add_argument("--memory-budget", help="cap memory (24GiB, 0.8, bytes); on CPU it is enforced. With "
-                                           "--profile: run the fastest frontier point whose peak fits it "
+                                           "--profile NAME: the profile tuned under this budget if the store has "
+                                           "one; the fastest frontier point whose peak fits it "
                                            "(default: the GPU's free memory now)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
@@ -225,7 +238,7 @@ def cmd_profiles(args) -> int:
     if args.profiles_command == "list":
         text = list_command(store=args.store, spec_paths=tuple(args.spec or ()), as_json=args.json)
     elif args.profiles_command == "show":
-        text = show_command(args.profile, store=args.store, device=args.device)
+        text = show_command(args.profile, store=args.store, device=args.device, memory_budget=args.memory_budget)
     else:
         text = export_command(args.profile, args.format, store=args.store, device=args.device,
                               n_blocks=args.n_blocks, memory_budget=args.memory_budget)
@@ -249,12 +262,15 @@ def _add_profiles(sub) -> None:
     show.add_argument("profile", metavar="NAME_OR_PATH", help=which)
     show.add_argument("--store", help=store_help)
     show.add_argument("--device", help=device_help)
+    show.add_argument("--memory-budget", help="the profile tuned under this emulated budget "
+                                              "(as given to `autofit tune --memory-budget`)")
     export = actions.add_parser("export", help="one profile as yaml, json, HF TrainingArguments, Lightning or env")
     export.add_argument("profile", metavar="NAME_OR_PATH", help=which)
     export.add_argument("--format", default="yaml", choices=("yaml", "json", "hf", "lightning", "env"))
     export.add_argument("--store", help=store_help)
     export.add_argument("--device", help=device_help)
-    export.add_argument("--memory-budget", help="export the fastest frontier point whose peak fits this "
+    export.add_argument("--memory-budget", help="the profile tuned under this emulated budget if the store has one, "
+                                                "and the fastest frontier point whose peak fits it "
                                                 "(24GiB, 0.8, bytes; default: the GPU's free memory now)")
     export.add_argument("--n-blocks", type=int, help="hf: the model's layer count, so partial checkpointing "
                                                      "can be exported as every_n_layers")
@@ -306,11 +322,39 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autofit {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (in your code or ours) after its one-line message")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for add in _COMMANDS:
         add(sub)
     return parser
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C is: every `finally` on the way
+    out runs, so a trial's process group is killed and its folder removed before exit."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _on_stop_signal(signum, frame) -> None:
+    # Once: a second signal must not cut short the cleanup the first one started.
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stopped(signum)
+
+
+def _install_stop_handlers(command: str) -> dict:
+    """The previous handlers, to put back. `serve` has its own (SIGHUP reloads it)."""
+    if command == "serve" or threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _on_stop_signal) for sig in _STOP_SIGNALS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,19 +363,38 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     level = "DEBUG" if args.verbose else "WARNING" if args.quiet else "INFO"
     logger.add(sys.stderr, level=level, format="<green>{time:HH:mm:ss}</green> {level: <7} {message}")
+    previous = _install_stop_handlers(args.command)
     try:
         return args.func(args)
     except AutofitError as exc:
+        if args.debug:
+            _print_traceback(exc)
         print(f"autofit: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("autofit: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"autofit: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:
         # The reader (`| head`) went away: not an error of ours. Point stdout at devnull so
         # the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _print_traceback(exc: AutofitError) -> None:
+    """The user's own traceback where there is one (from a trial child, or the exception
+    their code raised), else ours."""
+    import traceback
+
+    child = getattr(exc, "traceback_text", None)
+    if child:
+        sys.stderr.write(child.rstrip("\n") + "\n")
+    else:
+        traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 from loguru import logger
 
 from autofit.device.probe import DeviceInfo, usable_budget_bytes
-from autofit.errors import AutofitError
+from autofit.errors import AutofitError, SpecError
 from autofit.inventory import FileInventory, Gpu, IdleTracker, NvmlInventory, descendant_pids
 from autofit.notify import Notifier
 from autofit.profile import utc_now
@@ -46,6 +46,10 @@ class Service:
     def __init__(self, config_path: str | Path | None, *, inventory_path: str | Path | None = None):
         self.config_path = resolve_config_path(config_path).resolve()
         self.config: ServiceConfig = load_service_config(self.config_path)
+        if inventory_path is not None and not Path(inventory_path).is_file():
+            # Re-read every poll, but a path that is not a file at all is a typo: say so now.
+            what = "is a folder, not a file" if Path(inventory_path).is_dir() else "no such file"
+            raise SpecError(f"--inventory {inventory_path}: {what}")
         self.inventory = FileInventory(inventory_path) if inventory_path else NvmlInventory()
         self.notifier = Notifier()
         self.idle = IdleTracker()

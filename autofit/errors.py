@@ -19,6 +19,21 @@ class DeviceError(AutofitError):
     """A device or precision that is not available here."""
 
 
+class InputError(AutofitError):
+    """Input found bad where it runs (in a trial child, or in the user's own code), not
+    where it was read. `traceback_text` is what `--debug` prints."""
+
+    def __init__(self, message: str, *, traceback_text: str | None = None):
+        super().__init__(message)
+        self.traceback_text = traceback_text
+
+
+class UserCodeError(InputError):
+    """The user's own `python:` code (model builder, forward, data factory) raised, or
+    called sys.exit(). The message names the spec key, the `module:function`, and the
+    exception's type and message."""
+
+
 class TrialError(AutofitError):
     """A trial that could not be started or whose result cannot be read."""
 

@@ -19,11 +19,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
 from autofit.device.memory import LiveBytesTracker
-from autofit.errors import AutofitError
+from autofit.errors import AutofitError, UserCodeError
 from autofit.knobs import TrainConfig, check_global_batch, trainable_parameters
 from autofit.optim import build_optimizer
 from autofit.runner import Runner
-from autofit.spec import ModelSpec
+from autofit.spec import ModelSpec, divisors
 from autofit.workload import Workload, build_workload
 
 DEVICE_KINDS = ("cpu", "cuda")
@@ -100,7 +100,7 @@ def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int
         raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
     workload = build_workload(spec)
     rank_batch = spec.train.global_batch_size // config.world_size  # each rank's share
-    sizes = [m for m in range(1, rank_batch + 1) if rank_batch % m == 0]
+    sizes = divisors(rank_batch)
 
     def fits(micro: int) -> bool:
         trial = config.replace(micro_batch_size=micro, grad_accum_steps=rank_batch // micro)
@@ -168,6 +168,16 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
                     tracker.track(t for mb in batch for t in tree_leaves(mb))
                     runner.step(batch)
                     del batch
+        except UserCodeError as exc:
+            # The user's code raised. Under fake tensors that may be fake tensors' own limit
+            # (a value read with .item(), an op with no fake kernel: torch's exceptions),
+            # which a real run would not meet; anything else is their bug.
+            if not _fake_limitation(exc.__cause__):
+                raise
+            cause = exc.__cause__
+            raise EstimateError(f"estimate: {spec.name} cannot run on fake tensors ({type(cause).__name__}: "
+                                f"{str(cause).splitlines()[0] if str(cause) else ''}); "
+                                f"measure it with `autofit trial` instead") from cause
         except AutofitError:
             raise
         except Exception as exc:
@@ -186,6 +196,10 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     from autofit.estimate_shard import per_rank
 
     return per_rank(one, runner.model, config, device_kind)
+
+
+def _fake_limitation(exc: BaseException | None) -> bool:
+    return exc is not None and (type(exc).__module__.startswith("torch") or isinstance(exc, NotImplementedError))
 
 
 def _input_bytes(micro_batch) -> int:
@@ -279,18 +293,23 @@ def estimate_command(spec_path, *, overrides: dict[str, str] | None = None, memo
     """`autofit estimate`: the predicted peak of the spec's default config with `--set`
     overrides, and with a budget the largest micro batch that fits it."""
     from autofit.commands import parse_budget
-    from autofit.device.probe import select_device
+    from autofit.device.probe import select_device, usable_budget_bytes
     from autofit.knobs import with_overrides
+    from autofit.precision import require_supported
     from autofit.spec import load_spec
 
     spec = load_spec(spec_path)
     config = with_overrides(TrainConfig.default_for(spec), overrides or {},
                             global_batch_size=spec.train.global_batch_size)
     info = select_device(device)
+    require_supported(config.precision, info)
+    requested = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
     estimate = estimate_memory(spec, config, device_kind=info.kind)
     out = {"config": config.to_dict(), "device_kind": info.kind, **estimate.to_dict()}
-    budget = parse_budget(memory_budget, total_bytes=info.memory_total_bytes)
-    if budget is not None:
+    if requested is not None:
+        # What `tune` would allow under the same budget: search.memory_headroom is kept free.
+        budget = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=requested)
+        out["requested_budget_bytes"] = requested
         out["budget_bytes"] = budget
         out["fits"] = estimate.peak_bytes <= budget
         out["max_micro_batch_size"] = max_micro_batch_size(spec, config, budget, device_kind=info.kind)

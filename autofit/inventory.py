@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from autofit.device.probe import DeviceInfo, emulated_device, probe_devices
+from autofit.device.probe import MAX_DEVICE_NAME_CHARS, DeviceInfo, emulated_device, probe_devices
 from autofit.errors import DeviceError
 from autofit.service_config import IdleRule
 from autofit.sizes import parse_size
@@ -107,6 +107,8 @@ class FileInventory:
         name = entry.get("name")
         if not isinstance(name, str) or not name.strip():
             raise DeviceError(f"{where}.name: must be a GPU name such as \"NVIDIA H100 80GB HBM3\", got {name!r}")
+        if len(name) > MAX_DEVICE_NAME_CHARS:  # it makes profile file names
+            raise DeviceError(f"{where}.name: at most {MAX_DEVICE_NAME_CHARS} characters, as NVML's, got {len(name)}")
         try:
             memory_total_bytes = parse_size(entry.get("memory_total_bytes"), what=f"{where}.memory_total_bytes")
         except ValueError as exc:

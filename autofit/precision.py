@@ -82,6 +82,15 @@ def supported_precisions(candidates, *, device_kind: str, compute_capability: tu
             if unsupported_reason(p, device_kind=device_kind, compute_capability=compute_capability) is None]
 
 
+def require_supported(name: str, device) -> None:
+    """The command-line check (train, trial, estimate), from a probed `DeviceInfo` without
+    touching CUDA: a DeviceError saying why `name` cannot run there. tf32 on a CPU is
+    refused here as `tune` refuses to search it: it would run as 32-true under another name."""
+    reason = unsupported_reason(name, device_kind=device.kind, compute_capability=device.compute_capability)
+    if reason is not None:
+        raise DeviceError(f"precision: {reason}")
+
+
 def check_supported(name: str, device: torch.device) -> PrecisionPolicy:
     """The policy for `name` on `device`, or a DeviceError saying why it cannot run there."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None

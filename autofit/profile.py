@@ -35,6 +35,14 @@ class ProfileDevice:
     torch: str
     fingerprint: str
     slug: str  # file-name-safe device name
+    # Tuned for a card that was emulated (--memory-budget, or the service's inventory file):
+    # used only when asked for by that budget or file name, never in place of a real device.
+    emulated: bool = False
+
+    @property
+    def is_emulated(self) -> bool:
+        # Profiles written before the flag existed are known by their fingerprint's tag.
+        return self.emulated or "-budget-" in self.fingerprint or self.fingerprint.endswith("-emulated")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,6 +171,8 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         path = Path(path)
+        if path.is_dir():
+            raise ProfileError(f"{path}: is a folder, not a profile file")
         if not path.is_file():
             raise ProfileError(f"{path}: no such profile file")
         try:
@@ -336,6 +346,7 @@ def device_from_info(info) -> ProfileDevice:
         compute_capability=None if cc is None else f"{cc[0]}.{cc[1]}",
         driver=info.driver_version, torch=str(info.torch_version),
         fingerprint=info.fingerprint, slug=info.slug,
+        emulated=info.emulated or info.emulated_budget_bytes is not None,
     )
 
 

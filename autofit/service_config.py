@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from autofit.errors import SpecError
-from autofit.spec import _Reader
+from autofit.spec import MAX_TIMEOUT_S, MAX_TRIALS, _Reader
 
 DEFAULT_CONFIG = Path("/etc/autofit/autofit.yaml")
 CONFIG_ENV = "AUTOFIT_CONFIG"
@@ -101,19 +101,20 @@ def _parse(raw, path: Path) -> ServiceConfig:
     if storage is not None and "://" not in storage:
         raise SpecError(f"storage: an Optuna storage URL such as sqlite:///path.db or "
                         f"postgresql://user@host/db, got {storage!r}")
-    poll_interval_s = top.number("poll_interval_s", default=30.0, minimum=0.0, exclusive=True)
+    poll_interval_s = top.number("poll_interval_s", default=30.0, minimum=0.0, exclusive=True, maximum=MAX_TIMEOUT_S)
     headroom = top.get("memory_headroom", float, default=None, nullable=True)
-    if headroom is not None and not 0.0 <= headroom < 0.5:
+    if headroom is not None and not 0.0 <= headroom < 0.5:  # NaN fails this too
         raise SpecError(f"memory_headroom: a fraction in [0, 0.5), or null for each spec's own, got {headroom}")
     trials = top.get("trials", int, default=None, nullable=True)
-    if trials is not None and trials <= 0:
-        raise SpecError(f"trials: must be a positive integer, or null for each spec's search.trials, got {trials}")
+    if trials is not None and not 0 < trials <= MAX_TRIALS:
+        raise SpecError(f"trials: an integer in [1, {MAX_TRIALS}], or null for each spec's search.trials, "
+                        f"got {trials}")
     idle_reader = top.section("idle", required=False)
     max_utilization = idle_reader.number("max_utilization", default=5.0, minimum=0.0)
     if max_utilization > 100:
         raise SpecError(f"idle.max_utilization: a percentage in [0, 100], got {max_utilization}")
     idle = IdleRule(max_utilization=max_utilization,
-                    min_idle_s=idle_reader.number("min_idle_s", default=120.0, minimum=0.0))
+                    min_idle_s=idle_reader.number("min_idle_s", default=120.0, minimum=0.0, maximum=MAX_TIMEOUT_S))
     idle_reader.finish()
     multi_gpu = top.get("multi_gpu", bool, default=True)
     top.finish()

@@ -1,5 +1,6 @@
 """Human sizes: `24GiB`, `512MiB`, `0.9` (a fraction of a total) or plain bytes."""
 
+import math
 import re
 
 _UNITS = {
@@ -7,26 +8,39 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+MAX_SIZE_BYTES = 2**60  # 1 EiB: more than any device; anything above is a typo
+_EXAMPLES = "a size like 24GiB, 512MiB, 0.8 (a fraction) or a whole number of bytes"
 
 
 def parse_size(text: str | int | float, *, total_bytes: int | None = None, what: str = "size") -> int:
-    """Bytes from `24GiB`, `512MB`, `123456`, or a fraction `0.8` of `total_bytes`."""
+    """Bytes from `24GiB`, `512MB`, `123456`, or a fraction `0.8` of `total_bytes`.
+
+    Strict: a bare number with a point or an exponent is a fraction in (0, 1] or a whole
+    number of bytes (`1e9`), never rounded (`1.5` is an error, not 1 byte); infinite and
+    absurd sizes are errors."""
     if isinstance(text, bool):
-        raise ValueError(f"{what}: expected a size like 24GiB, 0.8 or a byte count, got {text!r}")
+        raise ValueError(f"{what}: expected {_EXAMPLES}, got {text!r}")
     if isinstance(text, (int, float)):
         text = repr(text)
-    match = _SIZE.match(str(text))
+    match = _SIZE.fullmatch(str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what}: expected a size like 24GiB, 512MiB, 0.8 or a byte count, got {text!r}")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    if unit == "" and 0 < number <= 1 and "." in match.group(1):
-        if total_bytes is None:
-            raise ValueError(f"{what}: a fraction ({text}) needs a known total memory")
-        return int(number * total_bytes)
-    size_bytes = int(number * _UNITS[unit])
+        raise ValueError(f"{what}: expected {_EXAMPLES}, got {str(text)[:60]!r}")
+    literal, unit = match.group(1), match.group(2).lower()
+    number = float(literal)
+    if not math.isfinite(number) or number * _UNITS[unit] > MAX_SIZE_BYTES:
+        raise ValueError(f"{what}: {text} is larger than any device (more than 1 EiB)")
+    if unit == "" and not literal.isdigit():
+        if 0 < number <= 1:
+            if total_bytes is None:
+                raise ValueError(f"{what}: a fraction ({text}) needs a known total memory")
+            return max(1, int(number * total_bytes))
+        if not number.is_integer():
+            raise ValueError(f"{what}: {text} is neither a fraction in (0, 1] nor a whole number of bytes; "
+                             f"write {text}GiB, a fraction such as 0.8, or a byte count")
+    size_bytes = round(number * _UNITS[unit])
     if size_bytes <= 0:
-        raise ValueError(f"{what}: must be positive, got {text!r}")
+        raise ValueError(f"{what}: must be at least 1 byte, got {text!r}")
     return size_bytes
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,21 @@ TEXT_PADDINGS = ("dynamic", "max_length")
 # Keys only data.kind text reads; left out of other kinds' normalised spec (and hash).
 _TEXT_KEYS = ("format", "field", "tokenizer", "max_length", "padding", "packing", "pad_to_multiple_of")
 OPTIMIZERS = ("adamw", "adam", "sgd")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` would let a trailing newline through
+# The name heads file names the store makes: `.<name>--<slug>.demotions.json.XXXXXXXX.tmp`
+# at the longest (an atomic write's temp file: 31 characters besides name and slug). A GPU
+# name is at most 96 characters (NVML's buffer; an inventory file's names are held to it),
+# so a slug with its `-budget-…`, `-emulated` and `-xN` tags stays under 128. 255 bytes is
+# the file-name limit of ext4, xfs, btrfs and APFS alike: 255 - 31 - 128 = 96.
+MAX_NAME_CHARS = 96
+# Upper bounds where a huge value would hang or allocate before any check could stop it:
+# the global batch is materialised on the host every step, and every trial is a process.
+MAX_GLOBAL_BATCH_SIZE = 1 << 20
+MAX_STEPS = 10**9
+MAX_TRIALS = 10_000
+MAX_TRIAL_STEPS = 100_000
+MAX_SEQ_LEN = 1 << 20
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _MISSING = object()
 
 
@@ -138,8 +153,14 @@ class ModelSpec:
 
     def micro_batch_sizes(self) -> list[int]:
         """Micro batch sizes that divide the global batch: the only candidates."""
-        n = self.train.global_batch_size
-        return [m for m in range(1, n + 1) if n % m == 0]
+        return divisors(self.train.global_batch_size)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending, in O(sqrt(n)) steps (not n: a global batch of 10**8
+    would take seconds)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _relative(path: Path, base: Path) -> str:
@@ -153,7 +174,8 @@ def load_spec(path: str | Path) -> ModelSpec:
     """Read and validate a model.yaml."""
     path = Path(path)
     if not path.is_file():
-        raise SpecError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+        raise SpecError(f"{path}: no such file" if not path.exists() else
+                        f"{path}: is a folder, not a model.yaml" if path.is_dir() else f"{path}: not a file")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
@@ -178,8 +200,12 @@ def parse_spec(raw: Any, *, source_dir: Path) -> ModelSpec:
     if schema != SCHEMA_VERSION:
         raise SpecError(f"schema: this autofit reads schema {SCHEMA_VERSION}, got {schema}")
     name = top.get("name", str)
-    if not _NAME.match(name):
-        raise SpecError(f"name: letters, digits, '.', '_' and '-' only (it names profile files), got {name!r}")
+    if not _NAME.fullmatch(name):
+        raise SpecError(f"name: letters, digits, '.', '_' and '-', starting with a letter or digit "
+                        f"(it names profile files), got {_shorten(name)!r}")
+    if len(name) > MAX_NAME_CHARS:
+        raise SpecError(f"name: at most {MAX_NAME_CHARS} characters (it names profile files), "
+                        f"got {len(name)}")
     spec = ModelSpec(
         name=name,
         model=_model(top.section("model")),
@@ -234,7 +260,7 @@ def _data(r: "_Reader", source_dir: Path) -> DataSpec:
         kind=kind,
         path=(source_dir / path).resolve() if path is not None else None,
         factory=factory,
-        seq_len=r.positive_int("seq_len", default=None),
+        seq_len=r.positive_int("seq_len", default=None, maximum=MAX_SEQ_LEN),
         args=r.get("args", dict, default={}),
         **_text_options(r, kind, path, source_dir),
     )
@@ -271,7 +297,8 @@ def _text_options(r: "_Reader", kind: str, path: str | None, source_dir: Path) -
 
 def _optimizer(r: "_Reader") -> OptimizerSpec:
     betas = r.get("betas", list, default=[0.9, 0.999])
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                  for b in betas):
         raise SpecError(f"optimizer.betas: two numbers in [0, 1), got {betas!r}")
     opt = OptimizerSpec(
         name=r.choice("name", OPTIMIZERS, default="adamw"),
@@ -286,15 +313,15 @@ def _optimizer(r: "_Reader") -> OptimizerSpec:
 
 def _train(r: "_Reader") -> TrainSpec:
     clip = r.get("max_grad_norm", (int, float), default=1.0, nullable=True)
-    if clip is not None and clip <= 0:
-        raise SpecError(f"train.max_grad_norm: must be positive or null (no clipping), got {clip}")
+    if clip is not None and not (math.isfinite(clip) and clip > 0):
+        raise SpecError(f"train.max_grad_norm: must be a positive finite number or null (no clipping), got {clip}")
     train = TrainSpec(
-        global_batch_size=r.positive_int("global_batch_size"),
-        steps=r.positive_int("steps", default=100),
+        global_batch_size=r.positive_int("global_batch_size", maximum=MAX_GLOBAL_BATCH_SIZE),
+        steps=r.positive_int("steps", default=100, maximum=MAX_STEPS),
         max_grad_norm=None if clip is None else float(clip),
         seed=_seed(r),
-        checkpoint_every=r.nonnegative_int("checkpoint_every", default=50),
-        log_every=r.positive_int("log_every", default=10),
+        checkpoint_every=r.nonnegative_int("checkpoint_every", default=50, maximum=MAX_STEPS),
+        log_every=r.positive_int("log_every", default=10, maximum=MAX_STEPS),
     )
     r.finish()
     return train
@@ -319,19 +346,24 @@ def _search(r: "_Reader") -> SearchSpec:
         raise SpecError(f"search.memory_headroom: a fraction below 0.5, got {headroom}")
     search = SearchSpec(
         precisions=tuple(dict.fromkeys(precisions)),
-        max_freeze_blocks=r.nonnegative_int("max_freeze_blocks", default=0),
+        max_freeze_blocks=r.nonnegative_int("max_freeze_blocks", default=0, maximum=MAX_TRIAL_STEPS),
         activation_checkpointing=r.get("activation_checkpointing", bool, default=True),
         memory_headroom=headroom,
-        trials=r.positive_int("trials", default=40),
-        patience=r.positive_int("patience", default=12),
-        warmup_steps=r.nonnegative_int("warmup_steps", default=2),
-        measure_steps=r.positive_int("measure_steps", default=5),
-        validate_steps=r.positive_int("validate_steps", default=50),
-        frontier_points=r.positive_int("frontier_points", default=4),
-        trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True),
+        trials=r.positive_int("trials", default=40, maximum=MAX_TRIALS),
+        patience=r.positive_int("patience", default=12, maximum=MAX_TRIALS),
+        warmup_steps=r.nonnegative_int("warmup_steps", default=2, maximum=MAX_TRIAL_STEPS),
+        measure_steps=r.positive_int("measure_steps", default=5, maximum=MAX_TRIAL_STEPS),
+        validate_steps=r.positive_int("validate_steps", default=50, maximum=MAX_TRIAL_STEPS),
+        frontier_points=r.positive_int("frontier_points", default=4, maximum=MAX_TRIALS),
+        trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True,
+                                 maximum=MAX_TIMEOUT_S),
     )
     r.finish()
     return search
+
+
+def _shorten(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _choice_error(value: Any, allowed: tuple[str, ...]) -> str:
@@ -386,24 +418,38 @@ class _Reader:
             raise SpecError(f"{self._path(key)}: {_choice_error(value, allowed)}")
         return value
 
-    def positive_int(self, key: str, *, default: Any = _MISSING) -> int:
+    def positive_int(self, key: str, *, default: Any = _MISSING, maximum: int | None = None) -> int:
         value = self.get(key, int, default=default)
         if value is not None and value <= 0:
             raise SpecError(f"{self._path(key)}: must be a positive integer, got {value}")
+        self._at_most(key, value, maximum)
         return value
 
-    def nonnegative_int(self, key: str, *, default: Any = _MISSING) -> int:
+    def nonnegative_int(self, key: str, *, default: Any = _MISSING, maximum: int | None = None) -> int:
         value = self.get(key, int, default=default)
         if value < 0:
             raise SpecError(f"{self._path(key)}: must be an integer >= 0, got {value}")
+        self._at_most(key, value, maximum)
         return value
 
-    def number(self, key: str, *, default: Any = _MISSING, minimum: float, exclusive: bool = False) -> float:
-        value = float(self.get(key, float, default=default))
+    def number(self, key: str, *, default: Any = _MISSING, minimum: float, exclusive: bool = False,
+               maximum: float | None = None) -> float:
+        raw = self.get(key, float, default=default)
+        try:
+            value = float(raw)
+        except OverflowError:  # an integer beyond a double's range
+            value = math.inf
+        if not math.isfinite(value):  # YAML's .nan and .inf are floats too
+            raise SpecError(f"{self._path(key)}: must be a finite number, got {raw}")
         if value < minimum or (exclusive and value == minimum):
             bound = f"> {minimum}" if exclusive else f">= {minimum}"
             raise SpecError(f"{self._path(key)}: must be {bound}, got {value}")
+        self._at_most(key, value, maximum)
         return value
+
+    def _at_most(self, key: str, value, maximum) -> None:
+        if maximum is not None and value is not None and value > maximum:
+            raise SpecError(f"{self._path(key)}: at most {maximum:,}, got {value:,}")
 
     def finish(self) -> None:
         for key in self.raw:

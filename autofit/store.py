@@ -83,7 +83,10 @@ class ProfileStore:
         exact = [c for c in candidates if c[1].device.fingerprint == here.fingerprint]
         if exact:
             return exact[0]
-        same_gpu = [c for c in candidates if c[1].device.name == here.name]
+        # An emulated card's profile (a smaller budget, an inventory file's GPU) is used only
+        # when that card is asked for, and so by its exact fingerprint: never as the closest.
+        same_gpu = [c for c in candidates if c[1].device.name == here.name
+                    and not c[1].device.is_emulated and not here.is_emulated]
         if not same_gpu:
             raise ProfileError(self._not_found(name, here.name))
         # min() keeps the first of equals, and candidates are newest first.
@@ -130,8 +133,11 @@ class ProfileStore:
             listed = [f"{p.model.name} on {p.device.name} ({path.name})" for path, p in everything[:_LISTED_IN_ERRORS]]
             more = len(everything) - _LISTED_IN_ERRORS
             has = f"the store {self.root}/ has: " + "; ".join(listed) + (f"; and {more} more" if more > 0 else "")
-        return (f"no profile of model {name!r} for this device ({device_name}); {has}. Make one here with "
-                f"`{tune_hint(self.root)}` (the model.yaml named {name})")
+        emulated = any(p.model.name == name and p.device.is_emulated for _, p in everything)
+        hint = (f" (a profile tuned for an emulated card is used only when asked for: by its file name, or by "
+                f"the --memory-budget it was tuned under)" if emulated else "")
+        return (f"no profile of model {name!r} for this device ({device_name}); {has}{hint}. Make one "
+                f"here with `{tune_hint(self.root)}` (the model.yaml named {name})")
 
 
 def tune_hint(root: Path) -> str:
@@ -176,20 +182,31 @@ def _file_in(store: ProfileStore, text: str) -> Path | None:
 
 
 def locate(path_or_name: str | Path, *, store: ProfileStore | str | Path | None = None,
-           device: DeviceInfo | str | int | None = None) -> tuple[Path, Profile, list[str]]:
+           device: DeviceInfo | str | int | None = None,
+           memory_budget: str | int | None = None) -> tuple[Path, Profile, list[str]]:
     """(path, profile, stale reasons) for a file or a model name; warns about a device
-    mismatch and staleness. `load_profile` and `autofit profiles show/export` use it."""
+    mismatch and staleness. `load_profile`, `autofit train` and `autofit profiles
+    show/export` use it. With `memory_budget`, a name finds first the profile tuned under
+    that emulated budget (`tune --memory-budget`), else the whole device's; without it, a
+    profile tuned under an emulated budget or for an emulated GPU is never handed out."""
+    from autofit.commands import parse_budget
+    from autofit.device.probe import with_memory_budget
+
     store = _as_store(store)
     info = _device_info(device)
+    budget_bytes = parse_budget(None if memory_budget is None else str(memory_budget),
+                                total_bytes=info.memory_total_bytes, device_name=info.name)
+    emulated = None if budget_bytes is None else device_from_info(with_memory_budget(info, budget_bytes))
     here = device_from_info(info)
     path = _file_in(store, str(path_or_name))
     if path is not None:
         profile = Profile.load(path)
-        if profile.device.fingerprint != here.fingerprint:
+        if profile.device.fingerprint not in (here.fingerprint, emulated and emulated.fingerprint):
             logger.warning("profile {} was tuned on another device ({}); here: {}. Differences: {}",
                            path, profile.device.name, here.name, _differences(profile, here))
     else:
-        path, profile = store.select(str(path_or_name), info)
+        tuned = [] if emulated is None else store.find(str(path_or_name), emulated.fingerprint)
+        path, profile = tuned[0] if tuned else store.select(str(path_or_name), info)
     reasons = store.stale_reasons(profile, devices=[info])
     if reasons:
         logger.warning("profile {} is stale ({}); re-run `autofit tune` to refresh it", path, "; ".join(reasons))
@@ -237,14 +254,16 @@ def _demotion_events(path: Path) -> list[dict]:
 
 
 def load_profile(path_or_name: str | Path, *, store: ProfileStore | str | Path | None = None,
-                 device: DeviceInfo | str | int | None = None) -> Profile:
+                 device: DeviceInfo | str | int | None = None, memory_budget: str | int | None = None) -> Profile:
     """A profile from a file, or by model name from the store for this device.
 
     `device` is a GPU index, "cpu", or a probed `DeviceInfo`; None is the first GPU (else
     the CPU). No exact match falls back to the closest profile of the same GPU name with a
-    warning; nothing for this GPU is a ProfileError naming what the store has.
+    warning; nothing for this GPU is a ProfileError naming what the store has. A profile
+    tuned under an emulated budget is found only by that `memory_budget` ("16MiB", as
+    given to `autofit tune`) or by its file name.
     """
-    return locate(path_or_name, store=store, device=device)[1]
+    return locate(path_or_name, store=store, device=device, memory_budget=memory_budget)[1]
 
 
 # --- `autofit profiles list` -----------------------------------------------------------
@@ -320,9 +339,10 @@ def frontier_table(profile: Profile) -> str:
     return f"# {title}\n" + "".join(f"#   {line}\n" for line in lines)
 
 
-def show_command(name_or_path: str, *, store: str | Path | None = None, device: str | None = None) -> str:
+def show_command(name_or_path: str, *, store: str | Path | None = None, device: str | None = None,
+                 memory_budget: str | None = None) -> str:
     """The profile's YAML, headed by comments naming its file, any staleness and its frontier."""
-    path, profile, reasons = locate(name_or_path, store=store, device=device)
+    path, profile, reasons = locate(name_or_path, store=store, device=device, memory_budget=memory_budget)
     header = f"# {path}\n" + "".join(f"# stale: {reason}\n" for reason in reasons) + frontier_table(profile)
     return header + profile.to_yaml()
 
@@ -331,12 +351,14 @@ def export_command(name_or_path: str, fmt: str, *, store: str | Path | None = No
                    n_blocks: int | None = None, memory_budget: str | None = None) -> str:
     """One profile in `fmt`, at the fastest frontier point that fits the memory available now
     on `device` (or `memory_budget`)."""
+    from autofit.commands import check_count
     from autofit.export import FORMATS, render
 
     if fmt not in FORMATS:  # checked before any probing or file reading
         raise ProfileError(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    check_count("--n-blocks", n_blocks, maximum=100_000)
     info = _device_info(device)
-    path, profile, _reasons = locate(name_or_path, store=store, device=info)
+    path, profile, _reasons = locate(name_or_path, store=store, device=info, memory_budget=memory_budget)
     from autofit.frontier import fit_now
 
     return render(fit_now(profile, memory_budget=memory_budget, device=info, name=str(path), export=True), fmt,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit.errors import DeviceError
+from autofit.errors import DeviceError, InputError
 from autofit.knobs import TrainConfig, check_global_batch
 from autofit.spec import ModelSpec
 
@@ -52,6 +52,8 @@ class Measurement:
     allocator_retries: int = 0  # cudaMalloc retries after freeing the cache: fragmentation
     reason: str | None = None  # why the status is not ok
     wall_s: float = 0.0  # the whole trial, process start to result
+    input_error: bool = False  # the reason is the user's input (their code raised): every config fails alike
+    traceback: str | None = None  # of an input error, for --debug
 
     def __post_init__(self):
         assert self.status in STATUSES, self.status
@@ -168,6 +170,12 @@ def _max(ranks: list[dict], key: str):
     return max(values) if values else None
 
 
+def raise_input_error(m: Measurement) -> None:
+    """A trial that failed on the user's input stops the command: exit 2, its one line."""
+    if m.input_error:
+        raise InputError(m.reason or "the trial failed on its input", traceback_text=m.traceback)
+
+
 def _device_arg(device: str | int) -> str:
     """"cpu", a CUDA index, or for a multi-rank trial one CUDA index per rank ("2,3")."""
     text = str(device).strip().lower().removeprefix("cuda:")
@@ -234,24 +242,26 @@ def trial_command(spec_path: str | Path, *, overrides: dict[str, str] | None = N
                   warmup_steps: int | None = None, measure_steps: int | None = None) -> tuple[Measurement, dict]:
     """`autofit trial`: the spec's default config with `--set` overrides, measured once.
     Returns the measurement and the device it ran on."""
-    from autofit.commands import parse_budget
+    from autofit.commands import check_count, check_seconds, parse_budget
     from autofit.device.probe import select_device, usable_budget_bytes
-    from autofit.errors import SpecError
     from autofit.knobs import with_overrides
-    from autofit.spec import load_spec
+    from autofit.precision import require_supported
+    from autofit.spec import MAX_TRIAL_STEPS, load_spec
 
     spec = load_spec(spec_path)
     config = with_overrides(TrainConfig.default_for(spec), overrides or {},
                             global_batch_size=spec.train.global_batch_size)
-    for name, value in (("--timeout", timeout_s), ("--warmup-steps", warmup_steps), ("--measure-steps", measure_steps)):
-        if value is not None and (value < 0 or (value == 0 and name != "--warmup-steps")):
-            raise SpecError(f"{name}: must be positive, got {value}")
+    check_seconds("--timeout", timeout_s)
+    check_count("--warmup-steps", warmup_steps, minimum=0, maximum=MAX_TRIAL_STEPS)
+    check_count("--measure-steps", measure_steps, maximum=MAX_TRIAL_STEPS)
     info = select_device(device)
-    requested = parse_budget(memory_budget, total_bytes=info.memory_total_bytes)
+    require_supported(config.precision, info)
+    requested = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
     # A CPU trial without a budget is held only by the machine's RAM; a GPU trial always
     # by what the other processes on the card leave free.
     budget = None if info.kind == "cpu" and requested is None else usable_budget_bytes(
         info, headroom=0.0, memory_budget=requested)
     measurement = measure(spec, config, device="cpu" if info.kind == "cpu" else str(info.index), budget_bytes=budget,
                           warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=timeout_s)
+    raise_input_error(measurement)
     return measurement, info.to_dict()

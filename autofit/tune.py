@@ -16,19 +16,19 @@ import torch
 from loguru import logger
 
 from autofit import __version__
-from autofit.device.probe import DeviceInfo, usable_budget_bytes
-from autofit.errors import NothingFitsError, TrialError
+from autofit.device.probe import DeviceInfo, usable_budget_bytes, with_memory_budget
+from autofit.errors import DeviceError, NothingFitsError, TrialError
 from autofit.estimate import EstimateError, estimate_memory
 from autofit.frontier import build_frontier, total_peak
 from autofit.knobs import block_count
-from autofit.precision import supported_precisions
+from autofit.precision import supported_precisions, unsupported_reason
 from autofit.profile import Profile, ProfileModel, SearchSummary, device_from_info, utc_now
 from autofit.report import format_trial_line, trials_table, write_html_report
 from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, _redact, make_study
 from autofit.sizes import format_bytes
-from autofit.spec import ModelSpec
+from autofit.spec import ModelSpec, divisors
 from autofit.store import ProfileStore, default_root, read_demotions
-from autofit.trial import Measurement, measure
+from autofit.trial import Measurement, measure, raise_input_error
 from autofit.workload import TextData, build_workload
 
 
@@ -57,16 +57,17 @@ def device_for_ranks(device: DeviceInfo, nproc: int) -> DeviceInfo:
 
 
 def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchSpace:
+    precisions = supported_precisions(spec.search.precisions, device_kind=device.kind,
+                                      compute_capability=device.compute_capability)
+    if not precisions:  # the spec asks for what this device cannot do: the user's input
+        reasons = "; ".join(unsupported_reason(p, device_kind=device.kind, compute_capability=device.compute_capability)
+                            for p in spec.search.precisions)
+        raise DeviceError(f"search.precisions: none runs on {device.name}: {reasons}")
     # The block count comes from a model built on the meta device: no memory, any size.
     # Only the model: a data source may sample real batches while it is built.
     workload = build_workload(spec)
     with torch.device("meta"):
         n_blocks = block_count(workload.build_model())
-    precisions = supported_precisions(spec.search.precisions, device_kind=device.kind,
-                                      compute_capability=device.compute_capability)
-    if not precisions:
-        raise NothingFitsError(f"none of search.precisions ({', '.join(spec.search.precisions)}) "
-                               f"runs on {device.name}")
     data = workload.data
     # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
     bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing
@@ -74,7 +75,7 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchS
     rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
     return SearchSpace(
         global_batch_size=spec.train.global_batch_size, precisions=tuple(precisions),
-        micro_batch_sizes=tuple(m for m in range(1, rank_batch + 1) if rank_batch % m == 0), world_size=nproc,
+        micro_batch_sizes=tuple(divisors(rank_batch)), world_size=nproc,
         max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
         length_bucketing=(False, True) if bucketing else (False,),
@@ -124,10 +125,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
     if emulated_budget_bytes is not None:
-        # A profile tuned under an emulated smaller card is that card's, not this one's:
-        # its own fingerprint and file name, so it never stands in for the full device.
-        tag = f"budget-{format_bytes(emulated_budget_bytes).replace(' ', '').replace('.', '_').lower()}"
-        device = dataclasses.replace(device, fingerprint=f"{device.fingerprint}-{tag}", slug=f"{device.slug}-{tag}")
+        device = with_memory_budget(device, emulated_budget_bytes)
     device = device_for_ranks(device, nproc)
     space = search_space(spec, device, nproc)
     max_trials = trials or spec.search.trials
@@ -144,6 +142,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                     timeout_s=limit_s)
         if m.status == "timeout":
             timeouts[config] = timeouts.get(config, 0) + 1
+        raise_input_error(m)  # the user's code raised: every other config would fail alike
         return m
 
     def predict(config) -> int:
@@ -387,21 +386,19 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
                  out_dir: str | Path | None = None, state_dir: str | Path | None = None,
                  report: bool = True, nproc: int = 1) -> TuneOutcome:
     """`autofit tune`: probe, budget, search, validate, save."""
-    from autofit.commands import ensure_folder, parse_budget
+    from autofit.commands import check_count, check_seconds, ensure_folder, parse_budget
     from autofit.device.probe import select_device
     from autofit.errors import SpecError
-    from autofit.spec import load_spec
+    from autofit.spec import MAX_TRIALS, load_spec
 
     spec = load_spec(spec_path)
-    if trials is not None and trials < 1:
-        raise SpecError(f"--trials: must be a positive integer, got {trials}")
-    if timeout_s is not None and timeout_s <= 0:
-        raise SpecError(f"--timeout: must be positive seconds, got {timeout_s}")
+    check_count("--trials", trials, maximum=MAX_TRIALS)
+    check_seconds("--timeout", timeout_s)
     if nproc < 1 or spec.train.global_batch_size % nproc:
         raise SpecError(f"--nproc: must be a positive divisor of train.global_batch_size "
                         f"({spec.train.global_batch_size}), got {nproc}")
     info = select_device(device)
-    emulated = parse_budget(memory_budget, total_bytes=info.memory_total_bytes)
+    emulated = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
     budget_bytes = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=emulated)
     if storage is None:
         folder = ensure_folder(Path(state_dir) if state_dir is not None else default_state_dir(), "--state-dir")

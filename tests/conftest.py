@@ -1,9 +1,13 @@
-"""Shared fixtures: tiny specs written to tmp folders, and a CLI runner."""
+"""Shared fixtures: tiny specs written to tmp folders, and a CLI runner; and the session's
+own check that nothing of ours outlives it (no `autofit-trial-*` folder, no process)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +88,66 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# ---- nothing left behind -------------------------------------------------------------------
+# The session gets a temp folder of its own (TMPDIR, inherited by every child), so the check
+# sees only what this run left, however many other runs share the machine; and a marker in
+# the environment, which every process started from the tests inherits, even one orphaned.
+
+_SESSION_MARKER = "AUTOFIT_TEST_SESSION"
+_LEFT_BEHIND_WAIT_S = 10.0  # a killed child may take a moment to go
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or _SESSION_MARKER in os.environ:
+        return
+    folder = tempfile.mkdtemp(prefix="autofit-tests-")
+    os.environ["TMPDIR"] = folder
+    os.environ[_SESSION_MARKER] = folder
+    tempfile.tempdir = None  # recomputed from TMPDIR
+    config._autofit_session_tmp = folder
+
+
+def _our_processes(marker: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"{_SESSION_MARKER}={marker}".encode() in environ.split(b"\0") and state != "Z":
+            found.append(f"pid {proc.name}: {cmdline[:120]}")
+    return found
+
+
+def left_behind(folder: str, wait_s: float = _LEFT_BEHIND_WAIT_S) -> list[str]:
+    """Trial folders and processes this test session left; empty when clean."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        folders = sorted(p.name for p in Path(folder).glob("autofit-trial-*"))
+        processes = _our_processes(folder) if Path("/proc/self/environ").exists() else []
+        if not (folders or processes) or time.monotonic() > deadline:
+            return [f"folder {folder}/{name}" for name in folders] + processes
+        time.sleep(0.5)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    folder = getattr(session.config, "_autofit_session_tmp", None)
+    if folder is None:
+        return
+    left = left_behind(folder)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = "the test session left behind:\n  " + "\n  ".join(left)
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        else:
+            print(message, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    else:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -170,7 +170,7 @@ def test_service_tunes_each_pair_once_and_retunes_only_what_changed(tmp_path, li
         # Both models get a profile for the one GPU kind; the broken spec is reported, not fatal.
         serve.wait_for("both profiles", lambda s: ready(s, ("alpha", h100), ("beta", h100)))
         assert sorted(p.name for p in (tmp_path / "profiles").glob("*.yaml")) == [
-            "alpha--nvidia-h100-80gb-hbm3.yaml", "beta--nvidia-h100-80gb-hbm3.yaml"]
+            "alpha--nvidia-h100-80gb-hbm3-emulated.yaml", "beta--nvidia-h100-80gb-hbm3-emulated.yaml"]
         status = json.loads(run_cli("status", "--config", config, "--json").stdout)
         assert status["service"]["alive"] and status["service"]["healthy"]
         assert {(p["model"], p["status"]) for p in status["pairs"]} == {("alpha", "ready"), ("beta", "ready")}
@@ -265,7 +265,7 @@ def test_sigterm_mid_tune_exits_cleanly_and_a_restart_resumes_the_study(tmp_path
     pair = second.pairs()[("resumed", H100["name"])]
     assert (pair["tunes"], pair["completed"]) == (2, 1)
     assert pair["last_tune"]["trials"] == len(after)  # counted on from the resumed trials
-    assert [p.name for p in store.glob("*.yaml")] == ["resumed--nvidia-h100-80gb-hbm3.yaml"]
+    assert [p.name for p in store.glob("*.yaml")] == ["resumed--nvidia-h100-80gb-hbm3-emulated.yaml"]
 
 
 _CRASHING_WRITER = textwrap.dedent("""

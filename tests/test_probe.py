@@ -188,7 +188,7 @@ def test_usable_budget():
 
 def test_emulated_device_runs_on_the_cpu_under_its_own_identity():
     l4 = emulated_device("NVIDIA L4", 24 * GiB, compute_capability=(8, 9))
-    assert l4.kind == "cpu" and l4.emulated and l4.slug == "nvidia-l4"
+    assert l4.kind == "cpu" and l4.emulated and l4.slug == "nvidia-l4-emulated"  # never a real L4's file name
     assert l4.fingerprint.endswith("-emulated") and l4.fingerprint != emulated_device("NVIDIA L4", 48 * GiB).fingerprint
     assert l4.memory_total_bytes == l4.memory_free_bytes == 24 * GiB
     with pytest.raises(DeviceError):

@@ -19,8 +19,11 @@ import torch
 
 from autofit.errors import DeviceError
 from autofit.precision import unsupported_reason
+from autofit.sizes import format_bytes
 
 _TORCH_VERSION = str(torch.__version__)  # TorchVersion is a str subclass YAML cannot dump
+MAX_DEVICE_NAME_CHARS = 96  # NVML_DEVICE_NAME_V2_BUFFER_SIZE
+EMULATED_SUFFIX = "-emulated"  # ends an inventory-emulated card's fingerprint and slug
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +47,7 @@ class DeviceInfo:
     fingerprint: str  # equal for identical cards, different otherwise: the profile store key
     slug: str  # short file-name-safe name
     emulated: bool = False  # a GPU kind whose trials run on the CPU (inventory emulation)
+    emulated_budget_bytes: int | None = None  # a smaller card emulated on this one (--memory-budget)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -314,6 +318,8 @@ def emulated_device(name: str, memory_total_bytes: int, compute_capability: tupl
     """
     if memory_total_bytes <= 0:
         raise DeviceError(f"emulated device {name!r}: memory must be positive, got {memory_total_bytes}")
+    if not 0 < len(name) <= MAX_DEVICE_NAME_CHARS:  # as NVML's; the name makes profile file names
+        raise DeviceError(f"emulated device name: 1 to {MAX_DEVICE_NAME_CHARS} characters, got {len(name)}")
     return DeviceInfo(
         index=None, kind="cpu", name=name, uuid=None,
         memory_total_bytes=memory_total_bytes, memory_free_bytes=memory_total_bytes, memory_used_bytes=0,
@@ -321,9 +327,18 @@ def emulated_device(name: str, memory_total_bytes: int, compute_capability: tupl
         driver_version=None, cuda_version=None, torch_version=_TORCH_VERSION,
         supports=_supports("cpu", None),
         fingerprint=fingerprint(name=name, memory_total_bytes=memory_total_bytes, mig_profile=None,
-                                driver_version=None, torch_version=_TORCH_VERSION) + "-emulated",
-        slug=slugify(name), emulated=True,
+                                driver_version=None, torch_version=_TORCH_VERSION) + EMULATED_SUFFIX,
+        slug=slugify(name) + EMULATED_SUFFIX, emulated=True,
     )
+
+
+def with_memory_budget(device: DeviceInfo, budget_bytes: int) -> DeviceInfo:
+    """The smaller card `--memory-budget` emulates on `device`. A profile tuned under it is
+    that card's, not this one's: its own fingerprint and file name (a real device's end in
+    its torch version, never in `-budget-…`), so it never stands in for the full device."""
+    tag = f"-budget-{format_bytes(budget_bytes).replace(' ', '').replace('.', '_').lower()}"
+    return dataclasses.replace(device, fingerprint=device.fingerprint + tag, slug=device.slug + tag,
+                               emulated_budget_bytes=budget_bytes)
 
 
 def usable_budget_bytes(device: DeviceInfo, *, headroom: float, memory_budget: int | None = None,

@@ -73,7 +73,11 @@ class Tuner:
                 self._skip(trial, config, known, stale=queued and config != planned, best=best, records=records)
                 continue
             skipped = {"known": 0, "pruned": 0}
-            record = self._evaluate(trial.number, config, records)
+            try:
+                record = self._evaluate(trial.number, config, records)
+            except BaseException:  # the user's code failed the trial (exit 2), or a signal stops the tune
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING in the study
+                raise
             if self.should_stop() and record.status not in ("ok", "oom"):
                 # Cut short by a stop request: not a result. Failing the trial leaves the
                 # config unmeasured, so a resumed study measures it.

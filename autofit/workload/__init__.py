@@ -34,6 +34,7 @@ from autofit.workload.data import (
     dataset_source,
     load_callable,
     split_batch,
+    user_code,
 )
 from autofit.workload.text import TextData, text_lm_loss
 from autofit.workload.zoo import BUILTIN_MODELS, builtin_inputs
@@ -80,7 +81,7 @@ def build_workload(spec) -> Workload:
         check_kwargs(fn, source.args, "model.args", source.target)
         inputs = None  # unknown until the user's model runs
         build_model = functools.partial(_build_python, fn, dict(source.args), source.target)
-        loss_fn = _generic_loss
+        loss_fn = functools.partial(_user_loss, source.target)
         where = f"model.python {source.target}"
     else:
         raise SpecError(f"model: unknown source kind {source.kind!r}; allowed: builtin, hf, python")
@@ -148,7 +149,8 @@ def _dataset_seq_len(data: DatasetData) -> int | None:
 
 
 def _build_python(fn: Callable, args: dict, target: str) -> nn.Module:
-    model = fn(**args)
+    with user_code("model.python", target, "building the model"):
+        model = fn(**args)
     if not isinstance(model, nn.Module):
         raise SpecError(f"model.python: {target} must return a torch.nn.Module, got {type(model).__name__}")
     return model
@@ -168,6 +170,12 @@ def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 def _classify_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x).float(), y)
+
+
+def _user_loss(target: str, model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The user's model's forward (and its loss), with their exceptions named as theirs."""
+    with user_code("model.python", target, "running forward"):
+        return _generic_loss(model, batch)
 
 
 def _generic_loss(model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -6,6 +6,7 @@ has the same, largest, input size: the tuner measures memory on these batches, s
 batch during tuning would hide an out-of-memory error in training.
 """
 
+import contextlib
 import importlib
 import inspect
 import sys
@@ -17,7 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from autofit.errors import SpecError
+from autofit.recover import is_oom
+from autofit.errors import AutofitError, SpecError, UserCodeError
 
 Batch = dict[str, torch.Tensor] | tuple[torch.Tensor, ...]
 
@@ -87,7 +89,8 @@ class TokenFileData:
         assert inputs.task == "causal_lm" and inputs.seq_len is not None
         self.path, self.inputs = Path(path), inputs
         if not self.path.is_file():
-            raise SpecError(f"data.path: no such file: {self.path}")
+            what = "is a folder, not a token file" if self.path.is_dir() else "no such file"
+            raise SpecError(f"data.path: {what}: {self.path}")
         n_bytes = self.path.stat().st_size
         if n_bytes % TOKEN_DTYPE.itemsize:
             raise SpecError(f"data.path: {self.path} is not a flat uint16 token file (odd size, {n_bytes} bytes)")
@@ -129,18 +132,20 @@ class DatasetData:
 
     def __init__(self, dataset: Any, factory: str):
         self.dataset, self.factory = dataset, factory
-        try:
-            self.n_samples = len(dataset)
-        except TypeError:
+        if not hasattr(type(dataset), "__len__"):
             raise SpecError(f"data.factory: {factory} must return a map-style Dataset (with __len__), "
-                            f"got {type(dataset).__name__}") from None
+                            f"got {type(dataset).__name__}")
+        with user_code("data.factory", factory, "taking the dataset's len()"):
+            self.n_samples = len(dataset)
         if self.n_samples == 0:
             raise SpecError(f"data.factory: {factory} returned an empty dataset")
 
     def batch(self, batch_size: int, generator: torch.Generator) -> Batch:
         indices = torch.randint(self.n_samples, (batch_size,), generator=generator).tolist()
+        with user_code("data.factory", self.factory, "reading a sample"):
+            samples = [self.dataset[i] for i in indices]
         try:
-            batch = default_collate([self.dataset[i] for i in indices])
+            batch = default_collate(samples)
         except RuntimeError as exc:
             # Usually samples of different lengths; padding is the dataset's job because the
             # tuner must see the largest batch the data can produce.
@@ -176,6 +181,26 @@ def hf_batch(input_ids: torch.Tensor, inputs: InputSpec, generator: torch.Genera
 # ---- Python factories ----------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def user_code(key_path: str, target: str, doing: str):
+    """Around a call into the user's own code: whatever it raises (sys.exit() included)
+    becomes one `UserCodeError` naming the spec key, the function and the exception, so
+    every command reports it the same way. Out-of-memory errors stay themselves: running
+    out is a result for the search, not a bug in the model."""
+    try:
+        yield
+    except AutofitError:
+        raise
+    except SystemExit as exc:
+        raise UserCodeError(f"{key_path}: {target} called sys.exit({exc.code!r}) while {doing}") from exc
+    except Exception as exc:
+        if is_oom(exc):
+            raise
+        message = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UserCodeError(f"{key_path}: {target} raised {type(exc).__name__}"
+                            f"{': ' + message if message else ''} while {doing}") from exc
+
+
 def load_callable(target: str, key_path: str, source_dir: Path | None) -> Callable:
     """Import "module.path:function", with the spec's folder first on sys.path."""
     module_name, _, attr = target.partition(":")
@@ -186,8 +211,9 @@ def load_callable(target: str, key_path: str, source_dir: Path | None) -> Callab
     except ImportError as exc:
         where = f" (searched the spec's folder {source_dir} and sys.path)" if source_dir else ""
         raise SpecError(f"{key_path}: cannot import module {module_name!r}{where}: {exc}") from None
-    except Exception as exc:  # the user's module raised while importing: still their input
-        raise SpecError(f"{key_path}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    except (Exception, SystemExit) as exc:  # the user's module raised while importing: still their input
+        with user_code(key_path, target, f"importing {module_name!r}"):
+            raise exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise SpecError(f"{key_path}: module {module_name!r} has no function {attr!r}")
@@ -207,7 +233,9 @@ def check_kwargs(fn: Callable, kwargs: dict, key_path: str, target: str) -> None
 def dataset_source(factory: str, args: dict, source_dir: Path | None) -> DatasetData:
     fn = load_callable(factory, "data.factory", source_dir)
     check_kwargs(fn, args, "data.args", factory)
-    return DatasetData(fn(**args), factory)
+    with user_code("data.factory", factory, "building the dataset"):
+        dataset = fn(**args)
+    return DatasetData(dataset, factory)
 
 
 # ---- batch helpers -------------------------------------------------------------------------

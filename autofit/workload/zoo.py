@@ -18,6 +18,9 @@ from autofit.errors import SpecError
 from autofit.workload.data import InputSpec
 
 _ARGS = "model.args"
+_LAYER_COUNTS = ("n_layer", "n_blocks")
+_MAX_LAYERS = 10_000
+_MAX_WIDTH = 1 << 24
 
 
 def _from_args(cls, args: dict):
@@ -37,8 +40,14 @@ def _from_args(cls, args: dict):
         # YAML's `true` is an int to Python, but never a valid layer count.
         if f.type is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise SpecError(f"{_ARGS}.{f.name}: must be a positive integer, got {value!r}")
-        if f.type is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise SpecError(f"{_ARGS}.{f.name}: must be a number, got {value!r}")
+        # Bounds far above any real model, below what hangs a build (a million layers on the
+        # meta device) or overflows a shape.
+        limit = _MAX_LAYERS if f.name in _LAYER_COUNTS else _MAX_WIDTH
+        if f.type is int and value > limit:
+            raise SpecError(f"{_ARGS}.{f.name}: at most {limit:,}, got {value:,}")
+        if f.type is float and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not math.isfinite(value)):
+            raise SpecError(f"{_ARGS}.{f.name}: must be a finite number, got {value!r}")
         if f.type is bool and not isinstance(value, bool):
             raise SpecError(f"{_ARGS}.{f.name}: must be true or false, got {value!r}")
     return cls(**args)
