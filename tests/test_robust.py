@@ -88,7 +88,7 @@ HOSTILE = {
     "train-metrics-out-folder": ("train {spec} --device cpu --metrics-out {tmp}", 2, "--metrics-out"),
     "train-resume-and-overwrite": ("train {spec} --device cpu --resume --overwrite", 2, "choose one"),
     "train-existing-run": ("train {spec} --device cpu --checkpoint-dir {old_run}", 2, "already holds a run"),
-    "train-tf32-profile-on-cpu": ("train {spec} --device cpu --profile {tf32_profile} --checkpoint-dir {tmp}/r2",
+    "train-tf32-profile-on-cpu": ("-q train {spec} --device cpu --profile {tf32_profile} --checkpoint-dir {tmp}/r2",
                                   2, "tf32 needs an NVIDIA GPU"),
     "train-token-path-folder": ("train {tokens_folder} --device cpu --checkpoint-dir {tmp}/r3", 2,
                                 "data.path: is a folder"),
