@@ -201,7 +201,9 @@ def locate(path_or_name: str | Path, *, store: ProfileStore | str | Path | None 
     path = _file_in(store, str(path_or_name))
     if path is not None:
         profile = Profile.load(path)
-        if profile.device.fingerprint not in (here.fingerprint, emulated and emulated.fingerprint):
+        # Tuned here, or under a budget or over ranks on this same device: asked for by name.
+        tags = (f"{here.fingerprint}-budget-", f"{here.fingerprint}-x")
+        if profile.device.fingerprint != here.fingerprint and not profile.device.fingerprint.startswith(tags):
             logger.warning("profile {} was tuned on another device ({}); here: {}. Differences: {}",
                            path, profile.device.name, here.name, _differences(profile, here))
     else:
