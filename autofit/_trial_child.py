@@ -27,8 +27,11 @@ from autofit._io import atomic_write_text
 from autofit.device.memory import LiveBytesTracker, cap_cuda_memory, cuda_memory_stats
 from autofit.errors import AutofitError, InputError, SpecError
 from autofit.knobs import TrainConfig
+from autofit.optim import implementation
+from autofit.precision import process_flags
 from autofit.recover import is_oom
 from autofit.runner import Runner
+from autofit.stagnation import UpdateProbe
 from autofit.spec import parse_spec
 from autofit.workload import build_workload
 
@@ -36,6 +39,9 @@ PARENT_PID_ENV = "AUTOFIT_TRIAL_PARENT_PID"  # set by autofit.trial for the chil
 _PARENT_POLL_S = 0.5
 _TRACEBACK_CHARS = 8000  # of a user's exception, for the parent's --debug
 TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist
+# GradScaler starts at 2**16 and halves per overflow: 24 halvings reach 2**-8, below which
+# the gradients overflow fp16 at any scale and the skipping is the model's, not the warm-up's.
+SCALER_WARMUP_SKIPS = 24
 
 
 class _Trial:
@@ -100,7 +106,7 @@ class _Trial:
                 runner = Runner(self.spec, workload, self.config, device=self.device)
         else:
             runner = Runner(self.spec, workload, self.config, device=self.device)
-        losses, step = [], 0
+        losses, step, self.warmup_skips = [], 0, 0
         # Memory is measured on the largest step the data can give (`peak_batch`: the longest
         # samples at this micro batch), speed on the real steps that follow.
         if self.tracker is not None:
@@ -109,13 +115,15 @@ class _Trial:
             with self.tracker:
                 for step in range(TRACKED_STEPS):
                     logger.info("tracked step {}", step)
-                    losses.append(runner.step(runner.peak_batch(step)).loss.detach())
+                    losses.append(self._warm_step(runner, runner.peak_batch(step)))
             step = TRACKED_STEPS
-        # On CUDA the allocator's peak covers the whole run: one worst-case step at least.
-        while step < max(self.warmup_steps, int(runner.varying_lengths)):
+        # On CUDA the allocator's peak covers the whole run: one worst-case step at least; and
+        # a GradScaler is warmed up before the clock, whatever the warm-up asked for.
+        while step < max(self.warmup_steps, int(runner.varying_lengths), int(runner.scaler.is_enabled())):
             logger.info("warm-up step {}", step)
-            losses.append(runner.step(runner.peak_batch(step)).loss.detach())
+            losses.append(self._warm_step(runner, runner.peak_batch(step)))
             step += 1
+        probe = UpdateProbe(runner.model, runner.optimizer)  # before the timed steps: their updates are judged
         step_times_s, tokens, skipped = [], [], 0
         for step in range(step, step + self.measure_steps):
             logger.info("timed step {}", step)
@@ -129,9 +137,23 @@ class _Trial:
             step_times_s.append(time.perf_counter() - started)
             losses.append(result.loss.detach())
             skipped += int(result.skipped)
+        self.stagnation = probe.compare()
+        self.setup = {"optimizer": implementation(runner.optimizer), "flags": process_flags()}
         # One collective for the whole run: the global batch's loss per step, for the health check.
         losses = distributed.mean_over_ranks(torch.stack(losses).float()).tolist()
         return self._result(workload, losses, step_times_s, tokens, skipped)
+
+    def _warm_step(self, runner: Runner, batch: list) -> torch.Tensor:
+        """A warm-up step. fp16's GradScaler starts at a scale that usually overflows and halves
+        it on every skipped step: the step is done again (the skipped update changed nothing)
+        until one is taken or SCALER_WARMUP_SKIPS are spent, so the timed steps are real
+        updates and the losses still belong to their steps."""
+        while True:
+            result = runner.step(batch)
+            if not result.skipped or self.warmup_skips >= SCALER_WARMUP_SKIPS:
+                return result.loss.detach()
+            self.warmup_skips += 1
+            logger.info("GradScaler skipped the warm-up step (scale now {}); again", runner.scaler.get_scale())
 
     def _result(self, workload, losses: list[float], step_times_s: list[float], tokens: list[int | None],
                 skipped: int) -> dict:
@@ -147,13 +169,18 @@ class _Trial:
             tokens_per_s = (samples_per_s * workload.tokens_per_sample
                             if samples_per_s is not None and workload.tokens_per_sample else None)
         out = {"status": "ok", "losses": losses, "step_times_s": step_times_s, "step_time_s": step_time_s,
-               "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "scaler_skipped_steps": skipped}
+               "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "scaler_skipped_steps": skipped,
+               "scaler_warmup_skips": self.warmup_skips, "unchanged_share": self.stagnation.unchanged_share,
+               "stalled_params": list(self.stagnation.stalled), **self.setup}
         bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
         if bad is not None:
             out |= {"status": "unhealthy", "reason": f"loss is {losses[bad]} at step {bad}"}
         elif skipped * 2 > len(step_times_s):
+            # After the warm-up a healthy scaler skips about one step in its growth interval
+            # (2000): most of the timed steps skipped is overflow that does not go away.
             out |= {"status": "unhealthy", "reason": f"the GradScaler skipped {skipped} of {len(step_times_s)} "
-                                                     f"timed steps (fp16 overflow in the gradients)"}
+                                                     f"timed steps after {self.warmup_skips} warm-up skips "
+                                                     f"(fp16 overflow in the gradients)"}
         return out
 
     def memory(self) -> dict:

@@ -36,6 +36,28 @@ class PrecisionPolicy:
         torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
 
 
+def process_flags() -> dict:
+    """The process-wide flags that change a run's speed or math, as a profile records them."""
+    return {"cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def set_process_flags(flags: dict) -> None:
+    """Set the flags `process_flags` reads (keys it does not name are an error)."""
+    unknown = set(flags) - set(process_flags())
+    assert not unknown, unknown
+    if "cuda_matmul_allow_tf32" in flags:
+        torch.backends.cuda.matmul.allow_tf32 = flags["cuda_matmul_allow_tf32"]
+    if "cudnn_allow_tf32" in flags:
+        torch.backends.cudnn.allow_tf32 = flags["cudnn_allow_tf32"]
+    if "cudnn_benchmark" in flags:
+        torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    if "float32_matmul_precision" in flags:
+        torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+
+
 _POLICIES = {
     "32-true": PrecisionPolicy(name="32-true", autocast_dtype=None, param_dtype=torch.float32,
                                use_scaler=False, tf32=False),

@@ -49,6 +49,13 @@ class Measurement:
     step_times_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # every optimizer step from step 0, in order
     scaler_skipped_steps: int = 0  # GradScaler skips among the timed steps
+    scaler_warmup_skips: int = 0  # steps done again before timing while the GradScaler found its scale
+    # Of the trainable elements (sampled per tensor, weighted by size), the share the timed
+    # steps' updates left bit-identical (weight and any Kahan compensation); None: not measured.
+    unchanged_share: float | None = None
+    stalled_params: list[str] = field(default_factory=list)  # trainable tensors the timed steps never changed
+    optimizer: str | None = None  # the implementation that ran (autofit.optim.implementation)
+    flags: dict = field(default_factory=dict)  # process-wide TF32/cuDNN/matmul flags it ran with
     allocator_retries: int = 0  # cudaMalloc retries after freeing the cache: fragmentation
     reason: str | None = None  # why the status is not ok
     wall_s: float = 0.0  # the whole trial, process start to result
@@ -93,13 +100,8 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     if "," in device and len(device.split(",")) != config.world_size:
         raise DeviceError(f"device: {device!r} lists {len(device.split(','))} GPUs for {config.world_size} rank(s)")
     timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
-    request = {
-        "spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
-        "device": device, "budget_bytes": budget_bytes,
-        "warmup_steps": spec.search.warmup_steps if warmup_steps is None else warmup_steps,
-        "measure_steps": spec.search.measure_steps if measure_steps is None else measure_steps,
-        "timeout_s": timeout_s,
-    }
+    request = trial_request(spec, config, device=device, budget_bytes=budget_bytes, warmup_steps=warmup_steps,
+                            measure_steps=measure_steps, timeout_s=timeout_s)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
         request_path, result_path, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "log")
@@ -126,6 +128,19 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     if measurement.status not in ("ok", "oom"):
         logger.debug("trial {} log tail:\n{}", config.short(), log_tail)
     return measurement
+
+
+def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
+                  warmup_steps: int | None = None, measure_steps: int | None = None,
+                  timeout_s: float | None = None) -> dict:
+    """What the child is asked to measure (request.json)."""
+    return {
+        "spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
+        "device": device, "budget_bytes": budget_bytes,
+        "warmup_steps": spec.search.warmup_steps if warmup_steps is None else warmup_steps,
+        "measure_steps": spec.search.measure_steps if measure_steps is None else measure_steps,
+        "timeout_s": spec.search.trial_timeout_s if timeout_s is None else timeout_s,
+    }
 
 
 def _torchrun_args(world_size: int) -> list[str]:

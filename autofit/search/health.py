@@ -1,5 +1,6 @@
 """Numeric health: a low-precision trial is trusted only when its losses track a
-full-precision reference's over the same batches."""
+full-precision reference's over the same batches, and its updates move every weight the
+reference's move (none lost to 16-bit rounding)."""
 
 import statistics
 
@@ -11,6 +12,9 @@ from autofit.search.study import TrialRecord
 FIRST_LOSS_RTOL = 0.02
 MEAN_LOSS_RTOL = 0.10
 REFERENCE_PRECISIONS = ("32-true", "tf32")
+# Of the trainable elements, the share left bit-identical by the timed steps may exceed the
+# reference's by this much (elements whose gradient was zero stay put in both).
+UNCHANGED_SHARE_EXCESS = 0.01
 
 
 def reference_for(config: TrainConfig | None, records: list[TrialRecord], *,
@@ -40,11 +44,44 @@ def health_problem(record: TrialRecord, records: list[TrialRecord]) -> str | Non
     if first > FIRST_LOSS_RTOL:
         return (f"first-step loss differs from {any_ref.config.precision} by {first:.1%} "
                 f"(limit {FIRST_LOSS_RTOL:.0%})")
+    stalled = stagnation_problem(record.measurement, any_ref)
+    if stalled:
+        return stalled
     same = reference_for(record.config, records, same_freeze=True)
     if same is not None:
+        share = _share_problem(record.measurement, same)
+        if share:
+            return share
         ref = same.measurement.losses
         n = min(len(mine), len(ref))
         mean = abs(statistics.fmean(mine[:n]) - statistics.fmean(ref[:n])) / max(abs(statistics.fmean(ref[:n])), 1e-12)
         if mean > MEAN_LOSS_RTOL:
             return f"mean loss differs from {same.config.precision} by {mean:.1%} (limit {MEAN_LOSS_RTOL:.0%})"
     return None
+
+
+def stagnation_problem(mine, reference: TrialRecord) -> str | None:
+    """Trainable tensors that the timed steps left bit-identical here but moved in the
+    reference (same initial weights, same batches): updates lost to rounding, e.g. a
+    LayerNorm gain of 1.0 under plain bf16 AdamW. A tensor whose gradient was zero stays
+    put in the reference too, so it is never counted."""
+    theirs = reference.measurement
+    if mine.unchanged_share is None or theirs.unchanged_share is None:
+        return None  # measured before the check existed
+    lost = [name for name in mine.stalled_params if name not in set(theirs.stalled_params)]
+    if not lost:
+        return None
+    shown = ", ".join(lost[:3]) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
+    return (f"{len(lost)} trainable tensor(s) never changed in the timed steps though {reference.config.precision} "
+            f"moved them ({shown}): updates below the weights' resolution are lost")
+
+
+def _share_problem(mine, reference: TrialRecord) -> str | None:
+    theirs = reference.measurement
+    if mine.unchanged_share is None or theirs.unchanged_share is None:
+        return None
+    excess = mine.unchanged_share - theirs.unchanged_share
+    if excess <= UNCHANGED_SHARE_EXCESS:
+        return None
+    return (f"the updates left {mine.unchanged_share:.1%} of trainable elements bit-identical, "
+            f"{reference.config.precision} {theirs.unchanged_share:.1%} (limit +{UNCHANGED_SHARE_EXCESS:.0%})")

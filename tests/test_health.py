@@ -1,0 +1,86 @@
+"""Numeric health that sees slow damage: updates lost to 16-bit rounding are caught in one
+trial, and fp16's GradScaler finds its scale before the clock starts."""
+
+import pytest
+import torch
+
+import autofit._trial_child as trial_child
+import autofit.runner as runner_module
+from autofit.knobs import TrainConfig
+from autofit.precision import PrecisionPolicy
+from autofit.search import TrialRecord, health_problem
+from autofit.spec import load_spec
+from autofit.trial import Measurement, trial_request
+from conftest import tiny_gpt_dict, write_spec
+
+
+@pytest.fixture
+def spec(tmp_path):
+    # An LLM learning rate: AdamW's first steps move each weight by about lr, far below half
+    # the bf16 ulp of a LayerNorm gain of 1.0 (2**-8).
+    return load_spec(write_spec(tmp_path, tiny_gpt_dict(optimizer={"name": "adamw", "lr": 3e-4})))
+
+
+def measure_here(spec, config: TrainConfig, number: int = 0) -> TrialRecord:
+    """One trial run in this process by the trial child's own code (so a test can swap the
+    optimizer it builds), as the search records it."""
+    result = trial_child.run_request(trial_request(spec, config, warmup_steps=1, measure_steps=2))
+    m = Measurement.from_dict(result)
+    return TrialRecord(number=number, config=config, status=m.status, predicted_peak_bytes=None, measurement=m,
+                       reason=m.reason)
+
+
+def plain_bf16_adamw(spec, params, *, config, device):
+    """The update bf16-true had before torch-optimi: weights, grads and moments all bf16,
+    no compensation. Kept only as this fixture."""
+    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, foreach=False)
+
+
+def test_the_old_pure_bf16_update_is_unhealthy_within_one_trial(spec, monkeypatch):
+    reference = measure_here(spec, TrainConfig(precision="32-true", micro_batch_size=8))
+    assert reference.status == "ok" and reference.measurement.stalled_params == []
+    kahan = measure_here(spec, TrainConfig(precision="bf16-true", micro_batch_size=4, grad_accum_steps=2), 1)
+    assert kahan.measurement.optimizer == "optimi.AdamW/per-parameter+kahan"
+    assert health_problem(kahan, [reference]) is None
+
+    monkeypatch.setattr(runner_module, "build_optimizer", plain_bf16_adamw)
+    # Checkpointing wraps the blocks: names still compare with the reference's.
+    old = measure_here(spec, TrainConfig(precision="bf16-true", micro_batch_size=8, checkpoint_blocks=2), 2)
+    assert old.status == "ok"  # finite losses, close to 32-true's over a few steps: the old checks passed it
+    assert "blocks.0.ln_1.weight" in old.measurement.stalled_params
+    assert old.measurement.unchanged_share > kahan.measurement.unchanged_share + 0.01
+    problem = health_problem(old, [reference])
+    assert problem is not None and "never changed" in problem and "ln_1.weight" in problem, problem
+
+
+def test_a_share_of_elements_left_unchanged_beyond_the_reference_is_unhealthy(spec):
+    reference = measure_here(spec, TrainConfig(precision="32-true", micro_batch_size=8))
+    trial = measure_here(spec, TrainConfig(precision="bf16-mixed", micro_batch_size=8), 1)
+    assert health_problem(trial, [reference]) is None
+    stuck = trial.replace(measurement=Measurement.from_dict(
+        trial.measurement.to_dict() | {"unchanged_share": reference.measurement.unchanged_share + 0.05}))
+    assert "bit-identical" in health_problem(stuck, [reference])
+
+
+def overflowing_scaler(monkeypatch):
+    """fp16's GradScaler starting at 2**40: every gradient overflows fp16 until ~24 halvings."""
+    monkeypatch.setattr(PrecisionPolicy, "make_scaler",
+                        lambda self, device_type: torch.amp.GradScaler(device_type, init_scale=2.0 ** 40,
+                                                                       enabled=self.use_scaler))
+
+
+def test_fp16_scaler_is_warmed_up_before_timing(spec, monkeypatch):
+    overflowing_scaler(monkeypatch)
+    record = measure_here(spec, TrainConfig(precision="16-mixed", micro_batch_size=8))
+    m = record.measurement
+    assert record.status == "ok", m.reason
+    assert m.scaler_warmup_skips > 10 and m.scaler_skipped_steps == 0
+    assert len(m.losses) == 4  # still one loss per step: a skipped warm-up step is done again, not counted
+
+
+def test_persistent_fp16_skipping_is_unhealthy(spec, monkeypatch):
+    overflowing_scaler(monkeypatch)
+    monkeypatch.setattr(trial_child, "SCALER_WARMUP_SKIPS", 2)  # the scale never gets low enough
+    record = measure_here(spec, TrainConfig(precision="16-mixed", micro_batch_size=8))
+    assert record.status == "unhealthy"
+    assert "skipped 2 of 2 timed steps after 2 warm-up skips" in record.reason
