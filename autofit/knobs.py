@@ -11,6 +11,7 @@ from autofit.errors import SpecError
 from autofit.spec import PRECISIONS, ModelSpec
 
 PARALLELISMS = ("none", "ddp", "fsdp")  # one process; DistributedDataParallel; FSDP2 fully_shard
+OPTIMIZER_BITS = (32, 8)  # the optimizer's moments in fp32, or blockwise 8-bit (bitsandbytes)
 
 # The one place a private torch API is used: the checkpoint wrapper that torchtitan and
 # FSDP use. It keeps state_dict keys unchanged, which plain torch.utils.checkpoint in a
@@ -41,6 +42,10 @@ class TrainConfig:
     reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
     bucket_cap_mb: int = 25  # ddp: gradient bucket size, MiB (torch's default)
     gradient_as_bucket_view: bool = False  # ddp: gradients are views into the buckets (one copy fewer)
+    # Memory knobs that change numerics or the loss's code path; opt-in in `search`. The
+    # defaults are what every run did before them, so older profiles load unchanged.
+    optimizer_bits: int = 32  # 32: the moments in fp32; 8: blockwise 8-bit moments (bitsandbytes AdamW8bit)
+    chunked_loss: bool = False  # LM heads: head + cross-entropy in chunks, the full logits never exist
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -58,8 +63,20 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise SpecError(f"{name}: must be an integer >= 0, got {value!r}")
-        if not isinstance(self.length_bucketing, bool):
-            raise SpecError(f"length_bucketing: must be true or false, got {self.length_bucketing!r}")
+        for name in ("length_bucketing", "chunked_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.optimizer_bits, bool) or self.optimizer_bits not in OPTIMIZER_BITS:
+            raise SpecError(f"optimizer_bits: must be 32 or 8, got {self.optimizer_bits!r}")
+        if self.optimizer_bits == 8 and self.precision == "bf16-true":
+            # bf16 weights need the Kahan-compensated update (torch-optimi), which has no
+            # 8-bit state; bitsandbytes' update to a bf16 weight rounds small steps away.
+            raise SpecError("optimizer_bits: 8-bit state needs fp32 weights; bf16-true keeps bf16 weights "
+                            "(use optimizer_bits 32 with bf16-true, or another precision)")
+        if self.chunked_loss and self.parallelism != "none":
+            # The chunked loss reads the head's weight outside the model's forward, where
+            # DDP's and FSDP2's hooks do not see it.
+            raise SpecError(f"chunked_loss: runs in one process only, got parallelism {self.parallelism}")
         # Another strategy's knobs are inert: reset to their defaults, so configs that differ
         # only there are one config (equal, one hash, measured once).
         if self.parallelism != "fsdp":
@@ -86,8 +103,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        if not self.length_bucketing:  # a text-data knob: other profiles do not mention it
-            del out["length_bucketing"]
+        # Knobs at their defaults are left out: a profile mentions what it changes, and the
+        # records of configs that never had these knobs stay as they were.
+        for name, default in (("length_bucketing", False), ("optimizer_bits", 32), ("chunked_loss", False)):
+            if out[name] == default:
+                del out[name]
         # A strategy's own knobs are written only with that strategy: a one-process profile
         # does not list DDP bucket sizes it never used.
         if self.parallelism != "fsdp":
@@ -122,7 +142,9 @@ class TrainConfig:
     def short(self) -> str:
         text = (f"{self.precision} mb={self.micro_batch_size}x{self.grad_accum_steps} "
                 f"ckpt={self.checkpoint_blocks} freeze={self.freeze_blocks}"
-                + (" bucketed" if self.length_bucketing else ""))
+                + (" bucketed" if self.length_bucketing else "")
+                + (" adam8bit" if self.optimizer_bits == 8 else "")
+                + (" chunked-ce" if self.chunked_loss else ""))
         if self.parallelism == "fsdp":
             text += f" fsdp x{self.world_size}" + ("" if self.reshard_after_forward else " keep-gathered")
         elif self.parallelism == "ddp":

@@ -11,14 +11,21 @@ with Kahan summation: a bf16 weight cannot take an update below half its ulp (an
 step of 3e-4 to a LayerNorm gain of 1.0 rounds away), and the compensation buffer keeps
 the lost low bits and adds them back. docs/precision.md has the measurements behind the
 choice (against torchao's stochastic rounding and against the plain bf16 update).
+
+`optimizer_bits=8` gets bitsandbytes' AdamW8bit/Adam8bit: both moments quantized blockwise
+to 8 bits (256 values per block share an fp32 scale), about 2 bytes per parameter instead of
+8. Tensors under 4096 elements keep fp32 moments (the library's default). docs/precision.md
+has the measurement behind choosing it over torchao's AdamW8bit.
 """
 
 import importlib.util
+import logging
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from autofit.errors import AutofitError
+from autofit.errors import AutofitError, SpecError
 from autofit.knobs import TrainConfig
 from autofit.precision import get_policy
 from autofit.spec import OptimizerSpec
@@ -41,6 +48,8 @@ def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], *, config: 
                     device: torch.device) -> torch.optim.Optimizer:
     """The optimizer `config` runs with on `device`, over the trainable `params`."""
     groups = param_groups(spec, params)
+    if config.optimizer_bits == 8:
+        return _eight_bit(spec, groups)
     if get_policy(config.precision).param_dtype != torch.float32:
         return _compensated(spec, groups, device)
     # On CUDA the fused kernels: fastest, and no foreach temporaries the size of all
@@ -75,6 +84,26 @@ def _compensated(spec: OptimizerSpec, groups: list[dict], device: torch.device) 
     assert spec.name == "sgd", spec.name
     impl.pop("eps")
     return optimi.SGD(groups, lr=spec.lr, momentum=spec.momentum, **impl)
+
+
+def _eight_bit(spec: OptimizerSpec, groups: list[dict]) -> torch.optim.Optimizer:
+    """bitsandbytes' 8-bit Adam(W): the same update rule with quantized moments. The same
+    class on CUDA and on a CPU (its CPU kernels), so a CPU trial measures the real state."""
+    if spec.name not in ("adamw", "adam"):
+        raise SpecError(f"optimizer_bits: 8-bit state is for adam and adamw, got optimizer.name {spec.name}")
+    # Its CPU backend warns at import about a 4-bit matmul kernel package that 8-bit
+    # optimizers never use; that line would only confuse a tune's log.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise OptimizerMissingError("optimizer_bits 8 needs bitsandbytes: pip install 'autofit[optim8]' "
+                                    "(or pip install bitsandbytes)") from None
+    cls = bitsandbytes.optim.AdamW8bit if spec.name == "adamw" else bitsandbytes.optim.Adam8bit
+    # Its quantization map (a 256-entry table of constants) is computed from Python values;
+    # under the estimator's fake tensors there are none, so the table is built as real tensors.
+    with unset_fake_temporarily():
+        return cls(groups, lr=spec.lr, betas=spec.betas, eps=1e-8)
 
 
 def implementation(optimizer: torch.optim.Optimizer) -> str:
