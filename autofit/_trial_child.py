@@ -279,7 +279,9 @@ def _traceback_text(exc: AutofitError) -> str:
 
 def main(request_path: str, result_path: str) -> int:
     logger.remove()
-    logger.add(sys.stderr, level="INFO", format="{message}")  # the parent quotes the last line
+    # The parent quotes the last line; a traceback never shows local variables (a user's
+    # secrets may sit in them) in a log that `--verbose` prints.
+    logger.add(sys.stderr, level="INFO", format="{message}", diagnose=False, backtrace=False)
     request = json.loads(Path(request_path).read_text())
     world = distributed.launched_world()
     if world is None or world.world_size == 1:

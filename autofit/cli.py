@@ -15,9 +15,8 @@ import sys
 import threading
 from pathlib import Path
 
-from loguru import logger
-
 from autofit.errors import AutofitError, SpecError
+from autofit.logs import configure as configure_logging
 
 
 class _Parser(argparse.ArgumentParser):
@@ -360,9 +359,9 @@ def _install_stop_handlers(command: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logger.remove()
     level = "DEBUG" if args.verbose else "WARNING" if args.quiet else "INFO"
-    logger.add(sys.stderr, level=level, format="<green>{time:HH:mm:ss}</green> {level: <7} {message}")
+    # The service's log is a journal: one line per event there.
+    configure_logging(level, debug=args.debug, one_line=args.command == "serve")
     previous = _install_stop_handlers(args.command)
     try:
         return args.func(args)

@@ -30,8 +30,8 @@ from autofit.inventory import FileInventory, Gpu, IdleTracker, NvmlInventory, de
 from autofit.notify import Notifier
 from autofit.profile import utc_now
 from autofit.service_config import ServiceConfig, load_service_config, resolve_config_path
-from autofit.service_job import TuneJob
-from autofit.service_state import STATE_SCHEMA, PairState, StateLock, iso_utc, pair_key, read_state, write_state
+from autofit.service_job import TuneJob, retry_text
+from autofit.service_state import STATE_SCHEMA, PairState, StateLock, pair_key, read_state, write_state
 from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec, load_spec
 from autofit.store import ProfileStore
@@ -123,7 +123,11 @@ class Service:
                            "keeping {} until a restart", self.config.state_dir)
             config = dataclasses.replace(config, state_dir=self.config.state_dir)
         self.config = config
-        logger.info("SIGHUP: reloaded config {}; re-reading the models folder", config.to_dict())
+        given_up = [pair for pair in self.pairs.values() if (pair.failure or {}).get("final")]
+        for pair in given_up:  # the operator's way to say "try again"
+            pair.failure = None
+        logger.info("SIGHUP: reloaded config {}; re-reading the models folder{}", config.to_dict(),
+                    f"; retrying {len(given_up)} pair(s) given up on" if given_up else "")
 
     def _poll(self) -> None:
         try:
@@ -191,7 +195,7 @@ class Service:
             gpu = present.get(slot)
             current = self.specs.get(job.spec.name)
             if gpu is None or gpu.device.fingerprint != job.gpu.device.fingerprint:
-                job.stop("the GPU left the inventory")
+                job.stop("the GPU left the inventory", retry=True)
             elif current is None or current[1].spec_hash != job.spec.spec_hash:
                 job.stop("its model spec changed or was removed")
         for gpu in self.gpus:
@@ -207,7 +211,7 @@ class Service:
                 if activity.foreign_pids:
                     # Never disturb another job: the study keeps what was measured so far.
                     job.stop(f"another process appeared on the GPU (pid "
-                             f"{', '.join(map(str, activity.foreign_pids))})")
+                             f"{', '.join(map(str, activity.foreign_pids))})", retry=True)
                 continue
             self.gpu_busy[gpu.slot] = self.idle.check(gpu, activity, self.config.idle, now_s)
 
@@ -243,11 +247,15 @@ class Service:
                     pair.status, pair.detail = "ready", None
                 elif nothing and nothing["spec_hash"] == spec.spec_hash and nothing["headroom"] == self._headroom(spec):
                     pair.status, pair.detail = "nothing fits", nothing["message"]
-                elif failure and failure["spec_hash"] == spec.spec_hash and failure["retry_after_unix_s"] > time.time():
-                    pair.status = "failed"
-                    pair.detail = f"{failure['error']} (retry {failure['count']} after {iso_utc(failure['retry_after_unix_s'])})"
+                elif failure and failure.get("spec_hash") == spec.spec_hash and (
+                        failure.get("final") or (failure.get("retry_after_unix_s") or 0) > time.time()):
+                    # Final after MAX_ATTEMPTS timeouts or crashes; else waiting out its back-off.
+                    pair.status = "failed" if failure.get("final") else "retrying"
+                    pair.detail = retry_text(failure)
                 else:
-                    if pair.status != "interrupted":  # keep saying why it stopped until it runs again
+                    if failure and failure.get("spec_hash") == spec.spec_hash:
+                        pair.status, pair.detail = "queued", f"back-off over, to retry after: {retry_text(failure)}"
+                    elif pair.status != "interrupted":  # keep saying why it stopped until it runs again
                         pair.status = "queued"
                         pair.detail = ("stale: " + "; ".join(stale)) if stale else "no profile for this GPU kind"
                     queue.append(key)
@@ -255,6 +263,10 @@ class Service:
             if key not in active:
                 pair.status, pair.detail = "inactive", "the model or this GPU kind is not present now"
         self.queue = queue
+
+    def _spec_file(self, name: str) -> str:
+        path = self.specs.get(name, (None,))[0]
+        return "removed" if path is None else path.name
 
     def _kinds(self, spec: ModelSpec) -> list[tuple[str, DeviceInfo, int]]:
         """(fingerprint, device, ranks) of each profile `spec` should have on this host: one per
@@ -316,7 +328,10 @@ class Service:
                 if job.stop_event.is_set():
                     self.idle.reset(gpu)  # whatever stopped it may still be there: wait a full idle period
             result = job.settle(self.pairs[job.key], headroom=self._headroom(job.spec))
-            logger.info("{}: {}: {}", job.label, job.spec.name, result)
+            # One line; the traceback of an unexpected error only with --debug (autofit.logs).
+            logger.opt(exception=job.traceback_error).bind(summarised=True).log(
+                "INFO" if job.outcome is not None else "WARNING", "{}: {} ({}): {}", job.label, job.spec.name,
+                self._spec_file(job.spec.name), result)
         return bool(ended)
 
     def _shutdown(self) -> None:

@@ -40,6 +40,11 @@ class TrialError(AutofitError):
     exit_code = 1
 
 
+class TrialTimeoutError(TrialError):
+    """Trials or validation runs ran out of time: the machine was too slow or too busy, which
+    says nothing about what fits. A rerun resumes the study."""
+
+
 class NothingFitsError(AutofitError):
     """No configuration fits the memory budget, or none gave a usable result."""
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from autofit.errors import SpecError
+from autofit.redact import redact_text, redact_url
 from autofit.spec import MAX_TIMEOUT_S, MAX_TRIALS, _Reader
 
 DEFAULT_CONFIG = Path("/etc/autofit/autofit.yaml")
@@ -54,7 +55,7 @@ class ServiceConfig:
 
     def to_dict(self) -> dict:
         return {"path": str(self.path), "models_dir": str(self.models_dir), "store_dir": str(self.store_dir),
-                "state_dir": str(self.state_dir), "storage": _redact(self.storage_url),
+                "state_dir": str(self.state_dir), "storage": redact_url(self.storage_url),
                 "poll_interval_s": self.poll_interval_s, "memory_headroom": self.memory_headroom,
                 "idle": {"max_utilization": self.idle.max_utilization, "min_idle_s": self.idle.min_idle_s},
                 "trials": self.trials, "multi_gpu": self.multi_gpu}
@@ -100,7 +101,7 @@ def _parse(raw, path: Path) -> ServiceConfig:
     storage = top.get("storage", str, default=None, nullable=True)
     if storage is not None and "://" not in storage:
         raise SpecError(f"storage: an Optuna storage URL such as sqlite:///path.db or "
-                        f"postgresql://user@host/db, got {storage!r}")
+                        f"postgresql://user@host/db, got {redact_text(repr(storage))}")
     poll_interval_s = top.number("poll_interval_s", default=30.0, minimum=0.0, exclusive=True, maximum=MAX_TIMEOUT_S)
     headroom = top.get("memory_headroom", float, default=None, nullable=True)
     if headroom is not None and not 0.0 <= headroom < 0.5:  # NaN fails this too
@@ -122,11 +123,3 @@ def _parse(raw, path: Path) -> ServiceConfig:
                          storage=storage, poll_interval_s=poll_interval_s,
                          memory_headroom=None if headroom is None else float(headroom), idle=idle, trials=trials,
                          multi_gpu=multi_gpu)
-
-
-def _redact(url: str) -> str:
-    """Never show a database password in status output or logs."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url

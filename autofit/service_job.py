@@ -3,6 +3,18 @@ its ending means for its (model, GPU kind) pair.
 
 The worker only writes its own fields (progress as plain ints, the outcome or the error);
 the service's main thread reads them and is the only one to touch the pair's state.
+
+How a tune ends decides what happens to its pair:
+
+| ending | pair status | next |
+|---|---|---|
+| a validated profile | `ready` | nothing until the spec, GPU kind or versions change |
+| a measured "nothing fits" (`NothingFitsError`) | `nothing fits` | final until the spec or headroom changes |
+| trials or validation timed out (`TrialTimeoutError`) | `retrying` | back-off 1, 2, 4 ... 60 min, at most `MAX_ATTEMPTS` in a row, then `failed` |
+| an input error found only now (`AutofitError`: the user's code raised, a spec key) | `retrying` | the same back-off and bound |
+| anything else raised (a crash) | `retrying` | the same back-off and bound |
+| stopped: another job on its GPU, or the GPU left | `retrying` | the same back-off, never given up on |
+| stopped: the service stops | `interrupted` | resumes at once on the next start |
 """
 
 import threading
@@ -12,14 +24,17 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit.errors import NothingFitsError
+from autofit.errors import AutofitError, NothingFitsError, TrialTimeoutError
 from autofit.inventory import Gpu
 from autofit.profile import utc_now
 from autofit.service_state import PairState, iso_utc
 from autofit.spec import ModelSpec
 from autofit.tune import TuneOutcome, device_for_ranks, study_name, tune
 
-_RETRY_FIRST_S, _RETRY_MAX_S = 60.0, 3600.0  # back-off after a tune that crashed
+RETRY_FIRST_S, RETRY_MAX_S = 60.0, 3600.0  # back-off after a tune that timed out, crashed or was interrupted
+# Timeouts and crashes in a row before a pair is given up on (`failed`, final until its spec
+# changes or the service reloads): with the back-off, about half an hour of trying.
+MAX_ATTEMPTS = 5
 
 
 @dataclass(kw_only=True)
@@ -32,6 +47,7 @@ class TuneJob:
     started: str = field(default_factory=utc_now)
     stop_event: threading.Event = field(default_factory=threading.Event)
     stop_reason: str | None = None
+    stop_retry: bool = False  # stopped for something on the GPU (retry with back-off), not by the service
     resumed: int = 0  # finished trials already in the study when this tune started
     trials_done: int = 0  # written by the worker (a plain int: atomic under the GIL)
     thread: threading.Thread | None = None
@@ -52,6 +68,14 @@ class TuneJob:
         if self.nproc == 1:
             return self.gpu.label
         return "+".join(g.slot for g in self.gpus) + self.gpu.label.removeprefix(self.gpu.slot)
+
+    @property
+    def traceback_error(self) -> Exception | None:
+        """The exception whose traceback `--debug` logs: an unexpected one (a bug, not a
+        verdict, a stop or the user's input)."""
+        if self.outcome is not None or self.stop_event.is_set() or isinstance(self.error, AutofitError):
+            return None
+        return self.error
 
     @property
     def alive(self) -> bool:
@@ -78,11 +102,12 @@ class TuneJob:
                                        daemon=True)
         self.thread.start()
 
-    def stop(self, reason: str) -> None:
-        """Kill the running trial child and end the search; the study keeps what finished."""
+    def stop(self, reason: str, *, retry: bool = False) -> None:
+        """Kill the running trial child and end the search; the study keeps what finished.
+        `retry`: the pair waits a back-off before it is tuned again (another job appeared)."""
         if not self.stop_event.is_set():
             logger.warning("{}: stopping the tune of {}: {}", self.label, self.spec.name, reason)
-            self.stop_reason = reason
+            self.stop_reason, self.stop_retry = reason, retry
             self.stop_event.set()
 
     def _work(self, store_dir: Path, storage: str) -> None:
@@ -106,33 +131,70 @@ class TuneJob:
             self.error = exc
 
     def settle(self, pair: PairState, *, headroom: float) -> str:
-        """Record how the tune ended on `pair`; returns it in words for the log."""
+        """Record how the tune ended on `pair` (see the table above); returns it in words, one
+        line, for the log."""
         if self.outcome is not None:  # a complete, validated profile, even if a stop came after
             profile = self.outcome.profile
             pair.completed += 1
             pair.status, pair.detail, pair.nothing_fits, pair.failure = "ready", None, None, None
             result = (f"profile {self.outcome.profile_path.name}: {profile.config.short()}, "
                       f"{profile.measured.samples_per_s:.1f} samples/s")
-        elif self.stop_event.is_set():
+        elif self.stop_event.is_set() and not self.stop_retry:
             # Whatever tune() raised after a stop (a validation run cut short looks like a
             # failed one) is the stop, not a verdict on the pair.
             pair.status, pair.detail = "interrupted", f"{self.stop_reason}; resumes from its study"
             result = f"interrupted: {self.stop_reason}"
+        elif self.stop_event.is_set():
+            result = record_retry(pair, self.spec.spec_hash, "interrupted", self.stop_reason)
         elif isinstance(self.error, NothingFitsError):
-            pair.status, pair.detail = "nothing fits", str(self.error)
+            pair.status, pair.detail, pair.failure = "nothing fits", str(self.error), None
             pair.nothing_fits = {"spec_hash": self.spec.spec_hash, "headroom": headroom, "message": str(self.error)}
-            result = f"nothing fits: {self.error}"
+            result = f"nothing fits (final): {self.error}"
         else:
-            count = (pair.failure or {}).get("count", 0) + 1
-            error = f"{type(self.error).__name__}: {self.error}".splitlines()[0]
-            retry_after_unix_s = time.time() + min(_RETRY_MAX_S, _RETRY_FIRST_S * 2 ** (count - 1))
-            pair.failure = {"count": count, "spec_hash": self.spec.spec_hash, "error": error,
-                            "retry_after_unix_s": retry_after_unix_s}
-            pair.status, pair.detail = "failed", error
-            result = f"failed: {error}; retrying after {iso_utc(retry_after_unix_s)}"
-            logger.opt(exception=self.error).error("{}: tuning {} failed", self.label, self.spec.name)
+            # A timeout says nothing about the config; an AutofitError is the user's input found
+            # bad only now (their code raised; the message names the spec key); a crash is the rest.
+            kind = ("timeout" if isinstance(self.error, TrialTimeoutError) else
+                    "error" if isinstance(self.error, AutofitError) else "crash")
+            error = " ".join(str(self.error).split()) or "no message"
+            if not isinstance(self.error, AutofitError):  # ours, not the user's: name the exception
+                error = f"{type(self.error).__name__}: {error}"
+            result = record_retry(pair, self.spec.spec_hash, kind, error)
         pair.last_tune = {**(pair.last_tune or {}), "ended": utc_now(), "result": result, "trials": self.trials_done}
         return result
+
+
+def record_retry(pair: PairState, spec_hash: str, kind: str, error: str, *, now_unix_s: float | None = None) -> str:
+    """A tune of `pair` that timed out, crashed or was interrupted: the next try after a
+    back-off that doubles with each such ending in a row. Timeouts and crashes count towards
+    `MAX_ATTEMPTS`, after which the pair is `failed` until its spec changes or the service is
+    reloaded; interruptions (another job on the GPU) never give up. Returns it in words."""
+    now_unix_s = time.time() if now_unix_s is None else now_unix_s
+    last = pair.failure if pair.failure and pair.failure.get("spec_hash") == spec_hash else {}
+    attempts = last.get("attempts", last.get("count", 0)) + (kind != "interrupted")
+    interruptions = (last.get("interruptions", 0) + 1) if kind == "interrupted" else 0
+    streak = interruptions if kind == "interrupted" else attempts
+    final = kind != "interrupted" and attempts >= MAX_ATTEMPTS
+    retry_after_unix_s = None if final else now_unix_s + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (streak - 1))
+    pair.failure = {"kind": kind, "error": error, "spec_hash": spec_hash, "attempts": attempts,
+                    "max_attempts": MAX_ATTEMPTS, "interruptions": interruptions, "final": final,
+                    "retry_after_unix_s": retry_after_unix_s,
+                    "next_try": None if final else iso_utc(retry_after_unix_s)}
+    pair.status, pair.detail = ("failed" if final else "retrying"), retry_text(pair.failure)
+    return f"{pair.status}: {pair.detail}"
+
+
+def retry_text(failure: dict) -> str:
+    """`timeout, attempt 2 of 5: ...; next try 2026-11-23T16:20:00Z` and the like."""
+    kind, error = failure.get("kind", "crash"), failure.get("error")
+    next_try = failure.get("next_try") or iso_utc(failure.get("retry_after_unix_s") or 0)
+    if kind == "interrupted":
+        return (f"interrupted ({failure.get('interruptions', 1)} in a row): {error}; resumes from its study, "
+                f"next try {next_try} once the GPU is idle")
+    head = (f"{kind}, attempt {failure.get('attempts', failure.get('count', 1))} of "
+            f"{failure.get('max_attempts', MAX_ATTEMPTS)}: {error}")
+    if failure.get("final"):
+        return f"{head}; final: given up until the spec changes or the service reloads (SIGHUP)"
+    return f"{head}; next try {next_try}"
 
 
 def finished_trials(storage: str, name: str) -> int:

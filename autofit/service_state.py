@@ -25,7 +25,9 @@ from autofit.sizes import format_bytes
 
 STATE_SCHEMA = 1
 STATE_FILE = "state.json"
-PAIR_STATUSES = ("queued", "tuning", "ready", "nothing fits", "failed", "interrupted", "inactive")
+# "nothing fits" and "failed" are final (until the spec changes; "failed" also until a
+# reload); "retrying" waits out a back-off after a timeout, crash or interruption.
+PAIR_STATUSES = ("queued", "tuning", "ready", "nothing fits", "retrying", "failed", "interrupted", "inactive")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,7 +45,9 @@ class PairState:
     completed: int = 0  # tunes that ended with a profile
     profile: dict | None = None  # the store's newest profile for the pair: path, config, speed, stale reasons
     nothing_fits: dict | None = None  # {spec_hash, headroom, message}: not retried until either changes
-    failure: dict | None = None  # {count, spec_hash, error, retry_after_unix_s}: retried with back-off
+    # The last timeout, crash or interruption of this spec: {kind, error, spec_hash, attempts,
+    # max_attempts, interruptions, final, retry_after_unix_s, next_try} (service_job.record_retry).
+    failure: dict | None = None
     last_tune: dict | None = None  # {gpu, started, ended, result, trials}
 
     def __post_init__(self):
@@ -187,7 +191,7 @@ def render_status(state: dict) -> str:
     lines.append("profiles per (model, GPU kind):")
     rows = [("MODEL", "GPU KIND", "STATUS", "TUNES", "PROFILE")]
     for pair in state.get("pairs", []):
-        rows.append((pair["model"], pair["device"], pair["status"], str(pair["tunes"]), _profile_text(pair)))
+        rows.append((pair["model"], pair["device"], _status_text(pair), str(pair["tunes"]), _profile_text(pair)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     errors = state.get("spec_errors", [])
@@ -195,6 +199,16 @@ def render_status(state: dict) -> str:
         lines.append("spec errors (skipped):")
         lines += [f"  {e['error']}" for e in errors]
     return "\n".join(lines) + "\n"
+
+
+def _status_text(pair: dict) -> str:
+    """`retrying 2/5`, `failed (final)`, `nothing fits (final)`: what happens next, at a glance."""
+    status, failure = pair["status"], pair.get("failure") or {}
+    if status == "retrying" and failure.get("kind") != "interrupted":
+        return f"retrying {failure.get('attempts', 1)}/{failure.get('max_attempts', '?')}"
+    if status in ("failed", "nothing fits"):
+        return f"{status} (final)"
+    return status
 
 
 def _profile_text(pair: dict) -> str:

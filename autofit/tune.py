@@ -17,14 +17,15 @@ from loguru import logger
 
 from autofit import __version__
 from autofit.device.probe import DeviceInfo, usable_budget_bytes, with_memory_budget
-from autofit.errors import DeviceError, NothingFitsError, TrialError
+from autofit.errors import DeviceError, NothingFitsError, TrialError, TrialTimeoutError
 from autofit.estimate import EstimateError, estimate_memory
 from autofit.frontier import build_frontier, total_peak
 from autofit.knobs import block_count
 from autofit.precision import supported_precisions, unsupported_reason
 from autofit.profile import Profile, ProfileModel, SearchSummary, device_from_info, utc_now
+from autofit.redact import redact_url
 from autofit.report import format_trial_line, trials_table, write_html_report
-from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, _redact, make_study
+from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, make_study
 from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec, divisors
 from autofit.store import ProfileStore, default_root, read_demotions
@@ -176,13 +177,16 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                 result.count("oom"), result.wall_s)
     if stop_event is not None and stop_event.is_set():
         raise InterruptedError("tune stopped before validation; rerun to resume the study")
-    if not result.ranked and result.count("timeout") and not any(
-            r.status in ("ok", "oom", "unhealthy") for r in result.records):
-        # Only timeouts: the machine was too slow or too busy, which says nothing about fit.
-        raise TrialError(f"every measured trial timed out (search.trial_timeout_s is "
-                         f"{spec.search.trial_timeout_s:g}s, doubled on retry); rerun to resume the study, "
-                         f"or raise search.trial_timeout_s")
     if not result.ranked:
+        # "Nothing fits" is a verdict only when every trial was measured: one that timed out
+        # or crashed might have fitted, and a rerun resumes the study to find out.
+        if result.count("timeout"):
+            raise TrialTimeoutError(f"{result.count('timeout')} trial(s) timed out (search.trial_timeout_s is "
+                                    f"{spec.search.trial_timeout_s:g}s, doubled on retry), and none fitted; "
+                                    f"rerun to resume the study, or raise search.trial_timeout_s")
+        if result.count("error"):
+            first = next(r.reason for r in result.records if r.status == "error")
+            raise TrialError(f"{result.count('error')} trial(s) crashed and none fitted; the first: {first}")
         raise NothingFitsError(_nothing_fits_message(result, tuner, space))
 
     validations: dict = {}  # config -> its validation runs, which the frontier reuses
@@ -229,7 +233,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
             trials=len(result.records), measured=result.measured, pruned=result.count("pruned"),
             oom=result.count("oom"), unhealthy=result.count("unhealthy"),
             failed=result.count("error") + result.count("timeout"), wall_s=round(result.wall_s, 1),
-            sampler=type(study.sampler).__name__, storage=_redact(storage or "in-memory"),
+            sampler=type(study.sampler).__name__, storage=redact_url(storage or "in-memory"),
             baseline={} if baseline_m is None else {"config": baseline.config.to_dict(),
                                                     "samples_per_s": baseline_m.samples_per_s},
             speedup=None if baseline_m is None else round(validated.samples_per_s / baseline_m.samples_per_s, 3),
@@ -300,20 +304,28 @@ def validate(spec: ModelSpec, result: SearchResult, run_long,
     if not ranked:
         raise NothingFitsError("every configuration that fits in the search ran out of memory in training "
                                "(see the .demotions.json beside the profile)")
-    failures = []
+    failures, crashes = [], []
     for record in ranked[:5]:
         logger.info("validating {} over {} steps", record.config.short(), spec.search.validate_steps)
         m = _run_validation(spec, record, run_long)
         if m.status == "ok" and total_peak(m) <= result.budget_bytes:
             return record, m
-        failures.append(m.status)
+        failures.append(m.status if m.status != "ok" else "over budget")
+        if m.status == "error":
+            crashes.append(f"{record.config.short()}: {m.reason}")
         logger.warning("validation of {} failed: {} ({}); trying the next best", record.config.short(),
                        m.status, m.reason or f"peak {format_bytes(total_peak(m))} over budget")
-    if failures and all(f == "timeout" for f in failures):
-        # Not "nothing fits": the machine was too slow or too busy; a rerun resumes the study.
-        raise TrialError(f"every validation run timed out (search.trial_timeout_s is "
-                         f"{spec.search.trial_timeout_s:g}s); rerun, or raise search.trial_timeout_s")
-    raise NothingFitsError("no configuration passed validation: the best five all failed their longer run")
+    # Not "nothing fits" unless every longer run was measured to fail: a timeout is the
+    # machine being too slow or too busy, a crash is not a verdict on memory; a rerun resumes.
+    if "timeout" in failures:
+        every = "every validation run" if all(f == "timeout" for f in failures) else (
+            f"{failures.count('timeout')} of {len(failures)} validation runs")
+        raise TrialTimeoutError(f"{every} timed out (search.trial_timeout_s is "
+                                f"{spec.search.trial_timeout_s:g}s); rerun, or raise search.trial_timeout_s")
+    if "error" in failures:
+        raise TrialError(f"{failures.count('error')} of {len(failures)} validation runs crashed: {crashes[0]}")
+    raise NothingFitsError(f"no configuration passed validation: the best {len(failures)} all failed their "
+                           f"longer run ({', '.join(sorted(set(failures)))})")
 
 
 def never_worse(spec: ModelSpec, winner: tuple[TrialRecord, Measurement], baseline: tuple[TrialRecord, Measurement],

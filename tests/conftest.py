@@ -64,6 +64,27 @@ def run_cli_json(*args: str, **kwargs) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.fixture
+def journal():
+    """`journal(debug=False)` sends the log, as `autofit serve` writes it, into a buffer it
+    returns; loguru's default handler is put back after the test."""
+    import io
+
+    from loguru import logger
+
+    from autofit import logs
+
+    buffer = io.StringIO()
+
+    def setup(*, debug: bool = False) -> io.StringIO:
+        logs.configure("INFO", debug=debug, one_line=True, sink=buffer)
+        return buffer
+
+    yield setup
+    logger.remove()
+    logger.add(sys.stderr)
+
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

@@ -178,6 +178,9 @@ def test_service_tunes_each_pair_once_and_retunes_only_what_changed(tmp_path, li
         assert status["inventory"]["gpus"][0]["emulated"] is True
         text = run_cli("status", "--config", config)
         assert text.returncode == 0 and "broken.yaml" in text.stdout and "alpha--nvidia-h100" in text.stdout
+        # The journal: one line for the broken spec, however many polls saw it; no traceback.
+        assert sum("broken.yaml" in line for line in serve.log().splitlines()) == 1
+        assert "Traceback" not in serve.log()
 
         lines = listener.lines()
         assert "READY=1" in lines and "WATCHDOG=1" in lines
@@ -398,13 +401,19 @@ class FakeNvml:
         return Activity(foreign_pids=self.foreign_pids, utilization_percent=self.utilization_percent)
 
 
-def test_a_foreign_process_stops_the_tune_and_the_pair_waits_for_an_idle_gpu(tmp_path, monkeypatch):
+def _service_with_a_fake_gpu(tmp_path, monkeypatch):
     config = write_config(tmp_path)
     write_spec(tmp_path / "models", model("alpha"), "alpha.yaml")
     started = []
     monkeypatch.setattr(TuneJob, "start", lambda job, **where: started.append(job))  # no real tune here
     service = Service(config)
-    service.inventory = gpus = FakeNvml()
+    service.inventory = FakeNvml()
+    return service, started
+
+
+def test_a_foreign_process_stops_the_tune_and_the_pair_waits_for_an_idle_gpu(tmp_path, monkeypatch):
+    service, started = _service_with_a_fake_gpu(tmp_path, monkeypatch)
+    gpus = service.inventory
     service._poll()
     (job,) = started
     assert service.tunes == {"gpu0": job}
@@ -413,7 +422,8 @@ def test_a_foreign_process_stops_the_tune_and_the_pair_waits_for_an_idle_gpu(tmp
     assert job.stop_event.is_set() and "pid 4242" in job.stop_reason
     assert service._reap()  # its worker (never started here) has ended
     pair = service.pairs[job.key]
-    assert pair.status == "interrupted" and "resumes from its study" in pair.detail
+    assert pair.status == "retrying" and "resumes from its study" in pair.detail
+    pair.failure["retry_after_unix_s"] = 0  # its back-off is over: now it waits for an idle GPU
     service._poll()
     assert len(started) == 1 and "gpu0 in use by pid 4242" in pair.detail
     gpus.foreign_pids, gpus.utilization_percent = (), 40.0
@@ -523,3 +533,110 @@ def test_descendant_pids_finds_our_children_and_theirs():
 def test_a_missing_config_names_the_file():
     with pytest.raises(SpecError, match="/nonexistent/autofit.yaml: no such config file"):
         load_service_config("/nonexistent/autofit.yaml")
+
+
+# --- how a tune ends: final, or retried with back-off -------------------------------------------
+
+
+def _status_row(service, model_name: str) -> str:
+    from autofit.service_state import render_status
+
+    text = render_status({**service._state(), "service": {"alive": True, "healthy": True}})
+    return next(line for line in text.splitlines() if line.strip().startswith(model_name))
+
+
+def test_timeouts_and_crashes_are_retried_with_back_off_then_given_up(tmp_path, monkeypatch):
+    from autofit import service_job
+    from autofit.errors import TrialTimeoutError
+
+    now = [1_000_000.0]
+    monkeypatch.setattr("autofit.daemon.time.time", lambda: now[0])
+    monkeypatch.setattr("autofit.service_job.time.time", lambda: now[0])
+    service, started = _service_with_a_fake_gpu(tmp_path, monkeypatch)
+    service._poll()
+    endings = [TrialTimeoutError("every validation run timed out"), RuntimeError("CUDA error: an illegal memory access")]
+    endings += [TrialTimeoutError("3 trial(s) timed out")] * (service_job.MAX_ATTEMPTS - 2)
+    waits = []
+    for attempt, error in enumerate(endings, start=1):
+        job = started[-1]
+        job.error = error
+        assert service._reap()
+        pair = service.pairs[job.key]
+        if attempt == service_job.MAX_ATTEMPTS:
+            break
+        kind = "timeout" if isinstance(error, TrialTimeoutError) else "crash"
+        assert pair.status == "retrying" and pair.failure["kind"] == kind and not pair.failure["final"]
+        assert pair.failure["attempts"] == attempt and pair.failure["next_try"] in pair.detail
+        row = _status_row(service, "alpha")
+        assert f"retrying {attempt}/{service_job.MAX_ATTEMPTS}" in row and f"{kind}, attempt {attempt} of" in row
+        waits.append(pair.failure["retry_after_unix_s"] - now[0])
+        service._poll()
+        assert len(started) == attempt, "tuned again before its back-off ran out"
+        now[0] = pair.failure["retry_after_unix_s"] + 1
+        service._poll()
+        assert len(started) == attempt + 1 and pair.status == "tuning"
+    assert waits == [service_job.RETRY_FIRST_S * 2 ** i for i in range(service_job.MAX_ATTEMPTS - 1)]
+    # After MAX_ATTEMPTS in a row: final, not retried however long it waits, until a reload.
+    assert pair.status == "failed" and pair.failure["final"] and "final" in pair.detail
+    assert "failed (final)" in _status_row(service, "alpha")
+    now[0] += 10 * service_job.RETRY_MAX_S
+    service._poll()
+    assert len(started) == service_job.MAX_ATTEMPTS
+    service._reload = True
+    service._reload_config()
+    service._poll()
+    assert len(started) == service_job.MAX_ATTEMPTS + 1 and pair.status == "tuning"
+
+
+def test_a_measured_nothing_fits_is_final_and_an_interruption_backs_off(tmp_path, monkeypatch):
+    from autofit.errors import NothingFitsError
+
+    service, started = _service_with_a_fake_gpu(tmp_path, monkeypatch)
+    service._poll()
+    job = started[-1]
+    job.stop("another process appeared on the GPU (pid 4242)", retry=True)
+    assert service._reap()
+    pair = service.pairs[job.key]
+    assert pair.status == "retrying" and pair.failure["kind"] == "interrupted"
+    assert pair.failure["attempts"] == 0 and pair.failure["interruptions"] == 1  # never counts towards giving up
+    assert "pid 4242" in pair.detail and "once the GPU is idle" in pair.detail
+    pair.failure["retry_after_unix_s"] = 0  # its back-off is over
+    service._poll()
+    assert len(started) == 2
+    started[-1].error = NothingFitsError("nothing fits the budget of 75.00 GiB")
+    assert service._reap()
+    assert pair.status == "nothing fits" and pair.failure is None
+    assert "nothing fits (final)" in _status_row(service, "alpha")
+    for _ in range(3):
+        service._poll()
+    assert len(started) == 2 and pair.status == "nothing fits"
+    status = json.loads(json.dumps(service._state(), default=str))
+    (saved,) = status["pairs"]
+    assert saved["status"] == "nothing fits" and saved["nothing_fits"]["message"].startswith("nothing fits")
+
+
+def test_a_spec_error_in_the_models_folder_is_one_log_line(tmp_path, monkeypatch, journal):
+    """Found when the folder is read (once, however many polls), or only when the model is
+    built in a tune: either way one line naming the file and the key, no traceback."""
+    from autofit.errors import SpecError
+
+    out = journal()
+    config = write_config(tmp_path)
+    models = tmp_path / "models"
+    write_spec(models, {**model("alpha"), "colour": "red"}, "alpha.yaml")
+    write_spec(models, model("beta", trials=1), "beta.yaml")
+    started = []
+    monkeypatch.setattr(TuneJob, "start", lambda job, **where: started.append(job))
+    service = Service(config)
+    service.inventory = FakeNvml()
+    for _ in range(3):
+        service._poll()
+    (line,) = [line for line in out.getvalue().splitlines() if "alpha.yaml" in line]
+    assert "ERROR" in line and "colour: unknown key" in line
+    # beta parses, but its model cannot be built: the tune's SpecError names the key only.
+    (job,) = started
+    job.error = SpecError("model.args.n_head: must divide n_embd (32), got 3")
+    service._reap()
+    (line,) = [line for line in out.getvalue().splitlines() if "beta.yaml" in line]
+    assert "model.args.n_head: must divide" in line and "attempt 1 of" in line
+    assert "Traceback" not in out.getvalue()

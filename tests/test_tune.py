@@ -175,6 +175,32 @@ def test_validation_that_only_times_out_is_not_nothing_fits(tmp_path):
     assert len(calls) == 2 and calls[1][1] == 2 * calls[0][1]  # retried once with twice the time
 
 
+@pytest.mark.parametrize("outcomes, error, match", [
+    # One timeout among measured failures: the timed-out config might have fitted.
+    (["oom", "timeout"], "TrialTimeoutError", "1 of 2 validation runs timed out"),
+    (["error", "oom"], "TrialError", "1 of 2 validation runs crashed"),
+    (["oom", "unhealthy"], "NothingFitsError", r"the best 2 all failed their longer run \(oom, unhealthy\)"),
+])
+def test_only_measured_validation_failures_are_nothing_fits(tmp_path, outcomes, error, match):
+    import autofit.errors
+    from autofit.search import SearchResult
+    from autofit.trial import Measurement
+    from autofit.tune import validate
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={**SEARCH, "trial_timeout_s": 10})))
+    records = [_record(TrainConfig(micro_batch_size=mb, grad_accum_steps=spec.train.global_batch_size // mb),
+                       step_time_s=0.01, wall_s=1.0) for mb in (8, 4)]
+    result = SearchResult(records=records, budget_bytes=2, wall_s=0, resumed=0, stop_reason="", ranked=records)
+    by_config = dict(zip((r.config for r in records), outcomes))
+
+    def run_long(config, steps, timeout_s):
+        return Measurement(status=by_config[config], config=config, reason=f"simulated {by_config[config]}")
+
+    with pytest.raises(getattr(autofit.errors, error), match=match) as err:
+        validate(spec, result, run_long)
+    assert type(err.value).__name__ == error
+
+
 def test_a_winner_slower_than_the_baseline_is_never_the_profile(tmp_path):
     from autofit.tune import never_worse
 

@@ -13,8 +13,8 @@ from autofit.search.health import FIRST_LOSS_RTOL, MEAN_LOSS_RTOL, REFERENCE_PRE
 from autofit.search.loop import Tuner
 from autofit.search.memory import MemoryModel
 from autofit.search.space import Knob, SearchSpace
-from autofit.search.study import SearchResult, TrialRecord, _redact, make_study, read_records
+from autofit.search.study import SearchResult, TrialRecord, make_study, read_records
 
 __all__ = ["FIRST_LOSS_RTOL", "MEAN_LOSS_RTOL", "REFERENCE_PRECISIONS", "Knob", "MemoryModel", "SearchResult",
-           "SearchSpace", "TrialRecord", "Tuner", "_redact", "health_problem", "make_study", "read_records",
+           "SearchSpace", "TrialRecord", "Tuner", "health_problem", "make_study", "read_records",
            "reference_for"]

@@ -9,6 +9,7 @@ import optuna
 
 from autofit.errors import SpecError
 from autofit.knobs import TrainConfig
+from autofit.redact import redact_text, redact_url
 from autofit.trial import Measurement
 
 _ATTR = "autofit"  # user attr holding a trial's record
@@ -99,16 +100,8 @@ def make_study(*, study_name: str, storage: str | None, seed: int = 0) -> optuna
         return optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
                                    direction="maximize", load_if_exists=True)
     except ImportError as exc:  # a database driver missing for the URL's scheme
-        raise SpecError(f"--storage {_redact(storage)}: a driver is missing ({exc}); install it, "
+        raise SpecError(f"--storage {redact_url(storage)}: a driver is missing ({redact_text(str(exc))}); install it, "
                         f"e.g. pip install psycopg2-binary for postgresql://") from None
     except Exception as exc:  # sqlalchemy: unknown scheme, unreachable or unwritable database
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise SpecError(f"--storage {_redact(storage)}: cannot open the study storage: {first[:200]}") from None
-
-
-def _redact(url: str | None) -> str:
-    """Never print a database password."""
-    if url and "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return str(url)
+        raise SpecError(f"--storage {redact_url(storage)}: cannot open the study storage: {redact_text(first)[:200]}") from None
