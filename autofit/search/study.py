@@ -10,6 +10,7 @@ import optuna
 from autofit.errors import SpecError
 from autofit.knobs import TrainConfig
 from autofit.redact import redact_text, redact_url
+from autofit.search.shared import creation_lock
 from autofit.trial import Measurement
 
 _ATTR = "autofit"  # user attr holding a trial's record
@@ -97,11 +98,31 @@ def make_study(*, study_name: str, storage: str | None, seed: int = 0) -> optuna
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True, group=True)
     try:
-        return optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
-                                   direction="maximize", load_if_exists=True)
-    except ImportError as exc:  # a database driver missing for the URL's scheme
-        raise SpecError(f"--storage {redact_url(storage)}: a driver is missing ({redact_text(str(exc))}); install it, "
-                        f"e.g. pip install psycopg2-binary for postgresql://") from None
+        # Workers started together on an empty database would all create Optuna's tables.
+        with creation_lock(storage):
+            return optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
+                                       direction="maximize", load_if_exists=True)
+    except ImportError:  # a database driver missing for the URL's scheme
+        raise SpecError(f"--storage {redact_url(storage)}: {driver_hint(storage)}") from None
     except Exception as exc:  # sqlalchemy: unknown scheme, unreachable or unwritable database
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SpecError(f"--storage {redact_url(storage)}: cannot open the study storage: {redact_text(first)[:200]}") from None
+
+
+# SQLAlchemy 2.x's driver for each URL scheme, and what installs it.
+_DRIVERS = {
+    "postgresql": "psycopg 3: pip install 'autofit[postgres]'",
+    "postgresql+psycopg": "psycopg 3: pip install 'autofit[postgres]'",
+    "postgresql+psycopg2": "psycopg2: pip install psycopg2-binary",
+    "mysql": "mysqlclient: pip install mysqlclient (or use mysql+pymysql:// with pip install PyMySQL)",
+    "mysql+pymysql": "PyMySQL: pip install PyMySQL",
+}
+
+
+def driver_hint(url: str | None) -> str:
+    """What a storage URL's missing database driver is and how to install it."""
+    scheme = str(url).split("://", 1)[0]
+    known = _DRIVERS.get(scheme)
+    return (f"its database driver is not installed ({known})" if known else
+            f"the database driver for {scheme}:// is not installed; install the one SQLAlchemy names for it")
+
