@@ -6,7 +6,7 @@ Lightning `Trainer` kwargs, and environment variables.
     lightning.Trainer(**profile.to_lightning())
 
 Each `to_*` returns only what the target accepts, so it can be splatted as is; what the
-target cannot express (partial checkpointing, freezing, ...) is listed by `*_notes`.
+target cannot express (partial or selective checkpointing, freezing, ...) is listed by `*_notes`.
 """
 
 import dataclasses
@@ -80,6 +80,15 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
                 f"{ckpt_key}=False" + ("" if n_blocks is not None else
                                        ", or pass n_blocks= so an evenly spread choice can be exported"))
         args[f"{ckpt_key}_kwargs"] = ckpt_kwargs
+        if config.checkpoint_policy == "selective":
+            # TrainingArguments' checkpointing kwargs reach torch.utils.checkpoint, but the
+            # selective policy is a context_fn (a function): JSON-serialised arguments cannot hold it.
+            notes.append(
+                f"checkpoint_policy=selective: the profile keeps each checkpointed block's matmul and attention "
+                f"outputs and recomputes only the rest; TrainingArguments can only recompute whole layers, "
+                f"which fits in no more memory but is slower. For the exact choice, apply it to the model "
+                f"(autofit.knobs.apply_checkpointing(model, {k}, first_block={config.freeze_blocks}, "
+                f"policy='selective')) and set {ckpt_key}=False")
     data = {} if isinstance(profile, TrainConfig) else profile.data
     if data.get("kind") == "text" or config.length_bucketing:
         _hf_lengths(args, notes, config, data, fields)
@@ -187,7 +196,10 @@ def lightning_notes(profile) -> list[str]:
     if config.distributed:
         notes.append(f"several nodes: devices (per node) x num_nodes must equal world_size={config.world_size}")
     if config.checkpoint_blocks or config.freeze_blocks:
-        notes.append(f"checkpoint_blocks={config.checkpoint_blocks}, freeze_blocks={config.freeze_blocks}: "
+        # Lightning has no checkpointing of its own outside FSDP's activation_checkpointing_policy,
+        # which wraps whole modules: neither a few blocks nor a selective policy.
+        policy = f" ({config.checkpoint_policy})" if config.checkpoint_blocks else ""
+        notes.append(f"checkpoint_blocks={config.checkpoint_blocks}{policy}, freeze_blocks={config.freeze_blocks}: "
                      f"apply them to the model in configure_model() with "
                      f"autofit.knobs.apply_config(model, profile.config)")
     return notes
@@ -204,6 +216,8 @@ def to_env(profile) -> dict[str, str]:
         "AUTOFIT_CHECKPOINT_BLOCKS": str(config.checkpoint_blocks),
         "AUTOFIT_FREEZE_BLOCKS": str(config.freeze_blocks),
     }
+    if config.checkpoint_policy != "full":  # absent: full, as profiles written before it
+        env["AUTOFIT_CHECKPOINT_POLICY"] = config.checkpoint_policy
     if config.distributed:
         env |= {"AUTOFIT_PARALLELISM": config.parallelism, "AUTOFIT_WORLD_SIZE": str(config.world_size),
                 "AUTOFIT_TORCHRUN": torchrun_command(config)}

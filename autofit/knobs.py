@@ -1,17 +1,21 @@
 """`TrainConfig` and applying it to a model: block-stack discovery, activation
-checkpointing and freezing."""
+checkpointing (whole blocks, or selective per op) and freezing."""
 
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autofit.errors import SpecError
-from autofit.spec import PRECISIONS, ModelSpec
+from autofit.spec import CHECKPOINT_POLICIES, PRECISIONS, ModelSpec
 
 PARALLELISMS = ("none", "ddp", "fsdp")  # one process; DistributedDataParallel; FSDP2 fully_shard
 OPTIMIZER_BITS = (32, 8)  # the optimizer's moments in fp32, or blockwise 8-bit (bitsandbytes)
+# CHECKPOINT_POLICIES: what a checkpointed block keeps for backward. `full`: only its input
+# (the whole block is recomputed); `selective`: also the outputs of its matmul and attention
+# ops (SAVE_MATMUL_ATTENTION), so backward recomputes only the cheap ops between them.
 
 # The one place a private torch API is used: the checkpoint wrapper that torchtitan and
 # FSDP use. It keeps state_dict keys unchanged, which plain torch.utils.checkpoint in a
@@ -31,6 +35,7 @@ class TrainConfig:
     micro_batch_size: int  # samples per forward/backward
     grad_accum_steps: int = 1  # micro batches per optimizer step
     checkpoint_blocks: int = 0  # blocks of the block stack with activation checkpointing
+    checkpoint_policy: str = "full"  # full | selective: what each checkpointed block keeps (see CHECKPOINT_POLICIES)
     freeze_blocks: int = 0  # embeddings + the first k blocks frozen (0: nothing frozen)
     # Text data: each step's samples sorted by length before the micro batches are cut, so
     # dynamic padding pads less. The step trains on the same samples: the update is the same.
@@ -52,6 +57,9 @@ class TrainConfig:
             raise SpecError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.parallelism not in PARALLELISMS:
             raise SpecError(f"parallelism: must be one of {', '.join(PARALLELISMS)}, got {self.parallelism!r}")
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise SpecError(f"checkpoint_policy: must be one of {', '.join(CHECKPOINT_POLICIES)}, "
+                            f"got {self.checkpoint_policy!r}")
         for name in ("reshard_after_forward", "gradient_as_bucket_view"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name}: must be true or false, got {getattr(self, name)!r}")
@@ -77,8 +85,11 @@ class TrainConfig:
             # The chunked loss reads the head's weight outside the model's forward, where
             # DDP's and FSDP2's hooks do not see it.
             raise SpecError(f"chunked_loss: runs in one process only, got parallelism {self.parallelism}")
-        # Another strategy's knobs are inert: reset to their defaults, so configs that differ
-        # only there are one config (equal, one hash, measured once).
+        # Inert knobs are reset to their defaults, so configs that differ only there are one
+        # config (equal, one hash, measured once): the policy of no checkpointed block, and
+        # another strategy's knobs.
+        if self.checkpoint_blocks == 0:
+            object.__setattr__(self, "checkpoint_policy", "full")
         if self.parallelism != "fsdp":
             object.__setattr__(self, "reshard_after_forward", True)
         if self.parallelism != "ddp":
@@ -105,7 +116,8 @@ class TrainConfig:
         out = dataclasses.asdict(self)
         # Knobs at their defaults are left out: a profile mentions what it changes, and the
         # records of configs that never had these knobs stay as they were.
-        for name, default in (("length_bucketing", False), ("optimizer_bits", 32), ("chunked_loss", False)):
+        for name, default in (("length_bucketing", False), ("optimizer_bits", 32), ("chunked_loss", False),
+                              ("checkpoint_policy", "full")):
             if out[name] == default:
                 del out[name]
         # A strategy's own knobs are written only with that strategy: a one-process profile
@@ -141,7 +153,8 @@ class TrainConfig:
 
     def short(self) -> str:
         text = (f"{self.precision} mb={self.micro_batch_size}x{self.grad_accum_steps} "
-                f"ckpt={self.checkpoint_blocks} freeze={self.freeze_blocks}"
+                f"ckpt={self.checkpoint_blocks}{'sel' if self.checkpoint_policy == 'selective' else ''} "
+                f"freeze={self.freeze_blocks}"
                 + (" bucketed" if self.length_bucketing else "")
                 + (" adam8bit" if self.optimizer_bits == 8 else "")
                 + (" chunked-ce" if self.chunked_loss else ""))
@@ -160,7 +173,7 @@ def with_overrides(config: TrainConfig, overrides: dict[str, str], *, global_bat
     for key, text in overrides.items():
         if key not in fields:
             raise SpecError(f"--set {key}: unknown key; allowed: {', '.join(fields)}")
-        if key in ("precision", "parallelism"):
+        if fields[key] is str:
             values[key] = text
         elif fields[key] is bool:
             if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -255,10 +268,41 @@ def spread_indices(n_blocks: int, n_chosen: int, first: int = 0) -> list[int]:
     return sorted({first + (i * span) // n_chosen for i in range(n_chosen)})
 
 
-def apply_checkpointing(model: nn.Module, n_blocks: int, *, first_block: int = 0) -> list[int]:
+# The selective policy, after torchtitan's op-level SAC: the outputs of these ops are saved,
+# everything else in a checkpointed block is recomputed in backward. Matmuls and attention
+# are nearly all of a block's FLOPs; the norms, activation functions, dropout and residual
+# adds between them cost little to redo, and what they would keep is what selective frees.
+SAVE_MATMUL_ATTENTION = frozenset({
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+})
+
+
+def save_matmul_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """`selective`'s policy for `create_selective_checkpoint_contexts`: keep matmul and
+    attention outputs, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_MATMUL_ATTENTION else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(save_matmul_attention)
+
+
+def apply_checkpointing(model: nn.Module, n_blocks: int, *, first_block: int = 0, policy: str = "full") -> list[int]:
     """Wrap `n_blocks` blocks of the stack in non-reentrant activation checkpointing, spread
     over the blocks from `first_block` on (pass the frozen block count: a frozen block keeps
-    no activations for backward, so checkpointing it would save nothing)."""
+    no activations for backward, so checkpointing it would save nothing). `policy` is what
+    each wrapped block keeps: `full` (its input) or `selective` (its matmul and attention
+    outputs too, `save_matmul_attention`)."""
+    if policy not in CHECKPOINT_POLICIES:
+        raise SpecError(f"checkpoint_policy: must be one of {', '.join(CHECKPOINT_POLICIES)}, got {policy!r}")
     if n_blocks == 0:
         return []
     name, stack = _require_stack(model, "checkpoint_blocks")
@@ -267,9 +311,12 @@ def apply_checkpointing(model: nn.Module, n_blocks: int, *, first_block: int = 0
         raise SpecError(f"checkpoint_blocks: this model has {len(stack) - first_block} blocks{frozen} "
                         f"in {name} to checkpoint, got {n_blocks}")
     chosen = spread_indices(len(stack), n_blocks, first_block)
+    # The selective policy's contexts are made afresh for every forward (the checkpoint
+    # calls context_fn each time): they hold that forward's saved outputs.
+    extra = {"context_fn": _selective_contexts} if policy == "selective" else {}
     for i in chosen:
         if not isinstance(stack[i], CheckpointWrapper):
-            stack[i] = checkpoint_wrapper(stack[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            stack[i] = checkpoint_wrapper(stack[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
     return chosen
 
 
@@ -298,7 +345,8 @@ def apply_freezing(model: nn.Module, n_blocks: int) -> int:
 def apply_config(model: nn.Module, config: TrainConfig) -> nn.Module:
     """Freezing and checkpointing, in place; returns the model for chaining."""
     apply_freezing(model, config.freeze_blocks)
-    apply_checkpointing(model, config.checkpoint_blocks, first_block=config.freeze_blocks)
+    apply_checkpointing(model, config.checkpoint_blocks, first_block=config.freeze_blocks,
+                        policy=config.checkpoint_policy)
     return model
 
 

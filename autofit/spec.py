@@ -21,6 +21,8 @@ from autofit.errors import SpecError
 
 SCHEMA_VERSION = 1
 PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
+# What a checkpointed block keeps (autofit/knobs.py): its input only, or its matmul and attention outputs too.
+CHECKPOINT_POLICIES = ("full", "selective")
 MODEL_SOURCES = ("builtin", "hf", "python")
 DATA_KINDS = ("synthetic", "tokens", "python", "text")
 TEXT_FORMATS = ("jsonl", "txt")
@@ -94,6 +96,9 @@ class SearchSpec:
     precisions: tuple[str, ...] = PRECISIONS  # the allowed set; unsupported ones are skipped
     max_freeze_blocks: int = 0  # freezing changes what is trained: opt-in
     activation_checkpointing: bool = True
+    # Opt-in knobs (the default searches only the first value): the checkpoint policies of
+    # the checkpointed blocks.
+    checkpoint_policies: tuple[str, ...] = ("full",)
     memory_headroom: float = 0.05  # fraction of usable memory left free
     trials: int = 40  # most configurations measured (pruned proposals and repeats do not count)
     patience: int = 12  # stop after this many measured trials without a better one
@@ -131,7 +136,8 @@ class ModelSpec:
         out["data"] = data
         out["optimizer"] = dataclasses.asdict(self.optimizer) | {"betas": list(self.optimizer.betas)}
         out["train"] = dataclasses.asdict(self.train)
-        out["search"] = dataclasses.asdict(self.search) | {"precisions": list(self.search.precisions)}
+        out["search"] = dataclasses.asdict(self.search) | {"precisions": list(self.search.precisions),
+                                                           "checkpoint_policies": list(self.search.checkpoint_policies)}
         return out
 
     @property
@@ -143,6 +149,11 @@ class ModelSpec:
         # timeouts change the cost of a tune, not which config wins.
         space = {k: d["search"][k] for k in ("precisions", "max_freeze_blocks", "activation_checkpointing",
                                             "memory_headroom")}
+        # Opt-in knobs join the hash only when opted in: specs without them keep their hash
+        # (and their profiles).
+        for key, default in (("checkpoint_policies", ["full"]),):
+            if d["search"][key] != default:
+                space[key] = d["search"][key]
         relevant = {
             "model": d["model"], "data": d["data"], "optimizer": d["optimizer"],
             "global_batch_size": d["train"]["global_batch_size"],
@@ -348,6 +359,7 @@ def _search(r: "_Reader") -> SearchSpec:
         precisions=tuple(dict.fromkeys(precisions)),
         max_freeze_blocks=r.nonnegative_int("max_freeze_blocks", default=0, maximum=MAX_TRIAL_STEPS),
         activation_checkpointing=r.get("activation_checkpointing", bool, default=True),
+        checkpoint_policies=_choices(r, "checkpoint_policies", CHECKPOINT_POLICIES, default=("full",)),
         memory_headroom=headroom,
         trials=r.positive_int("trials", default=40, maximum=MAX_TRIALS),
         patience=r.positive_int("patience", default=12, maximum=MAX_TRIALS),
@@ -360,6 +372,17 @@ def _search(r: "_Reader") -> SearchSpec:
     )
     r.finish()
     return search
+
+
+def _choices(r: "_Reader", key: str, allowed: tuple, *, default: tuple) -> tuple:
+    """A non-empty list of distinct values from `allowed`, in the given order."""
+    values = r.get(key, list, default=list(default))
+    for i, value in enumerate(values):
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            raise SpecError(f"search.{key}[{i}]: {_choice_error(value, tuple(map(str, allowed)))}")
+    if not values:
+        raise SpecError(f"search.{key}: at least one of {', '.join(map(str, allowed))} is needed")
+    return tuple(dict.fromkeys(values))
 
 
 def _shorten(text: str, limit: int = 60) -> str:

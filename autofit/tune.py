@@ -80,6 +80,7 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchS
         max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
         length_bucketing=(False, True) if bucketing else (False,),
+        checkpoint_policies=spec.search.checkpoint_policies,
     )
 
 

@@ -72,6 +72,19 @@ def test_estimate_matches_the_tracked_peak_of_trials(tiny_spec, one_thread):
     assert max(errors) < 0.10
 
 
+def test_selective_checkpointing_peak_lies_between_none_and_full_as_predicted(tiny_spec, one_thread):
+    """The estimator runs the selective policy's own contexts on fake tensors: its peak is
+    predicted below no checkpointing and above full checkpointing, and measured so."""
+    peaks = {}
+    for blocks, policy in ((0, "full"), (2, "selective"), (2, "full")):
+        config = TrainConfig(micro_batch_size=8, checkpoint_blocks=blocks, checkpoint_policy=policy)
+        peaks[config.short()] = (estimate_memory(tiny_spec, config).peak_bytes, _tracked_peak(tiny_spec, config))
+    print("\n" + "\n".join(f"{name:<34} estimated {e:>10,} measured {m:>10,}" for name, (e, m) in peaks.items()))
+    (none_e, none_m), (sel_e, sel_m), (full_e, full_m) = peaks.values()
+    assert none_e > sel_e > full_e and none_m > sel_m > full_m
+    assert sel_e == pytest.approx(sel_m, rel=0.02)
+
+
 def test_tied_weights_are_counted_once(tmp_path, one_thread):
     pytest.importorskip("transformers")
     gpt2 = {"hf": {"class": "GPT2LMHeadModel",

@@ -65,6 +65,18 @@ def test_hf_export_says_what_it_cannot_express(tmp_path):
         assert args.activation_checkpointing_kwargs["every_n_layers"] == 2
 
 
+def test_selective_checkpointing_exports_say_where_the_target_cannot_express_it():
+    profile = _profile(checkpoint_blocks=2, checkpoint_policy="selective")
+    args = to_hf_training_args(profile, n_blocks=2)
+    # Whole layers are what TrainingArguments can do: less memory, more recomputation.
+    assert args.get("activation_checkpointing", args.get("gradient_checkpointing")) is True
+    assert any("checkpoint_policy=selective" in n and "policy='selective'" in n for n in hf_notes(profile, n_blocks=2))
+    assert any("(selective)" in n and "apply_config" in n for n in lightning_notes(profile))
+    assert profile.to_env()["AUTOFIT_CHECKPOINT_POLICY"] == "selective"
+    assert "AUTOFIT_CHECKPOINT_POLICY" not in _profile(checkpoint_blocks=2).to_env()
+    assert not any("checkpoint_policy" in n for n in hf_notes(_profile(checkpoint_blocks=2), n_blocks=2))
+
+
 @pytest.mark.parametrize("precision, lightning", [
     ("32-true", "32-true"), ("tf32", "32-true"), ("16-mixed", "16-mixed"), ("bf16-mixed", "bf16-mixed"),
     ("bf16-true", "bf16-true"),

@@ -139,3 +139,72 @@ def test_hf_models_train_a_step_with_checkpointing_and_freezing(cls, config, sta
     assert any(not p.requires_grad for p in runner.model.parameters())
     result = runner.step(runner.global_batch(0))
     assert torch.isfinite(result.loss)
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops dispatched while active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_in_backward(runner: Runner) -> dict[str, int]:
+    loss = runner.workload.loss_fn(runner.model, runner.global_batch(0)[0])
+    with _OpCounter() as counter:
+        loss.backward()
+    return counter.counts
+
+
+def test_selective_checkpointing_keeps_matmul_outputs_and_recomputes_the_rest():
+    """The named policy: backward recomputes a selective block's layer norms and GELU but
+    none of its matmuls or its attention; a full block recomputes them all. Gradients are
+    the plain step's."""
+    from autofit.knobs import save_matmul_attention
+
+    aten = torch.ops.aten
+    assert save_matmul_attention(None, aten.mm.default).name == "MUST_SAVE"
+    assert save_matmul_attention(None, aten._scaled_dot_product_flash_attention_for_cpu.default).name == "MUST_SAVE"
+    assert save_matmul_attention(None, aten.gelu.default).name == "PREFER_RECOMPUTE"
+
+    plain = make_runner(TrainConfig(micro_batch_size=8))
+    full = make_runner(TrainConfig(micro_batch_size=8, checkpoint_blocks=2))
+    selective = make_runner(TrainConfig(micro_batch_size=8, checkpoint_blocks=2, checkpoint_policy="selective"))
+    attention = "_scaled_dot_product_flash_attention_for_cpu"
+    base, full_ops, sel_ops = (ops_in_backward(r) for r in (plain, full, selective))
+    # Forward ops that run again in backward: 2 blocks x (LayerNorm x 2, GELU, attention, 4 linears).
+    assert full_ops[attention] == base.get(attention, 0) + 2
+    assert full_ops["native_layer_norm"] == base.get("native_layer_norm", 0) + 4
+    assert sel_ops.get(attention, 0) == base.get(attention, 0)
+    assert sel_ops.get("addmm", 0) == base.get("addmm", 0) and sel_ops.get("mm") == base.get("mm")
+    assert sel_ops["native_layer_norm"] == full_ops["native_layer_norm"]
+    assert sel_ops["gelu"] == full_ops["gelu"] == base.get("gelu", 0) + 2
+    # (What each keeps in memory: tests/test_estimate.py, with the tracker; the selective
+    # cache holds its outputs outside autograd's saved-tensor hooks.)
+    assert_same_grads(grads_of_first_step(plain), grads_of_first_step(selective), atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_selective_checkpointing_under_autocast_matches_the_plain_step(precision):
+    plain = make_runner(TrainConfig(precision=precision, micro_batch_size=4, grad_accum_steps=2))
+    selective = make_runner(TrainConfig(precision=precision, micro_batch_size=4, grad_accum_steps=2,
+                                        checkpoint_blocks=1, checkpoint_policy="selective"))
+    # The recomputed ops see the same inputs in the same dtype: equal to bf16 rounding.
+    assert_same_grads(grads_of_first_step(plain), grads_of_first_step(selective), atol=1e-3)
+
+
+def test_checkpoint_policy_is_a_config_knob():
+    base = TrainConfig(micro_batch_size=8)
+    sel = with_overrides(base, {"checkpoint_blocks": "2", "checkpoint_policy": "selective"}, global_batch_size=8)
+    assert sel.checkpoint_policy == "selective" and sel.to_dict()["checkpoint_policy"] == "selective"
+    assert TrainConfig.from_dict(sel.to_dict()) == sel and "sel" in sel.short()
+    # With no block checkpointed the policy is inert: one config, and profiles without it load.
+    assert base.replace(checkpoint_policy="selective") == base
+    assert "checkpoint_policy" not in base.to_dict()
+    with pytest.raises(SpecError, match="checkpoint_policy: must be one of full, selective"):
+        with_overrides(base, {"checkpoint_blocks": "1", "checkpoint_policy": "some"}, global_batch_size=8)

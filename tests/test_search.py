@@ -167,6 +167,32 @@ def test_space_has_no_equivalent_checkpointing_points():
     assert space.suggest(study.ask()).checkpoint_blocks == 2  # clamped to the trainable blocks
 
 
+def test_checkpoint_policies_join_the_space_only_when_opted_in():
+    plain = SearchSpace(global_batch_size=4, precisions=("32-true",), micro_batch_sizes=(1, 2, 4),
+                        max_checkpoint_blocks=4, max_freeze_blocks=1)
+    both = SearchSpace(global_batch_size=4, precisions=("32-true",), micro_batch_sizes=(1, 2, 4),
+                       max_checkpoint_blocks=4, max_freeze_blocks=1, checkpoint_policies=("full", "selective"))
+    assert "checkpoint_policy" not in {k.field for k in plain.knobs()}
+    grid = both.grid()
+    # No checkpointed block has no policy: those configs are counted once.
+    assert len(grid) == len(set(grid)) == both.size == 3 * ((2 * 4 + 1) + (2 * 3 + 1))
+    assert {c.checkpoint_policy for c in grid if c.checkpoint_blocks} == {"full", "selective"}
+    sel = both.config("32-true", 2, 2, checkpoint_policy="selective")
+    assert sel.replace(checkpoint_policy="full") in both.neighbours(sel)
+    assert all(n != sel.replace(checkpoint_blocks=0) or n.checkpoint_policy == "full" for n in both.neighbours(sel))
+
+
+def test_an_oom_blocks_only_configs_that_keep_at_least_as_much():
+    from autofit.search.memory import _needs_more
+
+    full2 = TrainConfig(micro_batch_size=4, checkpoint_blocks=2)
+    sel2 = full2.replace(checkpoint_policy="selective")
+    assert _needs_more(sel2, full2) and not _needs_more(full2, sel2)  # selective keeps more per block
+    assert _needs_more(full2.replace(checkpoint_blocks=0), sel2)  # no checkpointing keeps everything
+    assert _needs_more(sel2.replace(checkpoint_blocks=1), sel2) and not _needs_more(full2.replace(checkpoint_blocks=1), sel2)
+    assert not _needs_more(sel2.replace(checkpoint_blocks=3), full2)
+
+
 def test_search_space_for_python_data(tmp_path):
     """The block count is read from a meta-device model; a python dataset still samples real data."""
     from autofit.device.probe import cpu_device

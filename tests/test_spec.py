@@ -26,6 +26,9 @@ MALFORMED = {
     "bad builtin arg": (_with("model", {"builtin": "gpt", "args": {"n_lyer": 2}}), "n_lyer"),
     "unknown builtin": (_with("model", {"builtin": "resnet"}), "resnet"),
     "boolean as number": (tiny_gpt_dict(optimizer={"lr": True}), "optimizer.lr"),
+    "bad checkpoint policy": (tiny_gpt_dict(search={"checkpoint_policies": ["selectiv"]}),
+                              "search.checkpoint_policies[0]: must be one of full, selective, got 'selectiv'; "
+                              "did you mean selective?"),
     "headroom too large": (tiny_gpt_dict(search={"memory_headroom": 0.9}), "search.memory_headroom"),
     "bad name": (tiny_gpt_dict(name="my model/v2"), "name:"),
     "schema 2": (tiny_gpt_dict(schema=2), "schema:"),
@@ -100,6 +103,12 @@ def test_spec_hash_is_stable_and_tracks_what_tuning_depends_on(tmp_path):
     assert longer.spec_hash == a.spec_hash  # run length does not change the best config
     wider = load_spec(write_spec(tmp_path, tiny_gpt_dict(train={"global_batch_size": 16}), "d.yaml"))
     assert wider.spec_hash != a.spec_hash
+    # An opt-in knob at its default leaves the hash (and the profiles tuned before it) alone.
+    default = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"checkpoint_policies": ["full"]}), "e.yaml"))
+    assert default.spec_hash == a.spec_hash
+    both = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"checkpoint_policies": ["full", "selective"]}),
+                                "f.yaml"))
+    assert both.spec_hash != a.spec_hash and both.search.checkpoint_policies == ("full", "selective")
 
 
 def test_example_specs_parse():

@@ -86,6 +86,8 @@ class Tuner:
                 break
             self._tell(trial, record)
             records = self.records()  # other workers sharing the study may have finished trials too
+            if record.status == "oom":
+                self._queue[:0] = self._after_oom(config, records)
             new_best = _best(records, self.budget_bytes)
             improved = new_best is not None and (best is None or new_best.samples_per_s > best.samples_per_s)
             since_best = 0 if improved else since_best + 1
@@ -297,6 +299,17 @@ class Tuner:
                 queued.add(group)
         self._seeds.update(out)
         return out
+
+    def _after_oom(self, config: TrainConfig, records: list[TrialRecord]) -> list[TrainConfig]:
+        """A checkpointed config that ran out of memory: its micro batch with the fewest blocks
+        (same policy) that fit under the fit that has just learned from the OOM. Without it a
+        frontier point mispredicted by one block would be lost with its micro batch."""
+        if config.checkpoint_blocks == 0:
+            return []
+        again = seeding.fewest_checkpointed(self.space, self._fits(records), config.precision, config.micro_batch_size,
+                                            config.freeze_blocks, self.space.strategy_of(config),
+                                            config.checkpoint_policy)
+        return [again] if again is not None and again != config and self.known(again, records) is None else []
 
     def _was_queued(self, trial: optuna.Trial) -> bool:
         """Asked from the queue (a seed, refinement or neighbour), not proposed by the sampler."""

@@ -61,16 +61,30 @@ def fit_points(points: list[tuple[float, float]], overhead_hint: float = 0.0) ->
 
 
 def _group(config: TrainConfig) -> tuple:
-    # Per strategy too: DDP's and FSDP2's buffers are modelled, not traced.
-    return config.precision, config.checkpoint_blocks > 0, config.parallelism
+    # Per strategy too: DDP's and FSDP2's buffers are modelled, not traced. Per checkpoint
+    # policy: a selective block's saved matmul outputs are kernel-dependent on a GPU.
+    checkpointing = config.checkpoint_blocks > 0 and config.checkpoint_policy
+    return config.precision, checkpointing, config.parallelism
+
+
+def _keeps_more(config: TrainConfig, than: TrainConfig) -> bool:
+    """`config`'s checkpointing keeps at least the activations `than`'s keeps: no more
+    checkpointed blocks, and each keeping as much (no block checkpointed keeps everything;
+    a selective block keeps more than a full one). Full against selective at fewer blocks
+    is no order: one whole block kept against several blocks' matmul outputs."""
+    if config.checkpoint_blocks > than.checkpoint_blocks:
+        return False
+    return (config.checkpoint_blocks == 0 or config.checkpoint_policy == than.checkpoint_policy
+            or (config.checkpoint_policy == "selective" and than.checkpoint_policy == "full"))
 
 
 def _needs_more(config: TrainConfig, than: TrainConfig) -> bool:
     """`config` holds everything `than` holds in memory, or more."""
     same_otherwise = config.replace(micro_batch_size=than.micro_batch_size, grad_accum_steps=than.grad_accum_steps,
-                                    checkpoint_blocks=than.checkpoint_blocks, freeze_blocks=than.freeze_blocks)
+                                    checkpoint_blocks=than.checkpoint_blocks, checkpoint_policy=than.checkpoint_policy,
+                                    freeze_blocks=than.freeze_blocks)
     return (same_otherwise == than and config.micro_batch_size >= than.micro_batch_size
-            and config.checkpoint_blocks <= than.checkpoint_blocks and config.freeze_blocks <= than.freeze_blocks)
+            and _keeps_more(config, than) and config.freeze_blocks <= than.freeze_blocks)
 
 
 def record_budget(record: TrialRecord) -> int | None:

@@ -55,6 +55,8 @@ class SearchSpace:
     max_checkpoint_blocks: int
     max_freeze_blocks: int
     length_bucketing: tuple[bool, ...] = (False,)  # (False, True) where sorting by length can help
+    # What each checkpointed block keeps; ("full", "selective") when the spec opts in.
+    checkpoint_policies: tuple[str, ...] = ("full",)
     # Ranks (`--nproc`). Above 1 the strategy and its memory knobs join the space, and the
     # micro batches divide each rank's share of the global batch.
     world_size: int = 1
@@ -68,9 +70,15 @@ class SearchSpace:
             Knob(field="checkpoint_blocks", param="checkpoint_blocks",
                  values=tuple(range(self.max_checkpoint_blocks + 1)), steps=(-1, 1)),
             Knob(field="freeze_blocks", param="freeze_blocks", values=tuple(range(self.max_freeze_blocks + 1))),
-        ) + ((Knob(field="length_bucketing", param="length_bucketing", values=self.length_bucketing, ordered=False),)
-             # Declared only where it has a choice: studies of other data keep their parameters.
-             if len(self.length_bucketing) > 1 else ())
+        )
+        # Opt-in knobs are declared only where they have a choice: studies without them keep
+        # their parameters.
+        if len(self.length_bucketing) > 1:
+            knobs += (Knob(field="length_bucketing", param="length_bucketing", values=self.length_bucketing,
+                           ordered=False),)
+        if len(self.checkpoint_policies) > 1 and self.max_checkpoint_blocks:
+            knobs += (Knob(field="checkpoint_policy", param="checkpoint_policy", values=self.checkpoint_policies,
+                           ordered=False),)
         if self.world_size == 1:
             return knobs
         # A strategy's knob is inert under the other strategy (TrainConfig resets it), so
@@ -118,6 +126,10 @@ class SearchSpace:
         """In the space and not equivalent to another point of it."""
         return config.checkpoint_blocks <= self.checkpointable(config.freeze_blocks)
 
+    def policies(self) -> tuple[str, ...]:
+        """The checkpoint policies searched (one when the spec did not opt in)."""
+        return self.checkpoint_policies if self.max_checkpoint_blocks else ("full",)
+
     def suggest(self, trial: optuna.Trial) -> TrainConfig:
         values = {k.field: k.suggest(trial) for k in self.knobs()}
         # Checkpointing beyond the trainable blocks is the same point as checkpointing all of them.
@@ -132,16 +144,18 @@ class SearchSpace:
         knobs = self.knobs()
         configs = (self._from_values(dict(zip((k.field for k in knobs), combo)))
                    for combo in itertools.product(*(k.values for k in knobs)))
-        return [c for c in configs if self.valid(c)]
+        # No checkpointed block has no policy: those configs come once (TrainConfig resets it).
+        return list(dict.fromkeys(c for c in configs if self.valid(c)))
 
     @property
     def size(self) -> int:
         """len(grid()), without building it."""
         size = 1
         for k in self.knobs():
-            if k.field not in ("checkpoint_blocks", "freeze_blocks"):
+            if k.field not in ("checkpoint_blocks", "freeze_blocks", "checkpoint_policy"):
                 size *= len(k.values)
-        return size * sum(self.checkpointable(f) + 1 for f in range(self.max_freeze_blocks + 1))
+        policies = len(self.policies())
+        return size * sum(policies * self.checkpointable(f) + 1 for f in range(self.max_freeze_blocks + 1))
 
     def neighbours(self, config: TrainConfig) -> list[TrainConfig]:
         """Configs one step away along one knob, plus one more micro batch paid for by one
@@ -158,7 +172,9 @@ class SearchSpace:
                 out.append(moved)
         for k in self.knobs():
             if not k.ordered:
-                out += [config.replace(**{k.field: v}) for v in k.values if v != getattr(config, k.field)]
+                # A policy without checkpointed blocks is inert: no neighbour there.
+                out += [c for v in k.values if v != getattr(config, k.field)
+                        if (c := config.replace(**{k.field: v})) != config]
         return out
 
     def _step(self, config: TrainConfig, move: dict, by_field: dict) -> TrainConfig | None:
