@@ -226,7 +226,30 @@ def _add_estimate(sub) -> None:
     p.set_defaults(func=cmd_estimate)
 
 
-_COMMANDS += [_add_probe, _add_trial, _add_estimate]
+def cmd_doctor(args) -> int:
+    from autofit.doctor import run_doctor
+    from autofit.doctor.report import format_summary
+
+    progress = None if args.json else lambda line: print(line, flush=True)
+    report = run_doctor(device=args.device, checks=args.check, timeout_s=args.timeout, progress=progress)
+    print(json.dumps(report, indent=2) if args.json else format_summary(report))
+    return 0 if report["ok"] else 1
+
+
+def _add_doctor(sub) -> None:
+    from autofit.doctor import CHECK_NAMES
+
+    p = sub.add_parser("doctor", help="check that autofit's device paths hold on this device (run it first on a "
+                                      "new GPU): exit 0 when every check holds, 1 when one fails")
+    p.add_argument("--device", help="GPU index or cpu (default: the first GPU, else the CPU)")
+    p.add_argument("--check", action="append", metavar="NAME",
+                   help=f"run only this check (repeatable): {', '.join(CHECK_NAMES)}")
+    p.add_argument("--timeout", type=float, help="seconds before one check's process is killed (default: 300)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+    p.set_defaults(func=cmd_doctor)
+
+
+_COMMANDS += [_add_probe, _add_trial, _add_estimate, _add_doctor]
 
 
 # --- profiles: the store -------------------------------------------------------------------

@@ -47,6 +47,18 @@ def write_spec(folder: Path, spec: dict, name: str = "model.yaml") -> Path:
 
 
 @pytest.fixture
+def one_thread():
+    # Tiny ops on several OpenMP threads wait on each other on a small shared machine (the
+    # doctor's CPU children run with OMP_NUM_THREADS=1 for the same reason).
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def tiny_spec_path(tmp_path) -> Path:
     return write_spec(tmp_path, tiny_gpt_dict())
 

@@ -23,7 +23,7 @@ COMMANDS = _subcommands(build_parser())
 
 def test_the_documented_commands_are_registered():
     top = {c[0] for c in COMMANDS}
-    assert {"train", "tune", "trial", "estimate", "probe", "profiles", "serve", "status"} <= top
+    assert {"train", "tune", "trial", "estimate", "probe", "doctor", "profiles", "serve", "status"} <= top
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)

@@ -18,15 +18,6 @@ from conftest import faulty_spec, run_cli, run_cli_json, tiny_gpt_dict, write_sp
 GPT_7B = {"n_layer": 32, "n_head": 32, "n_embd": 4096, "vocab_size": 32000, "seq_len": 2048}
 
 
-@pytest.fixture
-def one_thread():
-    # Tiny ops on several OpenMP threads wait on each other on a small shared machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tracked_peak(spec, config: TrainConfig) -> int:
     """The trial child's own measurement, in this process: same code, no process start."""
     measured = run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),

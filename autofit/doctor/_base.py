@@ -1,0 +1,65 @@
+"""What every doctor check shares: its context, its result, the injected fault, the example model."""
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FAULT_ENV = "AUTOFIT_DOCTOR_FAULT"
+EXAMPLE_SPEC = Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt.yaml"
+MIB = 2**20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Context:
+    device: torch.device  # where the check runs: cpu, or the CUDA index as the child numbers it
+    fault: bool = False  # inject this check's fault (AUTOFIT_DOCTOR_FAULT)
+
+
+def fault_mode(name: str, env: dict | None = None) -> str | None:
+    """None, "fault", "crash" or "hang": what AUTOFIT_DOCTOR_FAULT asks of check `name`."""
+    for item in (env if env is not None else os.environ).get(FAULT_ENV, "").split(","):
+        check, _, mode = item.strip().partition(":")
+        if check == name:
+            return mode or "fault"
+    return None
+
+
+def ok(values: dict, summary: str) -> dict:
+    return {"status": "ok", "reason": None, "values": values, "advice": None, "summary": summary}
+
+
+def fail(values: dict, reason: str, advice: str, summary: str = "") -> dict:
+    return {"status": "fail", "reason": reason, "values": values, "advice": advice, "summary": summary or reason}
+
+
+def skip(reason: str, values: dict | None = None) -> dict:
+    return {"status": "skip", "reason": reason, "values": values or {}, "advice": None, "summary": reason}
+
+
+def example_spec():
+    """examples/tiny-gpt.yaml: the model every training check runs (seconds on a CPU)."""
+    from autofit.errors import SpecError
+    from autofit.spec import load_spec
+
+    if not EXAMPLE_SPEC.exists():
+        raise SpecError(f"{EXAMPLE_SPEC} is missing: autofit doctor runs the example model of a source "
+                        f"checkout (git clone, then pip install -e .)")
+    return load_spec(EXAMPLE_SPEC)
+
+
+def run_check(name: str, function, ctx: Context) -> dict:
+    """`function(ctx)` as a result dict with its name and wall time; an exception is the
+    check's failure, with its type and message."""
+    started = time.perf_counter()
+    try:
+        out = function(ctx)
+    except Exception as exc:  # noqa: BLE001 - any error is this check's result
+        first = (str(exc).strip().splitlines() or [""])[0]
+        out = fail({"traceback": traceback.format_exc()[-4000:]}, f"{type(exc).__name__}: {first}",
+                   f"unexpected error in the check: rerun `autofit -v doctor --check {name}` for its log, "
+                   f"and report it with the traceback in --json's values")
+    return {"name": name, **out, "wall_s": round(time.perf_counter() - started, 3)}

@@ -1,0 +1,96 @@
+"""Running the doctor's checks, each in a child process of its own with a timeout.
+
+A check that crashes (a segfaulting CUDA library), hangs or breaks its CUDA context dies
+with its child; the parent records why and goes on to the next check. The parent itself
+never creates a CUDA context, as `autofit tune` never does.
+"""
+
+import datetime as dt
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from autofit.doctor._base import skip
+from autofit.doctor.checks import CHECK_NAMES, CPU_SKIPS
+from autofit.doctor.report import format_header, format_line
+
+CHECK_TIMEOUT_S = 300.0  # one check; on a GPU the slowest (the estimator's two trials) takes seconds
+_LOG_TAIL_CHARS = 4000
+
+
+def run_doctor(*, device: str | int | None = None, checks: list[str] | tuple[str, ...] | None = None,
+               timeout_s: float | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """Run `checks` (default: all, in order) on `device` (a GPU index, "cpu", or None: the
+    first GPU, else the CPU). `progress` gets the header and each check's line as it ends.
+    Returns the report: the device, every check's result, and `ok` (no check failed)."""
+    from autofit import __version__
+    from autofit.commands import check_seconds
+    from autofit.device.probe import select_device
+    from autofit.errors import SpecError
+
+    names = list(checks or CHECK_NAMES)
+    unknown = [n for n in names if n not in CHECK_NAMES]
+    if unknown:
+        raise SpecError(f"--check: no check {unknown[0]!r}; the checks are {', '.join(CHECK_NAMES)}")
+    names = [n for n in CHECK_NAMES if n in names]  # the fixed order, each once
+    check_seconds("--timeout", timeout_s)
+    info = select_device(device)
+    device_arg = "cpu" if info.kind == "cpu" else str(info.index)
+    started = time.perf_counter()
+    report = {"autofit": __version__, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "host": socket.gethostname(), "device": info.to_dict(), "checks": []}
+    if progress is not None:
+        progress(format_header(report))
+    for name in names:
+        result = run_one(name, device_arg, timeout_s=timeout_s or CHECK_TIMEOUT_S)
+        report["checks"].append(result)
+        if progress is not None:
+            progress(format_line(result))
+    report["counts"] = {s: sum(c["status"] == s for c in report["checks"]) for s in ("ok", "fail", "skip")}
+    report["ok"] = report["counts"]["fail"] == 0
+    report["wall_s"] = round(time.perf_counter() - started, 3)
+    return report
+
+
+def run_one(name: str, device: str, *, timeout_s: float) -> dict:
+    """One check in its own child; never raises for what happens inside it."""
+    from autofit.trial import _child_env, _failure, _kill_group, _wait
+
+    if device == "cpu" and name in CPU_SKIPS:
+        return {"name": name, **skip(CPU_SKIPS[name]), "wall_s": 0.0}
+    started = time.perf_counter()
+    env = _child_env(device)
+    if name == "probe":
+        # The probe compares NVML with torch.cuda even for a CPU run: a GPU that NVML sees and
+        # this torch cannot (a CPU-only build) is what it is there to catch.
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if "CUDA_VISIBLE_DEVICES" in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    if device == "cpu":
+        # The example model is too small to gain from threads, and on a loaded host OpenMP's
+        # spin-waiting threads make its steps ten times slower.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="autofit-doctor-") as tmp:
+        result_path, log_path = Path(tmp, "result.json"), Path(tmp, "log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "autofit.doctor._child", name, device, str(result_path)],
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+            try:
+                ended = _wait(proc, timeout_s, None)
+            finally:
+                _kill_group(proc)
+        log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
+        if ended == "exited" and result_path.exists():
+            # The process's time, start-up included: what the check costs the user.
+            return json.loads(result_path.read_text()) | {"wall_s": round(time.perf_counter() - started, 3)}
+    _, reason = _failure(ended, proc.returncode, timeout_s, log_tail)
+    return {"name": name, "status": "fail", "reason": f"the check's process died: {reason}", "values": {},
+            "advice": f"see the log tail in --json (`log_tail`); rerun it alone: autofit doctor --check {name}",
+            "summary": reason, "log_tail": log_tail, "wall_s": round(time.perf_counter() - started, 3)}

@@ -1,0 +1,156 @@
+"""`autofit doctor`: each check holds on the CPU, an injected fault makes exactly that check
+fail (exit 1), a crashing or hanging check does not take the others down, and bad input is
+one line with exit 2. The GPU comparisons run here on plain dicts."""
+
+import json
+
+import pytest
+import torch
+
+from autofit.doctor import CHECK_NAMES, FAULT_ENV, run_doctor
+from autofit.doctor._base import Context, fault_mode, run_check
+from autofit.doctor.checks import CHECKS, compare_inventories
+from autofit.doctor.training import attention_backend
+from conftest import run_cli, run_main
+
+CPU = Context(device=torch.device("cpu"))
+# The checks that apply on a CPU; `overhead` (the CUDA context) is skipped there.
+CPU_CHECKS = ("probe", "memory-cap", "precisions", "kernels", "estimator", "distributed")
+
+
+# ---- each check on the CPU, with and without its fault, in this process ---------------------
+
+
+# What each injected fault makes its check say (autofit/doctor/_base.py lists the faults).
+FAULT_REASONS = {
+    "probe": "NVML sees 1 GPU(s), torch.cuda 0",
+    "memory-cap": "the cap is not applied",
+    "precisions": "loss is nan at step 1",
+    "kernels": "math kernel",
+    "estimator": "+50.0%",
+    "distributed": "the all-reduce gave rank 0 4.0 where 3.0 was due",
+}
+
+
+@pytest.mark.parametrize("name", [n for n in CPU_CHECKS if n != "distributed"])
+def test_each_cpu_check_holds_and_its_fault_fails_it(name, one_thread):
+    healthy = run_check(name, CHECKS[name], CPU)
+    assert healthy["status"] == "ok", healthy
+    assert healthy["values"] and healthy["reason"] is None
+    faulty = run_check(name, CHECKS[name], Context(device=torch.device("cpu"), fault=True))
+    assert faulty["status"] == "fail", faulty
+    assert FAULT_REASONS[name] in faulty["reason"] and faulty["advice"]
+    assert "traceback" not in faulty["values"]  # the check judged it; it did not crash
+
+
+def test_the_distributed_fault_fails_the_all_reduce():
+    # Three processes (torchrun, two ranks): the healthy run is the end-to-end test's.
+    faulty = run_check("distributed", CHECKS["distributed"], Context(device=torch.device("cpu"), fault=True))
+    assert faulty["status"] == "fail" and FAULT_REASONS["distributed"] in faulty["reason"], faulty
+    assert faulty["values"]["backend"] == "gloo" and len(faulty["values"]["ranks"]) == 2
+
+
+def test_the_attention_kernel_torch_runs_on_a_cpu_is_recognised(one_thread):
+    # Fails loudly when torch renames the aten ops its SDPA kernels dispatch to.
+    out = run_check("kernels", CHECKS["kernels"], CPU)
+    assert set(out["values"]["attention_backend"].values()) == {"flash (cpu)"}
+    assert out["values"]["optimizer_implementation"] == "torch.AdamW/per-parameter"
+
+
+def test_overhead_is_skipped_on_a_cpu_with_its_reason():
+    out = run_check("overhead", CHECKS["overhead"], CPU)
+    assert out["status"] == "skip" and "CUDA context" in out["reason"]
+
+
+# ---- the command: child processes, exit codes, isolation -------------------------------------
+
+
+def test_an_injected_fault_is_read_in_the_check_child_and_exits_1(capsys, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "probe")
+    code, out, _ = run_main(capsys, "doctor", "--device", "cpu", "--check", "probe", "--json")
+    assert code == 1
+    (check,) = json.loads(out)["checks"]
+    assert check["status"] == "fail" and FAULT_REASONS["probe"] in check["reason"]
+
+
+def test_a_hanging_or_crashing_check_does_not_take_the_others_down(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "probe:hang,memory-cap:crash")
+    report = run_doctor(device="cpu", checks=["probe", "memory-cap", "overhead"], timeout_s=6)
+    probe, overhead, cap = report["checks"]
+    assert probe["status"] == "fail" and "no result after 6 s" in probe["reason"]
+    assert cap["status"] == "fail" and "SIGSEGV" in cap["reason"]
+    assert overhead["status"] == "skip"
+    assert report["ok"] is False and report["counts"] == {"ok": 0, "fail": 2, "skip": 1}
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--device", "7"), "there is no GPU 7"),
+    (("--device", "gpu0"), "expected a GPU index or cpu"),
+    (("--check", "nope"), "no check 'nope'; the checks are probe, overhead"),
+    (("--timeout", "0"), "--timeout: must be a positive"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    code, out, err = run_main(capsys, "doctor", *args)
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_doctor_json_on_a_cpu_lists_every_check_and_exits_0(tmp_path):
+    result = run_cli("doctor", "--device", "cpu", "--json", timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert [c["name"] for c in report["checks"]] == list(CHECK_NAMES)
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    assert statuses == {name: "skip" if name == "overhead" else "ok" for name in CHECK_NAMES}
+    for check in report["checks"]:
+        assert set(check) >= {"name", "status", "reason", "values", "advice", "wall_s"}
+        assert check["values"] or check["status"] == "skip"
+    assert report["ok"] is True and report["device"]["kind"] == "cpu"
+
+
+# ---- the GPU-side logic, on plain dicts ---------------------------------------------------------
+
+
+def _gpu(index, uuid, name="NVIDIA H100 80GB HBM3", total=85520809984, **extra):
+    return {"index": index, "name": name, "memory_total_bytes": total, "uuid": uuid, **extra}
+
+
+def test_nvml_and_torch_agree():
+    nvml = [_gpu(0, "GPU-aaaa"), _gpu(1, "GPU-bbbb")]
+    torch_side = [_gpu(0, "aaaa"), _gpu(1, "bbbb")]
+    assert compare_inventories(nvml, torch_side) == []
+
+
+def test_nvml_and_torch_numbering_the_gpus_differently_is_caught():
+    nvml = [_gpu(0, "GPU-aaaa"), _gpu(1, "GPU-bbbb")]
+    torch_side = [_gpu(0, "bbbb"), _gpu(1, "aaaa")]  # CUDA_DEVICE_ORDER=FASTEST_FIRST on mixed cards
+    problems = compare_inventories(nvml, torch_side)
+    assert len(problems) == 2 and "torch numbers it 1" in problems[0]
+
+
+def test_a_memory_total_or_name_that_differs_is_caught():
+    problems = compare_inventories([_gpu(0, "GPU-aaaa")], [_gpu(0, "aaaa", name="NVIDIA A100", total=40 * 2**30)])
+    assert any("names it" in p for p in problems) and any("total" in p for p in problems)
+
+
+def test_a_mig_instance_matches_its_gpu():
+    nvml = [_gpu(0, "GPU-aaaa", total=10 * 2**30, uuids=["GPU-aaaa", "MIG-cccc"])]
+    torch_side = [_gpu(0, "cccc", name="NVIDIA H100 80GB HBM3 MIG 1g.10gb", total=10 * 2**30)]
+    assert compare_inventories(nvml, torch_side) == []
+
+
+def test_the_attention_backend_is_read_from_the_ops_that_ran():
+    assert attention_backend({"_scaled_dot_product_flash_attention", "mm"}) == "flash"
+    assert attention_backend({"_scaled_dot_product_efficient_attention"}) == "mem-efficient"
+    assert attention_backend({"_scaled_dot_product_cudnn_attention"}) == "cudnn"
+    assert attention_backend({"_scaled_dot_product_flash_attention_for_cpu"}) == "flash (cpu)"
+    assert attention_backend({"bmm", "_safe_softmax"}) == "math"
+    assert attention_backend({"mm"}) is None
+
+
+def test_the_fault_variable_names_checks_and_modes():
+    env = {FAULT_ENV: "probe, estimator:hang"}
+    assert fault_mode("probe", env) == "fault"
+    assert fault_mode("estimator", env) == "hang"
+    assert fault_mode("kernels", env) is None
