@@ -62,6 +62,11 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
         ckpt_key: config.checkpoint_blocks > 0,
     }
     notes = []
+    if _device_kind(profile) == "cpu":
+        # Tuned on a CPU: the job trains there. TrainingArguments refuses bf16/fp16 without a
+        # GPU unless told the CPU is meant.
+        args["use_cpu"] = True
+    _hf_optimizer(args, notes, profile)
     k = config.checkpoint_blocks
     if k > 0:
         # autofit's non-reentrant checkpointing; HF's default is still reentrant on some versions.
@@ -115,6 +120,30 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
     return args, notes
 
 
+def _device_kind(profile) -> str | None:
+    return None if isinstance(profile, TrainConfig) else profile.device.kind
+
+
+# autofit.optim.implementation -> TrainingArguments.optim, where the Trainer builds the same one.
+_HF_OPTIM = {"torch.AdamW/fused": "adamw_torch_fused", "torch.AdamW/per-parameter": "adamw_torch",
+             "torch.AdamW/foreach": "adamw_torch"}
+
+
+def _hf_optimizer(args: dict, notes: list[str], profile) -> None:
+    """The clipping and optimizer the profile was measured with, where the Trainer can build them."""
+    if isinstance(profile, TrainConfig):
+        return
+    if profile.training is not None:
+        # The Trainer clips at 1.0 unless told; 0 turns clipping off, as None did in the trials.
+        args["max_grad_norm"] = profile.training.max_grad_norm or 0.0
+    measured = profile.measured.optimizer
+    if measured in _HF_OPTIM:
+        args["optim"] = _HF_OPTIM[measured]
+    elif measured is not None:
+        notes.append(f"optimizer: measured with {measured}, which TrainingArguments cannot name; build it "
+                     f"(autofit.optim.build_optimizer) and pass Trainer(optimizers=(optimizer, None))")
+
+
 def _hf_lengths(args: dict, notes: list[str], config: TrainConfig, data: dict, fields: set[str] | None) -> None:
     """Text data: length grouping in TrainingArguments, padding and truncation in notes (they
     belong to the tokenizer and the data collator, which TrainingArguments does not build)."""
@@ -162,6 +191,12 @@ def to_lightning(profile) -> dict:
     """Keyword arguments for `lightning.Trainer`."""
     config = _config(profile)
     out = {"precision": _LIGHTNING_PRECISION[config.precision], "accumulate_grad_batches": config.grad_accum_steps}
+    kind = _device_kind(profile)
+    if kind is not None:  # where it was measured: a CPU profile must not grab a GPU, nor the reverse
+        out["accelerator"] = "cpu" if kind == "cpu" else "gpu"
+    if not isinstance(profile, TrainConfig) and profile.training is not None \
+            and profile.training.max_grad_norm is not None:
+        out["gradient_clip_val"] = profile.training.max_grad_norm  # by norm, Lightning's default algorithm
     if config.distributed:
         # One node by default; for several, devices x num_nodes must stay world_size.
         out |= {"strategy": config.parallelism, "devices": config.world_size, "num_nodes": 1}
@@ -195,6 +230,9 @@ def lightning_notes(profile) -> list[str]:
                      f"gradient_as_bucket_view={config.gradient_as_bucket_view})")
     if config.distributed:
         notes.append(f"several nodes: devices (per node) x num_nodes must equal world_size={config.world_size}")
+    if not isinstance(profile, TrainConfig) and profile.measured.optimizer is not None:
+        notes.append(f"optimizer: measured with {profile.measured.optimizer}; return the same from "
+                     f"configure_optimizers() (autofit.optim.build_optimizer builds it)")
     if config.checkpoint_blocks or config.freeze_blocks:
         # Lightning has no checkpointing of its own outside FSDP's activation_checkpointing_policy,
         # which wraps whole modules: neither a few blocks nor a selective policy.

@@ -9,7 +9,11 @@
             plan.step()
 
 The step is the built-in runner's own (`autofit.runner.optimizer_step`), so the loop trains
-exactly as `autofit train --profile` does and as the profile was measured.
+exactly as `autofit train --profile` does and as the profile was measured. Without an
+optimizer factory the plan builds the optimizer the profile was measured with (and clips at
+its `max_grad_norm`); a factory whose optimizer is another implementation gets a warning.
+The plan sets the process-wide TF32/cuDNN flags the profile ran with; `plan.close()`, or
+leaving `with profile.apply(model) as plan:`, puts the caller's back.
 
 A profile tuned with `--nproc N` (parallelism ddp or fsdp) is applied in each of the N
 ranks of a torchrun job, after `torch.distributed.init_process_group()`: `plan.model` is
@@ -34,7 +38,8 @@ from torch import nn
 from autofit import distributed
 from autofit.errors import DeviceError, ProfileError
 from autofit.knobs import TrainConfig, apply_config, trainable_parameters
-from autofit.precision import PrecisionPolicy, check_supported
+from autofit.optim import implementation
+from autofit.precision import PrecisionPolicy, check_supported, process_flags, set_process_flags
 from autofit.recover import Demotion, StepOutOfMemory, accumulate, demotion, release_memory
 from autofit.runner import _cast_floats, optimizer_step, resolve_device
 from autofit.workload import Batch, batch_size_of, batch_to, split_batch
@@ -48,16 +53,20 @@ class TrainingPlan:
 
     def __init__(self, model: nn.Module, config: TrainConfig, optimizer_factory: OptimizerFactory | None = None,
                  *, device: torch.device | str | int | None = None, max_grad_norm: float | None = None,
-                 on_demotion: Callable[[Demotion], None] | None = None):
+                 on_demotion: Callable[[Demotion], None] | None = None, flags: dict | None = None):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ProfileError(f"max_grad_norm: must be positive or None (no clipping), got {max_grad_norm!r}")
         self.config = config
-        self.device = _device(device)
+        self.device = resolve_plan_device(device)
         self.max_grad_norm = max_grad_norm
         # Same order as `Runner.__init__`: the policy is checked before any weight moves, and
         # freezing/checkpointing are applied before the cast so the wrappers move with the model.
         self.policy: PrecisionPolicy = check_supported(config.precision, self.device)
+        # The flags are process-wide: the caller's are put back by `close()` (or the with block).
+        self._caller_flags: dict | None = process_flags()
         self.policy.set_matmul_precision()
+        if flags:  # what the profile's measurement ran with (cudnn.benchmark included)
+            set_process_flags(flags)
         distributed.check_world(config, what="profile")
         apply_config(model, config)
         self.model = distributed.place_model(model, config, self.device, self.policy.param_dtype)
@@ -203,19 +212,31 @@ class TrainingPlan:
             self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
 
+    def close(self) -> None:
+        """Put back the process-wide TF32/cuDNN/matmul flags the plan changed. Idempotent."""
+        if self._caller_flags is not None:
+            set_process_flags(self._caller_flags)
+            self._caller_flags = None
+
+    def __enter__(self) -> "TrainingPlan":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def describe(self) -> dict:
         """The effective setup as a plain dict, for the loop's log line."""
         n_trainable = sum(p.numel() for p in self.parameters)
         n_total = sum(p.numel() for p in self.model.parameters())
         return {**self.config.to_dict(), "device": str(self.device), "max_grad_norm": self.max_grad_norm,
                 "trainable_params": n_trainable, "frozen_params": n_total - n_trainable,
-                "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None}
+                "optimizer": implementation(self.optimizer) if self.optimizer is not None else None}
 
     def __repr__(self) -> str:
         return f"TrainingPlan({self.config.short()}, device={self.device})"
 
 
-def _device(device: torch.device | str | int | None) -> torch.device:
+def resolve_plan_device(device: torch.device | str | int | None) -> torch.device:
     """None: the first GPU if there is one, else the CPU (as `autofit train` picks)."""
     if isinstance(device, torch.device):
         return device

@@ -15,7 +15,7 @@ from loguru import logger
 from autofit._io import atomic_write_text
 from autofit.errors import ProfileError, SpecError
 from autofit.knobs import TrainConfig
-from autofit.spec import ModelSpec
+from autofit.spec import ModelSpec, OptimizerSpec
 
 PROFILE_SCHEMA = 1
 
@@ -40,6 +40,12 @@ class ProfileDevice:
     emulated: bool = False
 
     @property
+    def kind(self) -> str:
+        """"cpu" or "cuda": where a job with this profile trains (a CPU has no compute capability
+        and no driver)."""
+        return "cpu" if self.compute_capability is None and self.driver is None else "cuda"
+
+    @property
     def is_emulated(self) -> bool:
         # Profiles written before the flag existed are known by their fingerprint's tag.
         return self.emulated or "-budget-" in self.fingerprint or self.fingerprint.endswith("-emulated")
@@ -52,6 +58,11 @@ class Measured:
     peak_memory_bytes: int
     step_time_s: float
     validated_steps: int
+    # What the validation run ran with: the optimizer's implementation (autofit.optim.
+    # implementation, e.g. torch.AdamW/fused) and the process-wide flags (precision.process_flags).
+    # `apply` builds or checks the one, and sets (then restores) the others.
+    optimizer: str | None = None
+    flags: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +83,25 @@ class SearchSummary:
     noise: float | None = None  # run-to-run relative spread of repeated measurements
     host_load: float | None = None  # 1-minute load average per CPU core while validating
     note: str = ""  # why the profile is the baseline, or what to distrust in its figures
+    # The winner's loss curve against the 32-true reference's over the same validation
+    # batches: reference, steps, window_steps, rtol (the limit) and gap (the largest seen).
+    loss_curve: dict = field(default_factory=dict)
+    # The smallest micro batch the space held and why (a model with BatchNorm): size, reason.
+    micro_batch_floor: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingSetup:
+    """What the measured steps ran beyond the config, so `apply` can build it again."""
+
+    optimizer: dict  # the spec's optimizer: name, lr, betas, weight_decay, momentum
+    max_grad_norm: float | None  # None: no clipping
+
+    def optimizer_spec(self) -> OptimizerSpec:
+        try:
+            return OptimizerSpec(**{**self.optimizer, "betas": tuple(self.optimizer.get("betas", (0.9, 0.999)))})
+        except TypeError as exc:
+            raise ProfileError(f"training.optimizer: {exc}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,6 +133,8 @@ class Profile:
     # The validated frontier, smallest peak first, the winner last (see autofit/frontier.py).
     # Empty in profiles written before it existed: `points` is then the winner alone.
     frontier: tuple[FrontierPoint, ...] = ()
+    # The optimizer and clipping the trials ran; None in profiles written before it was recorded.
+    training: TrainingSetup | None = None
     schema: int = PROFILE_SCHEMA
 
     @property
@@ -126,7 +158,8 @@ class Profile:
             "budget_bytes": self.budget_bytes,
             "config": self.config.to_dict(),
             "measured": dataclasses.asdict(self.measured),
-        } | ({"frontier": [p.to_dict() for p in self.frontier]} if self.frontier else {}) | {
+        } | ({"frontier": [p.to_dict() for p in self.frontier]} if self.frontier else {}) | (
+            {"training": dataclasses.asdict(self.training)} if self.training is not None else {}) | {
             "search": dataclasses.asdict(self.search),
             "created": self.created,
             "autofit": self.autofit,
@@ -164,6 +197,7 @@ class Profile:
             autofit=_field(raw, "autofit", str, where),
             data=_field(raw, "data", dict, where) if "data" in raw else {},
             frontier=_frontier(raw, where) if "frontier" in raw else (),
+            training=_section(TrainingSetup, raw, "training", where) if "training" in raw else None,
         )
         _check_frontier(profile, where)
         return profile
@@ -238,11 +272,18 @@ class Profile:
 
         return fit_now(self, memory_budget=memory_budget, device=device, export=True)
 
-    def apply(self, model, optimizer_factory=None, *, device=None, max_grad_norm: float | None = None,
+    def apply(self, model, optimizer_factory=None, *, device=None, max_grad_norm: float | None | str = "profile",
               store=None, memory_budget: int | str | None = None, memory_headroom: float | None = None):
         """A `TrainingPlan`: `model` with this profile's checkpointing, freezing, dtype and
         device applied, plus autocast, GradScaler and the runner's step for a custom loop.
-        `max_grad_norm` None means no clipping (the profile does not record the spec's).
+
+        What was measured is what is built: without `optimizer_factory` the plan builds the
+        optimizer the profile ran (`autofit.optim.build_optimizer`: the spec's optimizer, the
+        same implementation); a factory whose optimizer is another implementation (a foreach
+        AdamW where the fused one was measured) is used with a warning. `max_grad_norm`
+        "profile" clips as the profile's trials did; None: no clipping. The process-wide
+        TF32/cuDNN flags are set as measured and put back by `plan.close()` or a with block.
+        Profiles written before these were recorded build no optimizer and clip only if asked.
 
         The config is the fastest frontier point that fits the memory available now (see
         `fitted`): the winner when the device is all yours, a smaller point when another
@@ -262,8 +303,35 @@ class Profile:
             def on_demotion(event):
                 record_demotion(root / self.file_name, event, spec_hash=self.model.spec_hash)
 
-        return TrainingPlan(model, chosen.config, optimizer_factory, device=device, max_grad_norm=max_grad_norm,
-                            on_demotion=on_demotion)
+        training = self.training
+        if max_grad_norm == "profile":
+            max_grad_norm = training.max_grad_norm if training is not None else None
+        elif training is not None and max_grad_norm != training.max_grad_norm:
+            logger.warning("profile {}: max_grad_norm={} differs from the {} it was measured with", self.file_name,
+                           max_grad_norm, training.max_grad_norm)
+        factory = optimizer_factory
+        if factory is None and training is not None:
+            from autofit.optim import build_optimizer
+            from autofit.plan import resolve_plan_device
+
+            optimizer_spec, where = training.optimizer_spec(), resolve_plan_device(device)
+
+            def factory(params):
+                return build_optimizer(optimizer_spec, params, config=chosen.config, device=where)
+
+        plan = TrainingPlan(model, chosen.config, factory, device=device, max_grad_norm=max_grad_norm,
+                            on_demotion=on_demotion, flags=chosen.measured.flags)
+        measured = chosen.measured.optimizer
+        if optimizer_factory is not None and plan.optimizer is not None and measured is not None:
+            from autofit.optim import implementation
+
+            built = implementation(plan.optimizer)
+            if built != measured:
+                logger.warning("profile {}: the optimizer built is {}, the profile was measured with {}: its "
+                               "speed and peak memory may not hold (a foreach AdamW holds temporaries the size "
+                               "of all parameters; leave optimizer_factory out to build the measured one)",
+                               self.file_name, built, measured)
+        return plan
 
     # The exports, like `apply`, take the fastest point that fits now (see `fitted`).
 

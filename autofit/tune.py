@@ -22,7 +22,7 @@ from autofit.estimate import EstimateError, estimate_memory
 from autofit.frontier import build_frontier, total_peak
 from autofit.knobs import block_count
 from autofit.precision import supported_precisions, unsupported_reason
-from autofit.profile import Profile, ProfileModel, SearchSummary, device_from_info, utc_now
+from autofit.profile import Profile, ProfileModel, SearchSummary, TrainingSetup, device_from_info, utc_now
 from autofit.redact import redact_url
 from autofit.report import format_trial_line, trials_table, write_html_report
 from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, make_study
@@ -246,6 +246,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         autofit=__version__,
         data=data_assumptions(spec),
         frontier=frontier,
+        training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm),
     )
     profile_path = ProfileStore(Path(out_dir)).save(profile)
     report_path = None

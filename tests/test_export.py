@@ -34,7 +34,7 @@ def test_hf_export_builds_real_training_arguments(tmp_path, precision, bf16, fp1
     pytest.importorskip("accelerate")  # TrainingArguments needs it to resolve its device
     profile = _profile(precision=precision, checkpoint_blocks=2)
     kwargs = profile.to_hf_training_args(n_blocks=2)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], **kwargs)
     assert args.per_device_train_batch_size == 4 and args.gradient_accumulation_steps == 2
     assert (args.bf16, args.fp16, args.tf32) == (bf16, fp16, False)
     assert _checkpointing(args) is True
@@ -50,8 +50,7 @@ def test_hf_export_says_what_it_cannot_express(tmp_path):
     assert any("checkpoint_blocks=1" in n and "apply_checkpointing" in n for n in notes)
     assert any("freeze_blocks=1" in n and "apply_freezing(model, 1)" in n for n in notes)
     # No checkpointing: no checkpointing and no note about it.
-    plain = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
-                                           **to_hf_training_args(_profile()))
+    plain = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], **to_hf_training_args(_profile()))
     assert _checkpointing(plain) is False and hf_notes(_profile()) == []
     tf32 = to_hf_training_args(_profile(precision="tf32"))
     assert tf32["tf32"] is True and any("Ampere" in n for n in hf_notes(_profile(precision="tf32")))
@@ -61,7 +60,7 @@ def test_hf_export_says_what_it_cannot_express(tmp_path):
         kwargs = to_hf_training_args(_profile(checkpoint_blocks=2), n_blocks=4)
         assert kwargs["activation_checkpointing_kwargs"] == {"use_reentrant": False, "every_n_layers": 2}
         assert hf_notes(_profile(checkpoint_blocks=2), n_blocks=4) == []
-        args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], **kwargs)
         assert args.activation_checkpointing_kwargs["every_n_layers"] == 2
 
 
@@ -83,7 +82,8 @@ def test_selective_checkpointing_exports_say_where_the_target_cannot_express_it(
 ])
 def test_lightning_export(precision, lightning):
     profile = _profile(precision=precision, checkpoint_blocks=1)
-    assert profile.to_lightning() == {"precision": lightning, "accumulate_grad_batches": 2}
+    assert profile.to_lightning() == {"precision": lightning, "accumulate_grad_batches": 2, "accelerator": "cpu",
+                                      "gradient_clip_val": 1.0}
     notes = lightning_notes(profile)
     assert any("batch_size" in n and "4" in n for n in notes)
     assert any("apply_config" in n for n in notes)
@@ -114,7 +114,8 @@ def test_export_formats_and_cli(tmp_path):
     hf = export("hf")
     assert "# note: freeze_blocks=1" in hf  # notes are comments: the output still loads
     assert yaml.safe_load(hf)["per_device_train_batch_size"] == 4
-    assert yaml.safe_load(export("lightning")) == {"precision": "bf16-mixed", "accumulate_grad_batches": 2}
+    assert yaml.safe_load(export("lightning")) == {"precision": "bf16-mixed", "accumulate_grad_batches": 2,
+                                                   "accelerator": "cpu", "gradient_clip_val": 1.0}
     with pytest.raises(ProfileError, match="--format"):
         export("xml")
 
@@ -153,3 +154,47 @@ def _roundtrip(profile):
     from autofit.profile import Profile
 
     return Profile.from_dict(yaml.safe_load(profile.to_yaml()))
+
+
+def test_a_cpu_profile_with_bf16_mixed_builds_real_training_arguments(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    profile = _profile(precision="bf16-mixed")
+    assert profile.device.kind == "cpu"
+    # Nothing added by hand: TrainingArguments refuses bf16 on a CPU unless use_cpu says so.
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], **profile.to_hf_training_args())
+    assert args.use_cpu is True and args.bf16 is True
+    # What the CPU trials ran: torch's AdamW (one tensor at a time), clipped at 1.0.
+    assert args.max_grad_norm == 1.0 and args.optim == "adamw_torch"
+
+
+def test_to_lightning_builds_a_real_trainer_that_fits_a_tiny_model_on_cpu(tmp_path):
+    lightning = pytest.importorskip("lightning")
+    import torch
+
+    profile = _profile(precision="bf16-mixed")  # micro batch 4, accumulation 2
+
+    class Tiny(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=generator),
+                                          torch.randint(0, 2, (32,), generator=generator))
+    loader = torch.utils.data.DataLoader(data, batch_size=profile.config.micro_batch_size)
+    trainer = lightning.Trainer(**profile.to_lightning(), max_steps=3, default_root_dir=str(tmp_path), logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    model = Tiny()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.fit(model, loader)
+    assert trainer.global_step == 3 and trainer.accumulate_grad_batches == 2
+    assert trainer.precision == "bf16-mixed" and trainer.gradient_clip_val == 1.0
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -1,12 +1,14 @@
 """`profile.apply(model)`: a loop written with the plan trains exactly like `autofit train --profile`."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import autofit
 from autofit.errors import ProfileError
 from autofit.knobs import TrainConfig
-from autofit.optim import build_optimizer
+from autofit.optim import build_optimizer, implementation
 from autofit.runner import step_generator, train
 from autofit.spec import load_spec, parse_spec
 from autofit.store import ProfileStore
@@ -22,8 +24,8 @@ def _plan_loop(spec, profile, steps: int):
     """What a user writes: build the model, apply the profile, loop over micro batches."""
     workload = build_workload(spec)
     torch.manual_seed(spec.train.seed)  # the runner seeds before building, so the weights match
-    plan = profile.apply(workload.build_model(), lambda params: build_optimizer(spec.optimizer, params, config=profile.config, device=CPU),
-                         device="cpu", max_grad_norm=spec.train.max_grad_norm)
+    # The defaults: the optimizer and clipping the profile was measured with.
+    plan = profile.apply(workload.build_model(), device="cpu")
     for step in range(steps):
         # The runner's batches: one global batch per step from the step's own generator.
         batch = workload.data.batch(spec.train.global_batch_size, step_generator(spec.train.seed, step))
@@ -39,6 +41,7 @@ def _plan_loop(spec, profile, steps: int):
     ("32-true", 1, 1),
     ("bf16-mixed", 2, 0),
     ("16-mixed", 0, 0),
+    ("bf16-true", 0, 0),
 ])
 def test_plan_loop_matches_autofit_train(tmp_path, precision, checkpoint_blocks, freeze_blocks):
     spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
@@ -96,14 +99,18 @@ def test_plan_exposes_what_the_loop_needs():
     profile = make_profile(spec, TrainConfig(precision="bf16-true", micro_batch_size=4, grad_accum_steps=2))
     plan = profile.apply(build_workload(spec).build_model(), device="cpu", max_grad_norm=1.0)
     assert (plan.micro_batch_size, plan.grad_accum_steps, plan.precision) == (4, 2, "bf16-true")
-    assert plan.max_grad_norm == 1.0 and plan.optimizer is None
+    # No factory: the optimizer the profile was measured with (bf16-true: torch-optimi's Kahan AdamW).
+    assert plan.max_grad_norm == 1.0 and implementation(plan.optimizer) == "optimi.AdamW/per-parameter+kahan"
     assert all(p.dtype == torch.bfloat16 for p in plan.model.parameters())  # bf16-true casts the weights
     assert not plan.scaler.is_enabled()  # bf16 needs no loss scaling: the scaler is a pass-through
     inputs = plan.to_device((torch.randn(2, 3), torch.arange(2)))
     assert inputs[0].dtype == torch.bfloat16 and inputs[1].dtype == torch.int64
     assert plan.describe()["frozen_params"] == 0
+    # A profile written before the optimizer was recorded builds none: the loop steps its own.
+    old = dataclasses.replace(profile, training=None).apply(build_workload(spec).build_model(), device="cpu")
+    assert old.optimizer is None and old.max_grad_norm is None
     with pytest.raises(ProfileError, match="optimizer_factory"):
-        plan.step()
+        old.step()
 
 
 def test_freezing_everything_is_a_clear_error():
@@ -135,3 +142,48 @@ def test_profile_from_autofit_tune_trains_like_autofit_train(tmp_path):
     expected = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["model"]
     got = _plan_loop(spec, profile, STEPS).model.state_dict()
     assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
+
+
+def _warnings():
+    from loguru import logger
+
+    messages = []
+    return messages, logger.add(lambda m: messages.append(m.record["message"]), level="WARNING")
+
+
+def test_apply_warns_when_the_optimizer_is_not_the_one_measured():
+    from loguru import logger
+
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    profile = make_profile(spec, TrainConfig(precision="bf16-mixed", micro_batch_size=8))
+    assert profile.measured.optimizer == "torch.AdamW/per-parameter"  # a CPU trial's
+    messages, sink = _warnings()
+    try:
+        profile.apply(build_workload(spec).build_model(), lambda params: build_optimizer(
+            spec.optimizer, params, config=profile.config, device=CPU), device="cpu")
+        assert messages == []
+        foreach = profile.apply(build_workload(spec).build_model(),
+                                lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True), device="cpu")
+        profile.apply(build_workload(spec).build_model(), lambda params: torch.optim.AdamW(params, lr=1e-3),
+                      device="cpu", max_grad_norm=None)
+    finally:
+        logger.remove(sink)
+    assert implementation(foreach.optimizer) == "torch.AdamW/foreach"
+    assert any("torch.AdamW/foreach" in m and "measured with torch.AdamW/per-parameter" in m for m in messages)
+    assert any("max_grad_norm=None differs from the 1.0" in m for m in messages), messages
+
+
+def test_flags_changed_by_apply_are_restored_when_the_plan_is_closed():
+    from autofit.precision import process_flags
+
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    before = process_flags()
+    profile = make_profile(spec, TrainConfig(precision="tf32", micro_batch_size=8))  # tf32 sets the matmul flags
+    profile = dataclasses.replace(profile, measured=dataclasses.replace(
+        profile.measured, flags=profile.measured.flags | {"cudnn_benchmark": not before["cudnn_benchmark"]}))
+    with profile.apply(build_workload(spec).build_model(), device="cpu") as plan:
+        assert process_flags() == profile.measured.flags != before  # as measured, cudnn.benchmark included
+        assert plan.describe()["optimizer"] == "torch.AdamW/per-parameter"
+    assert process_flags() == before
+    plan.close()  # idempotent
+    assert process_flags() == before

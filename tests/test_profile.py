@@ -3,32 +3,44 @@
 import dataclasses
 
 import pytest
+import torch
 import yaml
 
 from autofit.device.probe import cpu_device
 from autofit.errors import ProfileError
 from autofit.knobs import TrainConfig
-from autofit.profile import Measured, Profile, ProfileModel, SearchSummary, device_from_info, utc_now
+from autofit.optim import build_optimizer, implementation
+from autofit.precision import get_policy
+from autofit.profile import Measured, Profile, ProfileModel, SearchSummary, TrainingSetup, device_from_info, utc_now
 from autofit.spec import parse_spec
 from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
 
 
 def make_profile(spec, config: TrainConfig, *, device=None, created: str | None = None, **device_changes) -> Profile:
-    """The profile `autofit tune` would write for `spec` on `device` (this CPU by default)."""
+    """The profile `autofit tune` would write for `spec` on `device` (this CPU by default),
+    with the optimizer, clipping and flags a CPU trial of `config` runs with."""
     record = device_from_info(device if device is not None else cpu_device())
     if device_changes:
         record = dataclasses.replace(record, **device_changes)
+    policy = get_policy(config.precision)
+    probe = [torch.nn.Parameter(torch.zeros(2, 2, dtype=policy.param_dtype))]
     return Profile(
         model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
         device=record,
         budget_bytes=2**30,
         config=config,
         measured=Measured(samples_per_s=123.4, tokens_per_s=1974.4, peak_memory_bytes=12_345_678,
-                          step_time_s=0.065, validated_steps=3),
+                          step_time_s=0.065, validated_steps=3,
+                          optimizer=implementation(build_optimizer(spec.optimizer, probe, config=config,
+                                                                   device=torch.device("cpu"))),
+                          flags={"cuda_matmul_allow_tf32": policy.tf32, "cudnn_allow_tf32": policy.tf32,
+                                 "cudnn_benchmark": False,
+                                 "float32_matmul_precision": "high" if policy.tf32 else "highest"}),
         search=SearchSummary(trials=12, measured=8, pruned=3, oom=1, unhealthy=0, failed=0, wall_s=9.5,
                              sampler="TPESampler", storage="sqlite:///study.db"),
         created=created or utc_now(),
         autofit="0.1.0",
+        training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm),
     )
 
 
