@@ -52,14 +52,14 @@ def example_spec():
 
 
 def run_check(name: str, function, ctx: Context) -> dict:
-    """`function(ctx)` as a result dict with its name and wall time; an exception is the
-    check's failure, with its type and message."""
+    """`function(ctx)` as a result dict with its name and `check_s` (the check's own time, the
+    process's start-up left out); an exception is the check's failure, with its type and message."""
     started = time.perf_counter()
     try:
         out = function(ctx)
     except Exception as exc:  # noqa: BLE001 - any error is this check's result
         first = (str(exc).strip().splitlines() or [""])[0]
         out = fail({"traceback": traceback.format_exc()[-4000:]}, f"{type(exc).__name__}: {first}",
-                   f"unexpected error in the check: rerun `autofit -v doctor --check {name}` for its log, "
-                   f"and report it with the traceback in --json's values")
-    return {"name": name, **out, "wall_s": round(time.perf_counter() - started, 3)}
+                   f"unexpected error in the check: its traceback is in the values of "
+                   f"`autofit doctor --check {name} --json`; report it with them")
+    return {"name": name, **out, "check_s": round(time.perf_counter() - started, 3)}

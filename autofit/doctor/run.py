@@ -88,7 +88,7 @@ def run_one(name: str, device: str, *, timeout_s: float) -> dict:
                 _kill_group(proc)
         log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         if ended == "exited" and result_path.exists():
-            # The process's time, start-up included: what the check costs the user.
+            # The process's time, start-up (torch's import) included: what the check costs the user.
             return json.loads(result_path.read_text()) | {"wall_s": round(time.perf_counter() - started, 3)}
     _, reason = _failure(ended, proc.returncode, timeout_s, log_tail)
     return {"name": name, "status": "fail", "reason": f"the check's process died: {reason}", "values": {},
