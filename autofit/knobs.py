@@ -352,3 +352,53 @@ def apply_config(model: nn.Module, config: TrainConfig) -> nn.Module:
 
 def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+# ---- knobs that change the math ------------------------------------------------------------
+
+# Layers whose output for one sample depends on the other samples of its micro batch: their
+# statistics are the micro batch's, so the micro batch size changes the gradients, not only
+# the speed, and accumulation is not exact.
+BATCH_STATISTICS_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+                           nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+# Below 16 samples BatchNorm's statistics are noisy enough to change what is learned (Wu &
+# He, "Group Normalization", 2018: its error rises as the batch per device shrinks below 16).
+BATCHNORM_MIN_MICRO_BATCH = 16
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroBatchFloor:
+    """The smallest micro batch a model may run, and why."""
+
+    size: int
+    excludes_accumulation: bool  # the floor is the whole (per-rank) batch: one micro batch per step
+    reason: str
+
+    def describe(self) -> str:
+        rule = "accumulation excluded" if self.excludes_accumulation else f"micro batch >= {self.size}"
+        return f"{rule}: {self.reason}"
+
+    def to_dict(self) -> dict:
+        return {"size": self.size, "excludes_accumulation": self.excludes_accumulation, "reason": self.reason}
+
+
+def micro_batch_floor(model: nn.Module, rank_batch_size: int, requested: int | None) -> MicroBatchFloor | None:
+    """The floor for `model` whose ranks each take `rank_batch_size` samples a step:
+    `requested` (search.min_micro_batch_size) when set, else BATCHNORM_MIN_MICRO_BATCH for a
+    model with batch-statistics layers, else none. Never above the rank's batch."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, BATCH_STATISTICS_LAYERS):
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    layers = ", ".join(f"{count} {name}" for name, count in counts.items())
+    if requested is not None:
+        reason = f"search.min_micro_batch_size is {requested}" + (f" (the model has {layers})" if layers else "")
+    elif counts:
+        reason = (f"the model has {layers}: each micro batch normalizes over its own samples, so a smaller micro "
+                  f"batch changes the gradients, not only the speed; set search.min_micro_batch_size to change "
+                  f"the floor of {BATCHNORM_MIN_MICRO_BATCH}")
+    else:
+        return None
+    size = min(requested or BATCHNORM_MIN_MICRO_BATCH, rank_batch_size)
+    return MicroBatchFloor(size=size, excludes_accumulation=size >= rank_batch_size, reason=reason)
+

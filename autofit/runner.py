@@ -20,7 +20,7 @@ from autofit import distributed
 from autofit._io import atomic_write
 from autofit.errors import AutofitError
 from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
-from autofit.knobs import TrainConfig, apply_config, check_global_batch, trainable_parameters
+from autofit.knobs import TrainConfig, apply_config, check_global_batch, micro_batch_floor, trainable_parameters
 from autofit.optim import build_optimizer
 from autofit.precision import PrecisionPolicy, check_supported
 from autofit.recover import Demotion, StepOutOfMemory, accumulate, demotion, release_memory
@@ -165,6 +165,12 @@ class Runner:
             # The other ranks would wait forever in the all-reduce of a step this rank left.
             return None
         event = demotion(step, self.config, exc)
+        floor = micro_batch_floor(self.model, self.config.rank_batch_size, self.spec.search.min_micro_batch_size)
+        if event is not None and floor is not None and event.to_config.micro_batch_size < floor.size:
+            # Below the floor the step would train on other math (BatchNorm's statistics).
+            logger.error("step {}: out of memory, and half the micro batch is below its floor ({})", step,
+                         floor.describe())
+            return None
         if event is not None:
             self.config = event.to_config
             release_memory(self.device)

@@ -107,6 +107,10 @@ class SearchSpec:
     validate_steps: int = 50  # optimizer steps of the final validation run
     frontier_points: int = 4  # most points the profile keeps, winner included; each other costs a validation
     trial_timeout_s: float = 600.0
+    # The smallest micro batch searched. None: 16 (at most the global batch) for a model with
+    # BatchNorm, whose statistics are the micro batch's, else no floor. A value at or above
+    # the global batch excludes accumulation (the exact math of one batch).
+    min_micro_batch_size: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,7 +155,7 @@ class ModelSpec:
                                             "memory_headroom")}
         # Opt-in knobs join the hash only when opted in: specs without them keep their hash
         # (and their profiles).
-        for key, default in (("checkpoint_policies", ["full"]),):
+        for key, default in (("checkpoint_policies", ["full"]), ("min_micro_batch_size", None)):
             if d["search"][key] != default:
                 space[key] = d["search"][key]
         relevant = {
@@ -369,6 +373,7 @@ def _search(r: "_Reader") -> SearchSpec:
         frontier_points=r.positive_int("frontier_points", default=4, maximum=MAX_TRIALS),
         trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True,
                                  maximum=MAX_TIMEOUT_S),
+        min_micro_batch_size=r.positive_int("min_micro_batch_size", default=None, maximum=MAX_GLOBAL_BATCH_SIZE),
     )
     r.finish()
     return search

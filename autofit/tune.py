@@ -20,7 +20,7 @@ from autofit.device.probe import DeviceInfo, usable_budget_bytes, with_memory_bu
 from autofit.errors import DeviceError, NothingFitsError, TrialError, TrialTimeoutError
 from autofit.estimate import EstimateError, estimate_memory
 from autofit.frontier import build_frontier, total_peak
-from autofit.knobs import block_count
+from autofit.knobs import block_count, micro_batch_floor
 from autofit.precision import supported_precisions, unsupported_reason
 from autofit.profile import Profile, ProfileModel, SearchSummary, TrainingSetup, device_from_info, utc_now
 from autofit.redact import redact_url
@@ -67,16 +67,20 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchS
     # The block count comes from a model built on the meta device: no memory, any size.
     # Only the model: a data source may sample real batches while it is built.
     workload = build_workload(spec)
+    rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
     with torch.device("meta"):
-        n_blocks = block_count(workload.build_model())
+        model = workload.build_model()
+    n_blocks = block_count(model)
+    # A knob that changes the math is bounded: BatchNorm normalizes over each micro batch.
+    floor = micro_batch_floor(model, rank_batch, spec.search.min_micro_batch_size)
     data = workload.data
     # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
     bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing
                  and spec.train.global_batch_size > 1)
-    rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
     return SearchSpace(
         global_batch_size=spec.train.global_batch_size, precisions=tuple(precisions),
-        micro_batch_sizes=tuple(divisors(rank_batch)), world_size=nproc,
+        micro_batch_sizes=tuple(d for d in divisors(rank_batch) if floor is None or d >= floor.size),
+        micro_batch_floor=floor, world_size=nproc,
         max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
         length_bucketing=(False, True) if bucketing else (False,),
@@ -135,6 +139,8 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     study = make_study(study_name=name, storage=storage, seed=spec.train.seed)
     logger.info("tuning {} on {} ({}): budget {}, {} configs in the space, up to {} trials",
                 spec.name, device.name, execute_on, format_bytes(budget_bytes), space.size, max_trials)
+    if space.micro_batch_floor is not None:
+        logger.info("micro batches {}: {}", list(space.micro_batch_sizes), space.micro_batch_floor.describe())
 
     timeouts: dict = {}  # config -> timeouts so far: a retry gets twice the time
 
@@ -241,6 +247,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
             stop_reason=result.stop_reason, choice=result.choice,
             noise=None if result.noise is None else round(result.noise, 4),
             host_load=None if host_load is None else round(host_load, 2), note=note,
+            micro_batch_floor={} if space.micro_batch_floor is None else space.micro_batch_floor.to_dict(),
         ),
         created=utc_now(),
         autofit=__version__,

@@ -228,3 +228,51 @@ def test_a_strategy_whose_seed_ran_out_of_memory_is_measured_again_before_refini
     run_tuner(landscape, max_trials=3)
     first = [(c.parallelism, landscape.peak_bytes(c) <= landscape.budget_bytes) for c in landscape.calls[:3]]
     assert first[:2] == [("ddp", False), ("fsdp", True)] and first[2][0] == "ddp", first
+
+
+TINY_CONVNET = {"builtin": "convnet", "args": {"image_size": 8, "channels": 8, "n_blocks": 2, "n_classes": 5}}
+
+
+def test_a_batchnorm_model_never_searches_below_its_micro_batch_floor():
+    import torch
+
+    from autofit.device.probe import cpu_device
+    from autofit.runner import Runner
+    from autofit.spec import parse_spec
+    from autofit.tune import search_space
+    from autofit.workload import build_workload, split_batch
+    from conftest import REPO, tiny_gpt_dict
+
+    def spec_of(global_batch_size, model=TINY_CONVNET, **search):
+        return parse_spec(tiny_gpt_dict(model=model, train={"global_batch_size": global_batch_size}, search=search),
+                          source_dir=REPO)
+
+    # Why: BatchNorm normalizes over each micro batch, so 8 x 1 and 2 x 4 train on other gradients.
+    spec = spec_of(8)
+    workload = build_workload(spec)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    batch = workload.data.batch(8, torch.Generator().manual_seed(0))
+    whole = torch.autograd.grad(workload.loss_fn(model, batch), model.stem[0].weight)[0]
+    accumulated = sum(torch.autograd.grad(workload.loss_fn(model, mb) / 4, model.stem[0].weight)[0]
+                      for mb in split_batch(batch, 2))
+    assert (whole - accumulated).norm() > 0.01 * whole.norm()
+
+    large = search_space(spec_of(64), cpu_device())
+    assert large.micro_batch_sizes == (16, 32, 64)
+    assert all(c.micro_batch_size >= 16 for c in large.grid())
+    floor = large.micro_batch_floor
+    assert (floor.size, floor.excludes_accumulation) == (16, False)
+    assert "3 BatchNorm2d" in floor.reason and "search.min_micro_batch_size" in floor.reason
+    small = search_space(spec, cpu_device())  # a global batch below the floor: one micro batch, no accumulation
+    assert small.micro_batch_sizes == (8,) and small.micro_batch_floor.excludes_accumulation
+    assert small.micro_batch_floor.describe().startswith("accumulation excluded: the model has 3 BatchNorm2d")
+    chosen = search_space(spec_of(8, min_micro_batch_size=2), cpu_device())
+    assert chosen.micro_batch_sizes == (2, 4, 8) and "is 2" in chosen.micro_batch_floor.reason
+    assert spec_of(8, min_micro_batch_size=2).spec_hash != spec.spec_hash  # another space, another study
+    gpt = search_space(spec_of(8, model=tiny_gpt_dict()["model"]), cpu_device())
+    assert gpt.micro_batch_sizes == (1, 2, 4, 8) and gpt.micro_batch_floor is None
+
+    # Out of memory in training: the micro batch is not halved below the floor.
+    runner = Runner(spec, workload, TrainConfig(micro_batch_size=8), device=torch.device("cpu"))
+    assert runner.demote(0, torch.OutOfMemoryError("out of memory")) is None

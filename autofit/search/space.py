@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import optuna
 
-from autofit.knobs import TrainConfig
+from autofit.knobs import MicroBatchFloor, TrainConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +61,8 @@ class SearchSpace:
     # micro batches divide each rank's share of the global batch.
     world_size: int = 1
     parallelisms: tuple[str, ...] = ("ddp", "fsdp")
+    # Why `micro_batch_sizes` starts where it does (a model with BatchNorm); None: every divisor.
+    micro_batch_floor: MicroBatchFloor | None = None
 
     def knobs(self) -> tuple[Knob, ...]:
         """The knobs, in the order Optuna suggests them. Add a new knob here."""
