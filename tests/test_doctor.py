@@ -10,7 +10,7 @@ import torch
 from autofit.doctor import CHECK_NAMES, FAULT_ENV, run_doctor
 from autofit.doctor._base import Context, fault_mode, run_check
 from autofit.doctor.checks import CHECKS, compare_inventories
-from autofit.doctor.training import attention_backend
+from autofit.doctor.training import adamw_step_difference, attention_backend, estimate_errors
 from conftest import run_cli, run_main
 
 CPU = Context(device=torch.device("cpu"))
@@ -154,3 +154,37 @@ def test_the_fault_variable_names_checks_and_modes():
     assert fault_mode("probe", env) == "fault"
     assert fault_mode("estimator", env) == "hang"
     assert fault_mode("kernels", env) is None
+
+
+def test_a_fused_optimizer_step_is_compared_with_torchs_per_parameter_adamw():
+    # The fused kernel exists on the CPU too, so the comparison the GPU check makes runs here.
+    from autofit.doctor._base import example_spec
+    from autofit.optim import param_groups
+
+    spec = example_spec().optimizer
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    fused = torch.optim.AdamW(param_groups(spec, params), lr=spec.lr, betas=spec.betas, fused=True)
+    assert adamw_step_difference(fused) <= 1e-5
+    # Adam's coupled L2 decay in AdamW's place: the update differs, and the comparison sees it.
+    coupled = torch.optim.Adam(param_groups(spec, params), lr=spec.lr, betas=spec.betas, fused=True)
+    assert adamw_step_difference(coupled) > 1e-5
+
+
+def _points(small_predicted, small_measured, large_predicted, large_measured):
+    return [{"micro_batch_size": 4, "predicted_peak_bytes": small_predicted, "measured_peak_bytes": small_measured},
+            {"micro_batch_size": 16, "predicted_peak_bytes": large_predicted, "measured_peak_bytes": large_measured}]
+
+
+def test_on_cuda_the_estimator_is_judged_on_growth_so_workspaces_do_not_count():
+    workspaces = 34 * 2**20  # cuBLAS workspaces in the allocator before the model arrives
+    points = _points(9_000_000, 9_000_000 + workspaces, 23_000_000, 23_000_000 + workspaces)
+    problems = []
+    out = estimate_errors(points, device_kind="cuda", tolerance=0.10, problems=problems)
+    assert problems == [] and out["unseen_constant_bytes"] == workspaces and out["growth_error_pct"] == 0.0
+    estimate_errors(points, device_kind="cpu", tolerance=0.10, problems=problems)
+    assert len(problems) == 2  # on a CPU the same figures are a real miss at each point
+    problems = []
+    estimate_errors(_points(9_000_000, 9_000_000, 30_000_000, 23_000_000), device_kind="cuda", tolerance=0.10,
+                    problems=problems)
+    assert problems and "growth from micro batch 4 to 16" in problems[0] and "+50.0%" in problems[0]
