@@ -143,8 +143,10 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     tracker = LiveBytesTracker()
     activations = _ActivationMeter(tracker)
     build = _MetaBuild(workload.build_model)
+    chunked = workload.chunked_loss_fn
     workload = dataclasses.replace(workload, build_model=build,
-                                   loss_fn=functools.partial(activations.loss, workload.loss_fn))
+                                   loss_fn=functools.partial(activations.loss, workload.loss_fn),
+                                   chunked_loss_fn=chunked and functools.partial(activations.loss, chunked))
     matmul_precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     # The runner seeds torch and sets matmul precision for its process; here that process
     # is the caller's, so both are put back afterwards.

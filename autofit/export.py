@@ -114,6 +114,9 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
                      "state unless the model is cast first: model.to(torch.bfloat16)")
     if config.precision == "tf32":
         notes.append("tf32: TrainingArguments(tf32=True) needs an Ampere or newer GPU and fails elsewhere")
+    if config.chunked_loss:
+        notes.append(_CHUNKED_NOTE + "; in the Trainer, override compute_loss with it (use_liger_kernel=True "
+                     "chunks too, on a GPU with liger-kernel, but is not what autofit measured)")
     if fields is not None:
         unknown = sorted(set(args) - fields)
         assert not unknown, f"this transformers' TrainingArguments lacks {unknown}"
@@ -126,13 +129,17 @@ def _device_kind(profile) -> str | None:
 
 # autofit.optim.implementation -> TrainingArguments.optim, where the Trainer builds the same one.
 _HF_OPTIM = {"torch.AdamW/fused": "adamw_torch_fused", "torch.AdamW/per-parameter": "adamw_torch",
-             "torch.AdamW/foreach": "adamw_torch"}
+             "torch.AdamW/foreach": "adamw_torch", "bitsandbytes.AdamW8bit/per-parameter": "adamw_bnb_8bit"}
 
 
 def _hf_optimizer(args: dict, notes: list[str], profile) -> None:
     """The clipping and optimizer the profile was measured with, where the Trainer can build them."""
-    if isinstance(profile, TrainConfig):
-        return
+    if isinstance(profile, TrainConfig) or profile.measured.optimizer is None:
+        # No record of the implementation: the knob alone says 8-bit state is bitsandbytes'.
+        if _config(profile).optimizer_bits == 8:
+            args["optim"] = "adamw_bnb_8bit"
+        if isinstance(profile, TrainConfig):
+            return
     if profile.training is not None:
         # The Trainer clips at 1.0 unless told; 0 turns clipping off, as None did in the trials.
         args["max_grad_norm"] = profile.training.max_grad_norm or 0.0
@@ -171,6 +178,11 @@ def _hf_lengths(args: dict, notes: list[str], config: TrainConfig, data: dict, f
     if data.get("longest_tokens"):
         notes.append(f"lengths: the peak was measured at {config.micro_batch_size} samples of "
                      f"{data['longest_tokens']} tokens; longer samples may run out of memory")
+
+
+_CHUNKED_NOTE = ("chunked_loss: the peak was measured with the LM head and cross-entropy computed in chunks "
+                 "(torch.nn.functional.linear_cross_entropy), so the full logits never exist: compute the loss "
+                 "with autofit.chunked_lm_loss(model, batch)")
 
 
 def to_hf_training_args(profile, *, n_blocks: int | None = None) -> dict:
@@ -233,6 +245,11 @@ def lightning_notes(profile) -> list[str]:
     if not isinstance(profile, TrainConfig) and profile.measured.optimizer is not None:
         notes.append(f"optimizer: measured with {profile.measured.optimizer}; return the same from "
                      f"configure_optimizers() (autofit.optim.build_optimizer builds it)")
+    elif config.optimizer_bits == 8:  # (a bare config, or a profile from before the record)
+        notes.append("optimizer_bits=8: return bitsandbytes.optim.AdamW8bit(...) from configure_optimizers(), "
+                     "the 8-bit state autofit measured")
+    if config.chunked_loss:
+        notes.append(_CHUNKED_NOTE + " in training_step")
     if config.checkpoint_blocks or config.freeze_blocks:
         # Lightning has no checkpointing of its own outside FSDP's activation_checkpointing_policy,
         # which wraps whole modules: neither a few blocks nor a selective policy.
@@ -256,6 +273,10 @@ def to_env(profile) -> dict[str, str]:
     }
     if config.checkpoint_policy != "full":  # absent: full, as profiles written before it
         env["AUTOFIT_CHECKPOINT_POLICY"] = config.checkpoint_policy
+    if config.optimizer_bits != 32:
+        env["AUTOFIT_OPTIMIZER_BITS"] = str(config.optimizer_bits)
+    if config.chunked_loss:
+        env["AUTOFIT_CHUNKED_LOSS"] = "1"
     if config.distributed:
         env |= {"AUTOFIT_PARALLELISM": config.parallelism, "AUTOFIT_WORLD_SIZE": str(config.world_size),
                 "AUTOFIT_TORCHRUN": torchrun_command(config)}

@@ -18,7 +18,7 @@ from torch import nn
 
 from autofit import distributed
 from autofit._io import atomic_write
-from autofit.errors import AutofitError
+from autofit.errors import AutofitError, SpecError
 from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
 from autofit.knobs import TrainConfig, apply_config, check_global_batch, micro_batch_floor, trainable_parameters
 from autofit.optim import build_optimizer
@@ -100,6 +100,12 @@ class Runner:
         self.optimizer = build_optimizer(spec.optimizer, self.params, config=config, device=device)
         self.scaler = distributed.grad_scaler(self.policy.make_scaler(device.type), config, device)
         self.skipped_steps = 0
+        self.loss_fn = workload.loss_fn
+        if config.chunked_loss:
+            if workload.chunked_loss_fn is None:
+                raise SpecError(f"chunked_loss: only for language-model heads autofit can chunk (builtin gpt, "
+                                f"hf *ForCausalLM); {spec.name} has none")
+            self.loss_fn = workload.chunked_loss_fn
 
     def global_batch(self, step: int) -> list:
         """This rank's micro batches of optimizer step `step`, on the device."""
@@ -146,7 +152,7 @@ class Runner:
             i, micro_batch = indexed
             with distributed.no_sync(self.model, self.config, last=i == n_micro - 1):
                 with self.policy.autocast(self.device.type):
-                    loss = self.workload.loss_fn(self.model, micro_batch)
+                    loss = self.loss_fn(self.model, micro_batch)
                 # Mean over micro batches == mean over the global batch: accumulation is
                 # exact, and DDP/FSDP2 average the ranks' gradients.
                 self.scaler.scale(loss / n_micro).backward()

@@ -111,6 +111,9 @@ class SearchSpec:
     # BatchNorm, whose statistics are the micro batch's, else no floor. A value at or above
     # the global batch excludes accumulation (the exact math of one batch).
     min_micro_batch_size: int | None = None
+    # Memory knobs that change the optimizer's numerics or the loss's code path: opt-in.
+    optimizer_bits: tuple[int, ...] = (32,)  # [32, 8]: also bitsandbytes' 8-bit AdamW state
+    chunked_loss: tuple[bool, ...] = (False,)  # [false, true]: also the chunked LM loss (LM heads)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,8 +143,9 @@ class ModelSpec:
         out["data"] = data
         out["optimizer"] = dataclasses.asdict(self.optimizer) | {"betas": list(self.optimizer.betas)}
         out["train"] = dataclasses.asdict(self.train)
-        out["search"] = dataclasses.asdict(self.search) | {"precisions": list(self.search.precisions),
-                                                           "checkpoint_policies": list(self.search.checkpoint_policies)}
+        out["search"] = dataclasses.asdict(self.search) | {
+            name: list(getattr(self.search, name))
+            for name in ("precisions", "checkpoint_policies", "optimizer_bits", "chunked_loss")}
         return out
 
     @property
@@ -155,9 +159,7 @@ class ModelSpec:
                                             "memory_headroom")}
         # Opt-in knobs join the hash only when opted in: specs without them keep their hash
         # (and their profiles).
-        for key, default in (("checkpoint_policies", ["full"]), ("min_micro_batch_size", None)):
-            if d["search"][key] != default:
-                space[key] = d["search"][key]
+        space |= {k: d["search"][k] for k, default in _OPT_IN_DEFAULTS.items() if d["search"][k] != default}
         relevant = {
             "model": d["model"], "data": d["data"], "optimizer": d["optimizer"],
             "global_batch_size": d["train"]["global_batch_size"],
@@ -232,6 +234,9 @@ def parse_spec(raw: Any, *, source_dir: Path) -> ModelSpec:
         schema=schema,
     )
     top.finish()
+    if 8 in spec.search.optimizer_bits and spec.optimizer.name not in ("adamw", "adam"):
+        raise SpecError(f"search.optimizer_bits: 8-bit state is for adam and adamw, got optimizer.name "
+                        f"{spec.optimizer.name}; use [32]")
     if spec.data.kind == "python" and spec.data.factory is None:
         raise SpecError("data.factory: required when data.kind is python (\"module.path:function\")")
     if spec.data.kind == "tokens" and spec.data.path is None:
@@ -349,6 +354,10 @@ def _seed(r: "_Reader") -> int:
     return seed
 
 
+_OPT_IN_DEFAULTS = {"checkpoint_policies": ["full"], "min_micro_batch_size": None, "optimizer_bits": [32],
+                    "chunked_loss": [False]}
+
+
 def _search(r: "_Reader") -> SearchSpec:
     precisions = r.get("precisions", list, default=list(PRECISIONS))
     for i, p in enumerate(precisions):
@@ -374,6 +383,8 @@ def _search(r: "_Reader") -> SearchSpec:
         trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True,
                                  maximum=MAX_TIMEOUT_S),
         min_micro_batch_size=r.positive_int("min_micro_batch_size", default=None, maximum=MAX_GLOBAL_BATCH_SIZE),
+        optimizer_bits=_choices(r, "optimizer_bits", (32, 8), default=(32,)),
+        chunked_loss=_choices(r, "chunked_loss", (False, True), default=(False,)),
     )
     r.finish()
     return search

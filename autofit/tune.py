@@ -17,7 +17,7 @@ from loguru import logger
 
 from autofit import __version__
 from autofit.device.probe import DeviceInfo, usable_budget_bytes, with_memory_budget
-from autofit.errors import DeviceError, NothingFitsError, TrialError, TrialTimeoutError
+from autofit.errors import DeviceError, NothingFitsError, SpecError, TrialError, TrialTimeoutError
 from autofit.estimate import EstimateError, estimate_memory
 from autofit.frontier import build_frontier, total_peak
 from autofit.knobs import block_count, micro_batch_floor
@@ -77,6 +77,13 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchS
     # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
     bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing
                  and spec.train.global_batch_size > 1)
+    chunked = spec.search.chunked_loss
+    if True in chunked and workload.chunked_loss_fn is None:
+        raise SpecError(f"search.chunked_loss: only for language-model heads autofit can chunk (builtin gpt, "
+                        f"hf *ForCausalLM with synthetic, tokens or text data); {spec.name} has none; use [false]")
+    if True in chunked and nproc > 1:
+        logger.warning("search.chunked_loss: runs in one process only; not searched with --nproc {}", nproc)
+        chunked = (False,)
     return SearchSpace(
         global_batch_size=spec.train.global_batch_size, precisions=tuple(precisions),
         micro_batch_sizes=tuple(d for d in divisors(rank_batch) if floor is None or d >= floor.size),
@@ -85,6 +92,7 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchS
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
         length_bucketing=(False, True) if bucketing else (False,),
         checkpoint_policies=spec.search.checkpoint_policies,
+        optimizer_bits=spec.search.optimizer_bits, chunked_loss=chunked,
     )
 
 
@@ -381,7 +389,8 @@ def _baseline(result: SearchResult, demoted: set = frozenset()) -> TrialRecord |
     """What a user without autofit runs: 32-true, no checkpointing or freezing, the largest
     micro batch that fits (and did not run out of memory in training)."""
     plain = [r for r in result.records if r.config.precision == "32-true" and r.config.checkpoint_blocks == 0
-             and r.config.freeze_blocks == 0 and r.feasible(result.budget_bytes) and r.config not in demoted]
+             and r.config.freeze_blocks == 0 and r.config.optimizer_bits == 32 and not r.config.chunked_loss
+             and r.feasible(result.budget_bytes) and r.config not in demoted]
     return max(plain, key=lambda r: r.config.micro_batch_size, default=None)
 
 
@@ -393,6 +402,7 @@ def _nothing_fits_message(result: SearchResult, tuner: Tuner, space: SearchSpace
                               if p in ("bf16-true", "bf16-mixed", "16-mixed") else 9),
                           space.micro_batch_sizes[0], space.checkpointable(space.max_freeze_blocks),
                           space.max_freeze_blocks)
+    frugal = frugal.replace(**space.lean(frugal.precision))
     needed = tuner.memory.corrected_peak(frugal, result.records)
     unhealthy = result.count("unhealthy") + result.count("error") + result.count("timeout")
     seen = (f"; the smallest peak seen was {format_bytes(smallest[0])} ({smallest[1].config.short()})"

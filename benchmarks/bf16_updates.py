@@ -18,7 +18,6 @@ trainable tensors left bit-identical, optimizer state bytes per parameter, step 
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from autofit.knobs import TrainConfig  # noqa: E402
+from metrics import emit_json  # noqa: E402
 from autofit.runner import Runner  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402
 from autofit.workload import build_workload  # noqa: E402
@@ -115,11 +115,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     result = run(args.spec, steps=args.steps, lr=args.lr, variants=tuple(args.variants.split(",")),
                  threads=args.threads)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     return 0
 
 

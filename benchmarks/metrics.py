@@ -6,6 +6,7 @@ the markdown tables and RESULTS.md's per-device sections. `tests/test_bench_help
 covers them in well under a second.
 """
 
+import json
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -338,3 +339,12 @@ def replace_section(text: str, key: str, section: str) -> str:
         head, rest = text.split(begin, 1)
         return head + block + rest.split(end, 1)[1].lstrip("\n")
     return text.rstrip("\n") + "\n\n" + block
+
+
+def emit_json(result: dict, path=None) -> None:
+    """A benchmark's result on stdout, and also in `path` (a pathlib.Path) when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")

@@ -14,6 +14,9 @@ shape of real hardware, so the exhaustive-grid optimum is known exactly.
 - the estimator sees the tensors only: not the context, not the fragmentation, and it can
   be off by a constant factor (`estimate_bias`);
 - per-call measurement noise (`noise`, uniform +-) on top of a fixed +-1% per config;
+- memory knobs (`optimizer_bits`, `chunked_loss` where the landscape searches them): 8-bit
+  AdamW moments take 2.03 B/param instead of 8 (fp32 weights) and cost 2% of the step; a
+  chunked loss keeps a sixteenth of the logits' bytes per sample and costs 3%;
 - over several ranks (`world_size`), per rank: DDP keeps whole model states plus a bucket
   copy of the gradients (unless they are bucket views) and pays a little for its overlapped
   all-reduce; FSDP2 shards the states, holds one gathered block in flight (every block if it
@@ -53,6 +56,9 @@ class Landscape:
     noise: float = 0.0  # per-call measurement noise, uniform +-
     world_size: int = 1
     checkpoint_policies: tuple = ("full",)
+    optimizer_bits: tuple = (32,)
+    chunked_loss: tuple = (False,)
+    logit_bytes_per_sample: float = 0.0  # logits + their gradient, which a chunked loss avoids
     calls: list = field(default_factory=list)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
@@ -66,12 +72,14 @@ class Landscape:
         return SearchSpace(global_batch_size=n, precisions=tuple(self.rate),
                            micro_batch_sizes=tuple(m for m in range(1, per_rank + 1) if per_rank % m == 0),
                            max_checkpoint_blocks=self.n_blocks, max_freeze_blocks=self.max_freeze_blocks,
-                           world_size=self.world_size, checkpoint_policies=self.checkpoint_policies)
+                           world_size=self.world_size, checkpoint_policies=self.checkpoint_policies,
+                           optimizer_bits=self.optimizer_bits, chunked_loss=self.chunked_loss)
 
     def tensor_bytes(self, c: TrainConfig) -> float:
         trainable = 1 - 0.9 * c.freeze_blocks / self.n_blocks
         weight_bytes = 2 if c.precision == "bf16-true" else 4
-        states = self.params * weight_bytes * (1 + 3 * trainable)
+        moment_bytes = 2 * (1 + 4 / 256) if c.optimizer_bits == 8 else 2 * weight_bytes
+        states = self.params * (weight_bytes + trainable * (weight_bytes + moment_bytes))
         if c.parallelism == "fsdp":
             gathered_blocks = 1 if c.reshard_after_forward else self.n_blocks
             states = states / self.world_size + self.params / self.n_blocks * weight_bytes * gathered_blocks
@@ -83,7 +91,8 @@ class Landscape:
         act = self.act_bytes_per_sample_block * (0.55 if c.precision in HALF else 1.0)
         kept = 0.45 if c.checkpoint_policy == "selective" else 1 / 8
         kept_blocks = (self.n_blocks - c.freeze_blocks - c.checkpoint_blocks) + c.checkpoint_blocks * kept
-        return c.micro_batch_size * act * kept_blocks
+        logits = self.logit_bytes_per_sample / (16 if c.chunked_loss else 1)
+        return c.micro_batch_size * (act * kept_blocks + logits)
 
     def peak_bytes(self, c: TrainConfig) -> int:
         return int(self.tensor_bytes(c) + self.fragmentation * self.activation_bytes(c) + self.context_bytes)
@@ -96,6 +105,7 @@ class Landscape:
         speed /= 1 + (c.checkpoint_blocks / self.n_blocks) / (10 if c.checkpoint_policy == "selective" else 3)
         speed /= 1 + 0.03 * (c.grad_accum_steps - 1) / max(1, m)
         speed *= 1 + 0.25 * c.freeze_blocks / self.n_blocks
+        speed /= (1.02 if c.optimizer_bits == 8 else 1.0) * (1.03 if c.chunked_loss else 1.0)
         if c.parallelism == "ddp":
             speed *= self.world_size / (1 + 0.4 / m)  # the all-reduce, amortised over the micro batch
         elif c.parallelism == "fsdp":
@@ -186,6 +196,13 @@ LANDSCAPES = [
     Landscape(name="selective", params=1.0e9, act_bytes_per_sample_block=150e6, n_blocks=24,
               global_batch_size=128, budget_bytes=40 * GiB, rate=GPU_RATES, m_half=8.0, estimate_bias=0.88,
               checkpoint_policies=("full", "selective"), context_bytes=0.8 * GiB),
+    # An LM on a 24 GiB card: fp32 AdamW state takes 16 of them and the logits are a tenth of a
+    # sample's activations; 8-bit state and the chunked loss buy a larger micro batch.
+    Landscape(name="lm-memory-knobs", params=1.0e9, act_bytes_per_sample_block=100e6, n_blocks=24,
+              global_batch_size=64, budget_bytes=24 * GiB, rate={"32-true": 100.0, "bf16-mixed": 300.0,
+                                                                 "bf16-true": 320.0},
+              m_half=8.0, estimate_bias=0.9, context_bytes=0.8 * GiB, logit_bytes_per_sample=400e6,
+              optimizer_bits=(32, 8), chunked_loss=(False, True)),
     Landscape(name="large-grid", params=1.3e9, act_bytes_per_sample_block=100e6, n_blocks=16,
               global_batch_size=240, budget_bytes=32 * GiB,
               rate={"32-true": 100.0, "tf32": 180.0, "bf16-mixed": 300.0, "bf16-true": 320.0},

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from autofit.errors import ProfileError
-from autofit.export import hf_notes, lightning_notes, to_hf_training_args
+from autofit.export import hf_notes, lightning_notes, to_env, to_hf_training_args
 from autofit.knobs import TrainConfig
 from autofit.spec import parse_spec
 from autofit.store import ProfileStore, export_command
@@ -198,3 +198,12 @@ def test_to_lightning_builds_a_real_trainer_that_fits_a_tiny_model_on_cpu(tmp_pa
     assert trainer.global_step == 3 and trainer.accumulate_grad_batches == 2
     assert trainer.precision == "bf16-mixed" and trainer.gradient_clip_val == 1.0
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_8bit_state_exports_where_the_target_can_say_it():
+    config = TrainConfig(precision="bf16-mixed", micro_batch_size=4, grad_accum_steps=2, optimizer_bits=8)
+    assert to_hf_training_args(config)["optim"] == "adamw_bnb_8bit"
+    assert "optim" not in to_hf_training_args(config.replace(optimizer_bits=32))
+    assert any("bitsandbytes.optim.AdamW8bit" in note for note in lightning_notes(config))
+    assert to_env(config)["AUTOFIT_OPTIMIZER_BITS"] == "8"
+    assert "AUTOFIT_OPTIMIZER_BITS" not in to_env(config.replace(optimizer_bits=32))

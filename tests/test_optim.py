@@ -15,7 +15,7 @@ from autofit.runner import Runner
 from autofit.spec import load_spec
 from autofit.workload import build_workload
 from conftest import tiny_gpt_dict, write_spec
-from test_estimate import GPT_7B, _tracked_peak, one_thread  # noqa: F401 (a fixture)
+from test_estimate import GPT_7B, _tracked_peak
 
 pytest.importorskip("bitsandbytes")
 

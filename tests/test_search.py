@@ -276,3 +276,50 @@ def test_a_batchnorm_model_never_searches_below_its_micro_batch_floor():
     # Out of memory in training: the micro batch is not halved below the floor.
     runner = Runner(spec, workload, TrainConfig(micro_batch_size=8), device=torch.device("cpu"))
     assert runner.demote(0, torch.OutOfMemoryError("out of memory")) is None
+
+
+def test_memory_knobs_space_has_no_8bit_state_on_bf16_weights():
+    space = SearchSpace(global_batch_size=4, precisions=("32-true", "bf16-true"), micro_batch_sizes=(1, 2, 4),
+                        max_checkpoint_blocks=1, max_freeze_blocks=0, optimizer_bits=(32, 8),
+                        chunked_loss=(False, True))
+    grid = space.grid()
+    assert len(grid) == space.size == len(set(grid)) == 3 * 2 * (2 + 1) * 2
+    assert not [c for c in grid if c.precision == "bf16-true" and c.optimizer_bits == 8]
+    study = optuna.create_study()
+    study.enqueue_trial({"precision": "bf16-true", "micro_batch_index": 0, "checkpoint_blocks": 0,
+                         "freeze_blocks": 0, "optimizer_bits": 8, "chunked_loss": True})
+    assert space.suggest(study.ask()).optimizer_bits == 32  # bf16 weights keep the compensated update
+    lean = space.config("32-true", 4, **space.lean("32-true"))
+    assert (lean.optimizer_bits, lean.chunked_loss) == (8, True) and space.lean("bf16-true") == {"chunked_loss": True}
+    toggles = [c for c in space.neighbours(lean) if c.micro_batch_size == 4 and c.precision == "32-true"]
+    assert {(c.optimizer_bits, c.chunked_loss) for c in toggles} >= {(32, True), (8, False)}
+
+
+def test_an_oom_at_32bit_state_does_not_block_8bit_state():
+    plain = TrainConfig(precision="32-true", micro_batch_size=8, grad_accum_steps=1)
+    oom = _record(plain, "oom", budget=10 * GiB, predicted=9 * GiB)
+    model = MemoryModel(lambda c: 5 * GiB, 10 * GiB)
+    assert model.blocked_by_oom(plain.replace(chunked_loss=False), [oom]) is oom
+    assert model.blocked_by_oom(plain.replace(optimizer_bits=8), [oom]) is None
+    assert model.blocked_by_oom(plain.replace(chunked_loss=True), [oom]) is None
+    lean_oom = _record(plain.replace(optimizer_bits=8, chunked_loss=True), "oom", budget=10 * GiB, predicted=9 * GiB)
+    assert model.blocked_by_oom(plain, [lean_oom]) is lean_oom  # the plain one holds more
+    assert model.blocked_by_oom(plain.replace(precision="bf16-true"), [lean_oom]) is None
+
+
+def test_8bit_state_is_judged_against_an_fp32_state_reference():
+    from autofit.search import health_problem
+
+    plain = TrainConfig(precision="32-true", micro_batch_size=8, grad_accum_steps=1)
+
+    def rec(config, losses):
+        m = Measurement(status="ok", config=config, budget_bytes=GiB, peak_memory_bytes=1, samples_per_s=1.0,
+                        losses=losses)
+        return TrialRecord(number=0, config=config, status="ok", predicted_peak_bytes=1, measurement=m,
+                           budget_bytes=GiB)
+
+    reference = rec(plain, [4.0, 3.9, 3.8, 3.7])
+    drifting = rec(plain.replace(optimizer_bits=8), [4.0, 4.3, 4.7, 5.2])
+    assert "mean loss differs from 32-true" in health_problem(drifting, [reference])
+    assert health_problem(drifting, [drifting]) is None  # an 8-bit trial is no reference
+    assert health_problem(rec(plain.replace(chunked_loss=True), [4.0, 4.3, 4.7, 5.2]), [reference]) is None

@@ -31,6 +31,9 @@ MALFORMED = {
                               "did you mean selective?"),
     "headroom too large": (tiny_gpt_dict(search={"memory_headroom": 0.9}), "search.memory_headroom"),
     "bad name": (tiny_gpt_dict(name="my model/v2"), "name:"),
+    "optimizer bits 16": (tiny_gpt_dict(search={"optimizer_bits": [32, 16]}), "search.optimizer_bits[1]"),
+    "8-bit sgd": (tiny_gpt_dict(optimizer={"name": "sgd"}, search={"optimizer_bits": [32, 8]}),
+                  "search.optimizer_bits: 8-bit state is for adam and adamw"),
     "schema 2": (tiny_gpt_dict(schema=2), "schema:"),
     "not a mapping": ([1, 2, 3], "expected a mapping"),
 }
@@ -152,3 +155,12 @@ def test_a_diverged_run_exits_3_with_null_losses(tmp_path, capsys):
     assert code == 3 and "diverged" in err
     import json
     assert json.loads(metrics.read_text())["final_loss"] is None and json.loads(out)["final_loss"] is None
+
+
+def test_opt_in_knobs_keep_the_hash_of_specs_without_them():
+    plain = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    explicit = parse_spec(tiny_gpt_dict(search={"optimizer_bits": [32], "chunked_loss": [False]}), source_dir=REPO)
+    opted = parse_spec(tiny_gpt_dict(search={"optimizer_bits": [32, 8]}), source_dir=REPO)
+    assert plain.spec_hash == explicit.spec_hash != opted.spec_hash
+    assert opted.search.optimizer_bits == (32, 8)
+    assert parse_spec(opted.to_dict(), source_dir=REPO) == opted

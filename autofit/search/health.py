@@ -17,11 +17,19 @@ REFERENCE_PRECISIONS = ("32-true", "tf32")
 UNCHANGED_SHARE_EXCESS = 0.01
 
 
+def is_reference(config: TrainConfig) -> bool:
+    """Full numerics: fp32 (or tf32) math and fp32 optimizer state. 8-bit state is judged
+    against such a trial as a 16-bit precision is (the chunked loss computes the same fp32
+    loss, so it may be a reference)."""
+    return config.precision in REFERENCE_PRECISIONS and config.optimizer_bits == 32
+
+
 def reference_for(config: TrainConfig | None, records: list[TrialRecord], *,
                   same_freeze: bool) -> TrialRecord | None:
-    """A healthy full-precision trial (same freezing depth as `config` if asked)."""
+    """A healthy full-precision trial with fp32 optimizer state (same freezing depth as
+    `config` if asked)."""
     for r in records:
-        if r.config.precision in REFERENCE_PRECISIONS and r.status == "ok" and r.measurement is not None \
+        if is_reference(r.config) and r.status == "ok" and r.measurement is not None \
                 and r.measurement.losses and (not same_freeze or r.config.freeze_blocks == config.freeze_blocks):
             return r
     return None
@@ -33,7 +41,7 @@ def health_problem(record: TrialRecord, records: list[TrialRecord]) -> str | Non
     Every config sees the same initial weights and batches, so the first loss (before any
     update) differs only by precision, whatever the freezing depth; the mean over the
     trial is compared only with a reference of the same freezing depth."""
-    if record.config.precision in REFERENCE_PRECISIONS or record.measurement is None:
+    if is_reference(record.config) or record.measurement is None:
         return None
     mine = record.measurement.losses
     any_ref = reference_for(record.config, records, same_freeze=False)

@@ -173,11 +173,14 @@ class Tuner:
         can be checked: the fastest 32-true (else tf32) config predicted to fit, i.e. the
         largest micro batch with the fewest checkpointed blocks, nothing frozen."""
         precision = next((p for p in REFERENCE_PRECISIONS if p in self.space.precisions), None)
+        if 32 not in self.space.optimizer_bits:  # every config of the space has 8-bit state
+            precision = None
         for _ in range(3):  # an OOM refits the model; the next frontier point is smaller
             records = self.records()
             if precision is None or reference_for(None, records, same_freeze=False) is not None:
                 return
-            line = [c for c in seeding.frontier(self.space, self._fits(records), precision, 0, limit=3)
+            line = [c for c in seeding.frontier(self.space, self._fits(records), precision, 0, limit=3,
+                                                strategy={"optimizer_bits": 32})
                     if self.known(c, records) is None]
             if not line:
                 break
@@ -281,16 +284,16 @@ class Tuner:
         self.study.tell(trial, value if math.isfinite(value) else 0.0)
 
     def _unseeded(self, records: list[TrialRecord]) -> list[TrainConfig]:
-        """For each precision and strategy with nothing measured yet (its seed ran out of
-        memory, or was dropped as no longer fitting), the largest config predicted to fit
-        now: each is measured before refining around another's best."""
+        """For each seed group (precision, strategy, lean memory knobs or not) with nothing
+        measured yet (its seed ran out of memory, or was dropped as no longer fitting), the
+        largest config predicted to fit now: each is measured before refining around
+        another's best."""
         fits = self._fits(records)
-        measured = {(r.config.precision, tuple(self.space.strategy_of(r.config).items()))
-                    for r in records if r.measurement is not None and r.status != "oom"}
-        queued = {(c.precision, tuple(self.space.strategy_of(c).items())) for c in self._queue if c in self._seeds}
+        measured = {self.space.seed_group(r.config) for r in records if r.measurement is not None and r.status != "oom"}
+        queued = {self.space.seed_group(c) for c in self._queue if c in self._seeds}
         out = []
         for seed in seeding.starting_points(self.space, fits):
-            group = (seed.precision, tuple(self.space.strategy_of(seed).items()))
+            group = self.space.seed_group(seed)
             if group in measured or group in queued:
                 continue
             instead = seeding.replacement(self.space, fits, seed)

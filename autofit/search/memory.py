@@ -80,11 +80,16 @@ def _keeps_more(config: TrainConfig, than: TrainConfig) -> bool:
 
 def _needs_more(config: TrainConfig, than: TrainConfig) -> bool:
     """`config` holds everything `than` holds in memory, or more."""
+    if config.precision != than.precision:  # (and bf16-true takes no 8-bit state to compare)
+        return False
     same_otherwise = config.replace(micro_batch_size=than.micro_batch_size, grad_accum_steps=than.grad_accum_steps,
                                     checkpoint_blocks=than.checkpoint_blocks, checkpoint_policy=than.checkpoint_policy,
-                                    freeze_blocks=than.freeze_blocks)
+                                    freeze_blocks=than.freeze_blocks, optimizer_bits=than.optimizer_bits,
+                                    chunked_loss=than.chunked_loss)
     return (same_otherwise == than and config.micro_batch_size >= than.micro_batch_size
-            and _keeps_more(config, than) and config.freeze_blocks <= than.freeze_blocks)
+            and _keeps_more(config, than) and config.freeze_blocks <= than.freeze_blocks
+            # 32-bit state holds more than 8-bit; the whole logits more than chunks of them
+            and config.optimizer_bits >= than.optimizer_bits and config.chunked_loss <= than.chunked_loss)
 
 
 def record_budget(record: TrialRecord) -> int | None:

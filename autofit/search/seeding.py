@@ -57,46 +57,68 @@ def policy_twin(space: SearchSpace, fits: Fits, config: TrainConfig) -> TrainCon
         return None
     other = next(p for p in space.policies() if p != config.checkpoint_policy)
     twin = fewest_checkpointed(space, fits, config.precision, config.micro_batch_size, config.freeze_blocks,
-                               space.strategy_of(config), other)
+                               space.strategy_of(config) | space.memory_knobs_of(config), other)
     return twin if twin is not None and twin.checkpoint_blocks > 0 else None
 
 
 def starting_points(space: SearchSpace, fits: Fits) -> list[TrainConfig]:
     """In waves, one config per precision each: the largest micro batch predicted to fit
     without checkpointing, then the frontier points where checkpointing lets a larger
-    micro batch fit (with selective checkpointing searched, also its largest micro batch)."""
+    micro batch fit (with selective checkpointing searched, also its largest micro batch).
+    Where the space has memory knobs (8-bit optimizer state, chunked loss), their leanest
+    setting's frontier joins a precision's points where no plain point has a micro batch as
+    large with no more checkpointed blocks: the only place they can pay off."""
     # Freezing is opt-in; once allowed, the deepest freeze is both smaller and faster.
     freeze = space.max_freeze_blocks
     # Over several ranks, per strategy too: which one wins is measured, not assumed.
     waves: list[list[TrainConfig]] = []
     for precision in space.precisions:
         for strategy in space.strategies():
-            plain = next((c for c in frontier(space, fits, precision, freeze, len(space.micro_batch_sizes), strategy)
-                          if c.checkpoint_blocks == 0), None)
-            mine = [plain] if plain else []
-            line = frontier(space, fits, precision, freeze, 2, strategy)
-            # Each other policy's largest micro batch, after full's first checkpointed point.
-            line[1:1] = [c for p in space.policies()[1:] for c in frontier(space, fits, precision, freeze, 1,
-                                                                            strategy, p)]
-            mine += [c for c in dict.fromkeys(line)
-                     if c not in mine and (plain is None or c.micro_batch_size > plain.micro_batch_size)]
+            mine = _frontier_seeds(space, fits, precision, freeze, strategy)
+            lean = space.lean(precision)
+            if lean:
+                mine = _merge(mine, _frontier_seeds(space, fits, precision, freeze, strategy | lean))
             waves.append(mine)
     return [wave[i] for i in range(max(map(len, waves), default=0)) for wave in waves if i < len(wave)]
+
+
+def _frontier_seeds(space: SearchSpace, fits: Fits, precision: str, freeze: int, strategy: dict) -> list[TrainConfig]:
+    plain = next((c for c in frontier(space, fits, precision, freeze, len(space.micro_batch_sizes), strategy)
+                  if c.checkpoint_blocks == 0), None)
+    mine = [plain] if plain else []
+    line = frontier(space, fits, precision, freeze, 2, strategy)
+    # Each other policy's largest micro batch, after full's first checkpointed point.
+    line[1:1] = [c for p in space.policies()[1:] for c in frontier(space, fits, precision, freeze, 1, strategy, p)]
+    mine += [c for c in dict.fromkeys(line)
+             if c not in mine and (plain is None or c.micro_batch_size > plain.micro_batch_size)]
+    return mine
+
+
+def _merge(plain: list[TrainConfig], lean: list[TrainConfig]) -> list[TrainConfig]:
+    """The plain seeds, each followed by a lean seed that no plain one dominates (no plain
+    seed has a micro batch as large with no more checkpointed blocks); a dominated lean seed
+    buys nothing a seed should spend a trial on (refinement still toggles the knobs)."""
+    wins = [c for c in lean if not any(p.micro_batch_size >= c.micro_batch_size
+                                       and p.checkpoint_blocks <= c.checkpoint_blocks for p in plain)]
+    out = []
+    for i in range(max(len(plain), len(wins))):
+        out += plain[i:i + 1] + wins[i:i + 1]
+    return out
 
 
 def replacement(space: SearchSpace, fits: Fits, seed: TrainConfig) -> TrainConfig | None:
     """For a seed that ran out of memory: the largest config of its precision and strategy
     predicted to fit now (the fit has just learned from the OOM)."""
-    line = frontier(space, fits, seed.precision, seed.freeze_blocks, 1, space.strategy_of(seed),
-                    seed.checkpoint_policy)
+    line = frontier(space, fits, seed.precision, seed.freeze_blocks, 1,
+                    space.strategy_of(seed) | space.memory_knobs_of(seed), seed.checkpoint_policy)
     return line[0] if line else None
 
 
 def refinements(space: SearchSpace, fits: Fits, best: TrainConfig) -> list[TrainConfig]:
     """After a new best: its precision's frontier under the now-calibrated model at the micro
-    batches next to the best's (under its checkpoint policy), its other-policy twin, then its
-    neighbours at its precision (cheap local steps)."""
-    strategy = space.strategy_of(best)
+    batches next to the best's (under its checkpoint policy and memory knobs), its other-policy
+    twin, then its neighbours at its precision (cheap local steps)."""
+    strategy = space.strategy_of(best) | space.memory_knobs_of(best)
     sizes = space.micro_batch_sizes
     here = sizes.index(best.micro_batch_size)
     line = frontier(space, fits, best.precision, best.freeze_blocks, len(sizes), strategy, best.checkpoint_policy)

@@ -63,6 +63,10 @@ class SearchSpace:
     parallelisms: tuple[str, ...] = ("ddp", "fsdp")
     # Why `micro_batch_sizes` starts where it does (a model with BatchNorm); None: every divisor.
     micro_batch_floor: MicroBatchFloor | None = None
+    # Opt-in memory knobs (spec `search.optimizer_bits`, `search.chunked_loss`). Declared as
+    # knobs only with a choice; a single value is what every config of the space runs.
+    optimizer_bits: tuple[int, ...] = (32,)
+    chunked_loss: tuple[bool, ...] = (False,)
 
     def knobs(self) -> tuple[Knob, ...]:
         """The knobs, in the order Optuna suggests them. Add a new knob here."""
@@ -75,9 +79,9 @@ class SearchSpace:
         )
         # Opt-in knobs are declared only where they have a choice: studies without them keep
         # their parameters.
-        if len(self.length_bucketing) > 1:
-            knobs += (Knob(field="length_bucketing", param="length_bucketing", values=self.length_bucketing,
-                           ordered=False),)
+        for name in ("length_bucketing", "optimizer_bits", "chunked_loss"):
+            if len(getattr(self, name)) > 1:
+                knobs += (Knob(field=name, param=name, values=getattr(self, name), ordered=False),)
         if len(self.checkpoint_policies) > 1 and self.max_checkpoint_blocks:
             knobs += (Knob(field="checkpoint_policy", param="checkpoint_policy", values=self.checkpoint_policies,
                            ordered=False),)
@@ -107,11 +111,36 @@ class SearchSpace:
         return {name: getattr(config, name) for name in ("parallelism", "reshard_after_forward",
                                                          "gradient_as_bucket_view")}
 
+    def lean(self, precision: str) -> dict:
+        """The memory knobs at their most frugal that `precision` allows ({} when the space
+        has no choice): where seeds look for micro batches the plain settings cannot fit."""
+        out = {}
+        if 8 in self.optimizer_bits and len(self.optimizer_bits) > 1 and _eight_bit_allowed(precision):
+            out["optimizer_bits"] = 8
+        if True in self.chunked_loss and len(self.chunked_loss) > 1:
+            out["chunked_loss"] = True
+        return out
+
+    def seed_group(self, config: TrainConfig) -> tuple:
+        """The seeds `config` counts for: its precision, its strategy, and whether it runs
+        the lean memory knobs. Each group's seed is measured before another's best is refined."""
+        lean = self.lean(config.precision)
+        return (config.precision, tuple(self.strategy_of(config).items()),
+                bool(lean) and all(getattr(config, k) == v for k, v in lean.items()))
+
+    def memory_knobs_of(self, config: TrainConfig) -> dict:
+        """`config`'s searched memory knobs ({} when none is searched)."""
+        return {name: getattr(config, name) for name in ("optimizer_bits", "chunked_loss")
+                if len(getattr(self, name)) > 1}
+
     def config(self, precision: str, micro_batch_size: int, checkpoint_blocks: int = 0,
                freeze_blocks: int = 0, **other) -> TrainConfig:
         rank_batch = self.global_batch_size // self.world_size
         if self.world_size > 1:
             other = {"parallelism": self.parallelisms[0], **other, "world_size": self.world_size}
+        # The first allowed value is the default (the plain one when both are allowed).
+        bits = self.optimizer_bits[0] if _eight_bit_allowed(precision) else 32
+        other = {"optimizer_bits": bits, "chunked_loss": self.chunked_loss[0], **other}
         return TrainConfig(precision=precision, micro_batch_size=micro_batch_size,
                            grad_accum_steps=rank_batch // micro_batch_size,
                            checkpoint_blocks=checkpoint_blocks, freeze_blocks=freeze_blocks, **other)
@@ -136,6 +165,8 @@ class SearchSpace:
         values = {k.field: k.suggest(trial) for k in self.knobs()}
         # Checkpointing beyond the trainable blocks is the same point as checkpointing all of them.
         values["checkpoint_blocks"] = min(values["checkpoint_blocks"], self.checkpointable(values["freeze_blocks"]))
+        if not _eight_bit_allowed(values["precision"]):
+            values["optimizer_bits"] = 32  # bf16 weights keep their compensated 32-bit-state update
         return self._from_values(values)
 
     def params(self, config: TrainConfig) -> dict:
@@ -144,8 +175,8 @@ class SearchSpace:
 
     def grid(self) -> list[TrainConfig]:
         knobs = self.knobs()
-        configs = (self._from_values(dict(zip((k.field for k in knobs), combo)))
-                   for combo in itertools.product(*(k.values for k in knobs)))
+        combos = (dict(zip((k.field for k in knobs), combo)) for combo in itertools.product(*(k.values for k in knobs)))
+        configs = (self._from_values(v) for v in combos if _coherent(v))
         # No checkpointed block has no policy: those configs come once (TrainConfig resets it).
         return list(dict.fromkeys(c for c in configs if self.valid(c)))
 
@@ -154,8 +185,11 @@ class SearchSpace:
         """len(grid()), without building it."""
         size = 1
         for k in self.knobs():
-            if k.field not in ("checkpoint_blocks", "freeze_blocks", "checkpoint_policy"):
+            if k.field not in ("checkpoint_blocks", "freeze_blocks", "checkpoint_policy", "precision",
+                               "optimizer_bits"):
                 size *= len(k.values)
+        bits = self.optimizer_bits if len(self.optimizer_bits) > 1 else (32,)
+        size *= sum(_coherent({"precision": p, "optimizer_bits": b}) for p in self.precisions for b in bits)
         policies = len(self.policies())
         return size * sum(policies * self.checkpointable(f) + 1 for f in range(self.max_freeze_blocks + 1))
 
@@ -174,8 +208,10 @@ class SearchSpace:
                 out.append(moved)
         for k in self.knobs():
             if not k.ordered:
-                # A policy without checkpointed blocks is inert: no neighbour there.
+                # A policy without checkpointed blocks is inert: no neighbour there. No 8-bit
+                # state with bf16 weights.
                 out += [c for v in k.values if v != getattr(config, k.field)
+                        and _coherent({**self.memory_knobs_of(config), "precision": config.precision, k.field: v})
                         if (c := config.replace(**{k.field: v})) != config]
         return out
 
@@ -190,3 +226,12 @@ class SearchSpace:
                 return None
             values[name] = knob.values[index]
         return self._from_values(values)
+
+
+def _eight_bit_allowed(precision: str) -> bool:
+    """8-bit optimizer state needs fp32 weights (TrainConfig refuses it with bf16-true)."""
+    return precision != "bf16-true"
+
+
+def _coherent(values: dict) -> bool:
+    return values.get("optimizer_bits", 32) == 32 or _eight_bit_allowed(values["precision"])

@@ -53,6 +53,9 @@ class Workload:
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor]  # scalar mean over the batch
     tokens_per_sample: int | None  # seq_len for token models, None otherwise
     sample_shape: str  # e.g. "tokens[1024]", "image[3x32x32]"
+    # The same loss with the LM head and cross-entropy chunked (`chunked_loss`); None where
+    # the model has no LM head autofit can chunk.
+    chunked_loss_fn: Callable[[nn.Module, Batch], torch.Tensor] | None = None
 
 
 def build_workload(spec) -> Workload:
