@@ -178,7 +178,7 @@ def check_overhead(ctx: Context) -> dict:
     from autofit import _trial_child
     from autofit.knobs import TrainConfig
 
-    if ctx.fault:  # NVML cannot see this process's GPU (a container without the device's NVML view)
+    if ctx.fault:  # NVML cannot see this GPU (a container without the device's NVML view)
         _trial_child._nvml_before = lambda cuda_index: None
     spec = example_spec()
     trial = _trial_child._Trial(_request(spec, TrainConfig.default_for(spec), ctx.device))
@@ -189,13 +189,13 @@ def check_overhead(ctx: Context) -> dict:
     values = {"overhead_at_start_bytes": start, "overhead_after_step_bytes": end,
               "growth_bytes": None if start is None or end is None else end - start,
               "reserved_after_step_bytes": torch.cuda.memory_reserved(ctx.device), "memory_total_bytes": total,
-              "step_status": result["status"]}
+              "step_status": result["status"], "nvml_per_process": _nvml_lists_me(trial._nvml_before)}
     if result["status"] != "ok":
         return fail(values, f"the example model's step failed: {result.get('reason')}",
                     "run `autofit trial examples/tiny-gpt.yaml --device N -v` to see the failure")
     if start is None or end is None:
-        return fail(values, "NVML cannot attribute this process's GPU memory: the trial child cannot measure the "
-                            "CUDA context, so budgets do not subtract it",
+        return fail(values, f"NVML cannot see GPU {ctx.device.index}: the trial child cannot measure the CUDA "
+                            f"context, so budgets do not subtract it",
                     "run where NVML sees the GPU's processes (docker: --gpus with the NVIDIA container toolkit, "
                     "--pid=host); until then give --memory-budget about 1 GiB below the card's memory")
     worst = max(start, end)
@@ -209,10 +209,28 @@ def check_overhead(ctx: Context) -> dict:
     return ok(values, summary)
 
 
-def _request(spec, config, device: torch.device, *, budget_bytes: int | None = None) -> dict:
+def _nvml_lists_me(before: dict | None) -> bool | None:
+    """Whether NVML lists this process's own memory. When it does not (inside some containers)
+    the trial child falls back to the device's used memory before and after its context, which
+    another process allocating at the same moment would distort."""
+    if before is None:
+        return None
+    import pynvml as nvml
+
+    try:
+        nvml.nvmlInit()
+        handle = nvml.nvmlDeviceGetHandleByUUID(before["uuid"])
+        pids = {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.usedGpuMemory is not None}
+        nvml.nvmlShutdown()
+    except nvml.NVMLError:
+        return None
+    return os.getpid() in pids
+
+
+def _request(spec, config, device: torch.device) -> dict:
     """A trial child's request, as `autofit.trial.measure` writes it."""
     return {"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
-            "device": "cpu" if device.type == "cpu" else str(device.index), "budget_bytes": budget_bytes,
+            "device": "cpu" if device.type == "cpu" else str(device.index), "budget_bytes": None,
             "warmup_steps": 1, "measure_steps": 1, "timeout_s": 120}
 
 
