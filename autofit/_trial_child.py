@@ -31,6 +31,7 @@ from autofit.optim import implementation
 from autofit.precision import process_flags
 from autofit.recover import is_oom
 from autofit.runner import Runner
+from autofit.service_guard import claim_cuda_context
 from autofit.stagnation import UpdateProbe
 from autofit.spec import parse_spec
 from autofit.workload import build_workload
@@ -57,17 +58,25 @@ class _Trial:
             # One GPU per rank; a rank that waits on a dead peer gives up before the trial's
             # own timeout, so the parent gets a reason rather than a kill.
             self.device = distributed.rank_device(world.local_rank, device if device == "cpu" or "," in device else None)
+        self._nvml_before: dict | None = None
+        self._nvml_pids: set[int] = set()  # NVML's pid(s) for this process: another namespace's in a container
+        if self.device.type == "cuda":
+            # Before anything creates a context (the process group may): the used memory it
+            # is measured against, and the claim that tells the service this context is ours.
+            before = self._nvml_before = _nvml_before(self.device.index)
+            self._nvml_pids = claim_cuda_context(request.get("claim_dir"), lambda: _nvml_pids(before),
+                                                 lambda: _create_context(self.device))
+        if world is not None and self.config.distributed:
             distributed.init_process_group(self.device, timeout_s=max(30.0, 0.8 * request.get("timeout_s", 600)))
         self.tracker = LiveBytesTracker(budget_bytes=self.budget_bytes) if self.device.type == "cpu" else None
         self.overhead_bytes: int | None = 0 if self.device.type == "cpu" else None
-        self._nvml_before: dict | None = None
 
     # ---- device setup ------------------------------------------------------------------------
 
     def prepare_cuda(self) -> str | None:
         """Measure the context and library workspaces, then cap the allocator at the rest of
         the budget. Returns a reason when the budget cannot even hold the context."""
-        before = self._nvml_before = _nvml_before(self.device.index)
+        before = self._nvml_before
         torch.cuda.set_device(self.device)
         # cuBLAS/cuBLASLt create their handles and workspaces on the first matmul per dtype.
         x = torch.ones((256, 256), device=self.device)
@@ -79,7 +88,7 @@ class _Trial:
             (y @ y).sum().item()
         del x, y
         torch.cuda.synchronize(self.device)
-        self.overhead_bytes = _nvml_overhead(before, torch.cuda.memory_reserved(self.device))
+        self.overhead_bytes = _nvml_overhead(before, torch.cuda.memory_reserved(self.device), self._nvml_pids)
         if self.budget_bytes is None:
             return None
         allocator_bytes = self.budget_bytes - (self.overhead_bytes or 0)
@@ -194,7 +203,7 @@ class _Trial:
             return out
         # Read the overhead again at the end: cuDNN, fused optimizers and attention kernels
         # load lazily during the steps, after the first reading.
-        end = _nvml_overhead(self._nvml_before, torch.cuda.memory_reserved(self.device))
+        end = _nvml_overhead(self._nvml_before, torch.cuda.memory_reserved(self.device), self._nvml_pids)
         if end is not None:
             out["overhead_bytes"] = max(end, self.overhead_bytes or 0)
         stats = cuda_memory_stats(self.device)
@@ -220,7 +229,30 @@ def _nvml_before(cuda_index: int) -> dict | None:
     return {"uuid": info.uuid, "used_bytes": info.memory_used_bytes}
 
 
-def _nvml_overhead(before: dict | None, reserved_bytes: int) -> int | None:
+def _nvml_pids(before: dict | None) -> set[int] | None:
+    """The pids NVML lists as compute processes on the device; None when it cannot say."""
+    if before is None:
+        return None
+    import pynvml as nvml
+
+    try:
+        nvml.nvmlInit()
+        try:
+            handle = nvml.nvmlDeviceGetHandleByUUID(before["uuid"])
+            return {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        finally:
+            nvml.nvmlShutdown()
+    except nvml.NVMLError:
+        return None
+
+
+def _create_context(device: torch.device) -> None:
+    torch.cuda.set_device(device)
+    torch.zeros(1, device=device)
+    torch.cuda.synchronize(device)
+
+
+def _nvml_overhead(before: dict | None, reserved_bytes: int, nvml_pids: set[int] = frozenset()) -> int | None:
     """Device memory this process holds beyond PyTorch's allocator: the CUDA context,
     cuBLAS/cuDNN handles and module images. NVML's per-process figure when it has one (not
     inside some containers); else the device's used memory before and after."""
@@ -231,8 +263,9 @@ def _nvml_overhead(before: dict | None, reserved_bytes: int) -> int | None:
     try:
         nvml.nvmlInit()
         handle = nvml.nvmlDeviceGetHandleByUUID(before["uuid"])
+        ours = nvml_pids or {os.getpid()}  # the claimed pid where NVML uses another pid namespace
         mine = [p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                if p.pid == os.getpid() and p.usedGpuMemory is not None]
+                if p.pid in ours and p.usedGpuMemory is not None]
         process_bytes = mine[0] if mine else nvml.nvmlDeviceGetMemoryInfo(handle).used - before["used_bytes"]
         nvml.nvmlShutdown()
     except nvml.NVMLError as exc:

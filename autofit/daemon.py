@@ -30,6 +30,7 @@ from autofit.inventory import FileInventory, Gpu, IdleTracker, NvmlInventory, de
 from autofit.notify import Notifier
 from autofit.profile import utc_now
 from autofit.service_config import ServiceConfig, load_service_config, resolve_config_path
+from autofit.service_guard import PidRule, TrialGuard
 from autofit.service_job import TuneJob, retry_text
 from autofit.service_state import STATE_SCHEMA, PairState, StateLock, pair_key, read_state, write_state
 from autofit.sizes import format_bytes
@@ -53,6 +54,7 @@ class Service:
         self.inventory = FileInventory(inventory_path) if inventory_path else NvmlInventory()
         self.notifier = Notifier()
         self.idle = IdleTracker()
+        self.pid_rule = PidRule()  # which of NVML's pids are ours: learnt from trial children's claims
         self.pairs: dict[str, PairState] = {}
         self.tunes: dict[str, TuneJob] = {}  # by GPU slot (a job on N GPUs under each of its slots)
         self.gpus: list[Gpu] = []
@@ -189,7 +191,6 @@ class Service:
     def _watch_gpus(self) -> None:
         """Which GPUs are free; stop tunes whose GPU got another job, left, or whose spec changed."""
         now_s = time.monotonic()
-        own_pids = descendant_pids() if self.tunes and not self.inventory.emulated else set()
         present = {g.slot: g for g in self.gpus}
         for slot, job in self.tunes.items():
             gpu = present.get(slot)
@@ -198,20 +199,21 @@ class Service:
                 job.stop("the GPU left the inventory", retry=True)
             elif current is None or current[1].spec_hash != job.spec.spec_hash:
                 job.stop("its model spec changed or was removed")
+        for job in self._jobs():
+            # Its guard checks every tick; this is the same check, should its thread be gone.
+            reason = job.guard.check() if job.guard is not None else None
+            if reason is not None:
+                job.stop(reason, retry=True)  # never disturb another job: the study keeps what was measured
+        own_pids = self.pid_rule.base_pids()  # no tune on these GPUs: no trial child of ours is on them
         for gpu in self.gpus:
+            if gpu.slot in self.tunes:
+                self.gpu_busy[gpu.slot] = "tuning"
+                continue
             try:
                 activity = self.inventory.activity(gpu, own_pids)
             except AutofitError as exc:
                 self.gpu_busy[gpu.slot] = f"cannot read its activity: {exc}"
                 self.idle.reset(gpu)
-                continue
-            job = self.tunes.get(gpu.slot)
-            if job is not None:
-                self.gpu_busy[gpu.slot] = "tuning"
-                if activity.foreign_pids:
-                    # Never disturb another job: the study keeps what was measured so far.
-                    job.stop(f"another process appeared on the GPU (pid "
-                             f"{', '.join(map(str, activity.foreign_pids))})", retry=True)
                 continue
             self.gpu_busy[gpu.slot] = self.idle.check(gpu, activity, self.config.idle, now_s)
 
@@ -307,6 +309,9 @@ class Service:
         job = TuneJob(key=pair.key, gpu=gpus[0], gpus=tuple(gpus), spec=spec,
                       trials=self.config.trials or spec.search.trials,
                       budget_bytes=usable_budget_bytes(gpus[0].device, headroom=self._headroom(spec)))
+        # Checked on every tick of the tune, not only at the next poll: a job that starts
+        # while a trial holds most of the card would run out of memory.
+        job.guard = TrialGuard(self.inventory, gpus, lambda reason: job.stop(reason, retry=True), rule=self.pid_rule)
         pair.tunes += 1
         pair.status, pair.detail = "tuning", None
         pair.last_tune = {"gpu": "+".join(g.slot for g in gpus), "started": job.started, "ended": None,

@@ -5,10 +5,15 @@ Two sources with the same two methods, `gpus()` and `activity(gpu, own_pids)`:
 - `NvmlInventory`: the host's GPUs through NVML (no CUDA context), other processes'
   compute work on each, and its utilisation.
 - `FileInventory`: emulation. A YAML/JSON file `{"gpus": [{"name": ..., "memory_total_bytes":
-  ..., "compute_capability": "9.0"}]}` lists GPU kinds that are not here; their trials run
-  on the CPU under each card's memory budget, so the whole service can be exercised on a
-  machine without a GPU. The file is re-read every poll. An emulated card has no other
-  processes and no utilisation: it is always free once the idle period has passed.
+  ..., "compute_capability": "9.0", "processes": [4242]}]}` lists GPU kinds that are not
+  here; their trials run on the CPU under each card's memory budget, so the whole service
+  can be exercised on a machine without a GPU. The GPUs are re-read every poll and each
+  card's `processes` (the compute processes NVML would list: other jobs) whenever its
+  activity is read, which for a card being tuned is every guard tick. An emulated card has
+  no utilisation: it is free once it has no processes for the idle period.
+
+Which of a card's processes are the service's own is not decided here: `own_pids` comes
+from `autofit.service_guard`, which knows what the service launched.
 """
 
 import os
@@ -84,6 +89,9 @@ class FileInventory:
         return f"{self.path} (emulated GPUs: trials run on the CPU)"
 
     def gpus(self) -> list[Gpu]:
+        return [Gpu(slot=f"gpu{i}", device=self._device(i, entry)) for i, entry in enumerate(self._entries())]
+
+    def _entries(self) -> list:
         try:
             raw = yaml.safe_load(self.path.read_text())  # YAML reads JSON too
         except OSError as exc:
@@ -94,16 +102,16 @@ class FileInventory:
         if not isinstance(raw, dict) or not isinstance(raw.get("gpus"), list) or set(raw) != {"gpus"}:
             raise DeviceError(f"inventory {self.path}: expected {{\"gpus\": [{{\"name\": ..., "
                               f"\"memory_total_bytes\": ...}}, ...]}}")
-        return [Gpu(slot=f"gpu{i}", device=self._device(i, entry)) for i, entry in enumerate(raw["gpus"])]
+        return raw["gpus"]
 
     def _device(self, i: int, entry) -> DeviceInfo:
         where = f"inventory {self.path}: gpus[{i}]"
         if not isinstance(entry, dict):
             raise DeviceError(f"{where}: expected a mapping, got {entry!r}")
-        unknown = sorted(set(entry) - {"name", "memory_total_bytes", "compute_capability"})
+        unknown = sorted(set(entry) - {"name", "memory_total_bytes", "compute_capability", "processes"})
         if unknown:
             raise DeviceError(f"{where}.{unknown[0]}: unknown key; allowed: name, memory_total_bytes, "
-                              f"compute_capability")
+                              f"compute_capability, processes")
         name = entry.get("name")
         if not isinstance(name, str) or not name.strip():
             raise DeviceError(f"{where}.name: must be a GPU name such as \"NVIDIA H100 80GB HBM3\", got {name!r}")
@@ -113,10 +121,22 @@ class FileInventory:
             memory_total_bytes = parse_size(entry.get("memory_total_bytes"), what=f"{where}.memory_total_bytes")
         except ValueError as exc:
             raise DeviceError(str(exc)) from None
+        _processes(entry, where)
         return emulated_device(name, memory_total_bytes, _capability(entry.get("compute_capability"), where))
 
     def activity(self, gpu: Gpu, own_pids: set[int]) -> Activity:
-        return Activity(foreign_pids=(), utilization_percent=0.0)
+        entries = self._entries()
+        index = int(gpu.slot.removeprefix("gpu"))
+        entry = entries[index] if index < len(entries) and isinstance(entries[index], dict) else {}
+        pids = _processes(entry, f"inventory {self.path}: gpus[{index}]")
+        return Activity(foreign_pids=tuple(sorted(pids - own_pids)), utilization_percent=0.0)
+
+
+def _processes(entry: dict, where: str) -> set[int]:
+    pids = entry.get("processes", [])
+    if not isinstance(pids, list) or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pids):
+        raise DeviceError(f"{where}.processes: a list of pids (the card's other compute processes), got {pids!r}")
+    return set(pids)
 
 
 def _capability(value, where: str) -> tuple[int, int] | None:

@@ -27,6 +27,7 @@ from loguru import logger
 from autofit.errors import AutofitError, NothingFitsError, TrialTimeoutError
 from autofit.inventory import Gpu
 from autofit.profile import utc_now
+from autofit.service_guard import TrialGuard
 from autofit.service_state import PairState, iso_utc
 from autofit.spec import ModelSpec
 from autofit.tune import TuneOutcome, device_for_ranks, study_name, tune
@@ -54,6 +55,8 @@ class TuneJob:
     outcome: TuneOutcome | None = None
     error: Exception | None = None
     gpus: tuple[Gpu, ...] = ()  # every GPU it runs on, one rank each; () is (gpu,)
+    guard: TrialGuard | None = None  # watches `gpus` on every tick while the tune runs
+    done: threading.Event = field(default_factory=threading.Event)  # the worker has ended
 
     def __post_init__(self):
         self.gpus = self.gpus or (self.gpu,)
@@ -101,6 +104,9 @@ class TuneJob:
         self.thread = threading.Thread(target=self._work, args=(store_dir, storage), name=f"tune-{self.gpu.slot}",
                                        daemon=True)
         self.thread.start()
+        if self.guard is not None:
+            threading.Thread(target=self.guard.run, args=(self.done,), name=f"guard-{self.gpu.slot}",
+                             daemon=True).start()
 
     def stop(self, reason: str, *, retry: bool = False) -> None:
         """Kill the running trial child and end the search; the study keeps what finished.
@@ -126,9 +132,11 @@ class TuneJob:
             execute_on = "cpu" if device.emulated else ",".join(str(g.device.index) for g in self.gpus)
             self.outcome = tune(self.spec, device=device, budget_bytes=self.budget_bytes, out_dir=store_dir,
                                 storage=storage, execute_on=execute_on, trials=self.trials,
-                                stop_event=self.stop_event, on_trial=on_trial, nproc=self.nproc)
+                                stop_event=self.stop_event, on_trial=on_trial, nproc=self.nproc, guard=self.guard)
         except Exception as exc:  # every ending is judged by the main thread, in settle()
             self.error = exc
+        finally:
+            self.done.set()
 
     def settle(self, pair: PairState, *, headroom: float) -> str:
         """Record how the tune ended on `pair` (see the table above); returns it in words, one

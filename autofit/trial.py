@@ -87,13 +87,15 @@ class Measurement:
 
 def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
             warmup_steps: int | None = None, measure_steps: int | None = None, timeout_s: float | None = None,
-            stop_event=None) -> Measurement:
+            stop_event=None, guard=None) -> Measurement:
     """Measure `config` in a child process; never raises for what happens inside it.
 
     `device` is "cpu" or a CUDA index. `budget_bytes` is the device memory the trial may
     use in total: on CUDA the child measures its context overhead and caps PyTorch's
     allocator at the rest; on a CPU the tracked live bytes are held to it. Setting
     `stop_event` (a threading.Event) kills the child: status error, reason "stopped".
+    `guard` (the service's `service_guard.TrialGuard`) is told of the child while it runs,
+    and the child claims its CUDA context in the trial folder for it to read.
     """
     check_global_batch(config, spec.train.global_batch_size)
     device = _device_arg(device)
@@ -105,6 +107,8 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
         request_path, result_path, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "log")
+        if guard is not None:
+            request["claim_dir"] = tmp
         request_path.write_text(json.dumps(request, default=str))
         with open(log_path, "wb") as log_file:
             command = [sys.executable, "-m", "autofit._trial_child", str(request_path), str(result_path)]
@@ -112,10 +116,14 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
                 command[1:3] = _torchrun_args(config.world_size)
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                     env=_child_env(device), start_new_session=True)
+            if guard is not None:
+                guard.trial_started(proc.pid, Path(tmp))
             try:
                 ended = _wait(proc, timeout_s, stop_event)
             finally:
                 _kill_group(proc)  # on every path, so nothing the child started outlives the trial
+                if guard is not None:
+                    guard.trial_ended(proc.pid)
         log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         wall_s = time.perf_counter() - started
         result = _read_result(result_path, config.world_size) if ended == "exited" else None

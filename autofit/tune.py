@@ -130,12 +130,13 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
          execute_on: str | None = None, trials: int | None = None, timeout_s: float | None = None,
          emulated_budget_bytes: int | None = None, stop_event: threading.Event | None = None,
          on_trial: Callable[[TrialRecord, TrialRecord | None, int], None] | None = None,
-         report: bool = True, nproc: int = 1) -> TuneOutcome:
+         report: bool = True, nproc: int = 1, guard=None) -> TuneOutcome:
     """Search, validate and save. `execute_on` is where trials run ("cpu" or a CUDA index;
     default: the device itself; an emulated GPU runs on the CPU under its budget).
     `emulated_budget_bytes` (from --memory-budget) keys a study apart from the full card's.
     `nproc` > 1 tunes data-parallel jobs over that many ranks (DDP or FSDP2, each trial
-    launched through torchrun); `budget_bytes` is then each rank's.
+    launched through torchrun); `budget_bytes` is then each rank's. `guard` (the service's
+    `service_guard.TrialGuard`) watches every trial child.
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
     if emulated_budget_bytes is not None:
@@ -155,7 +156,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     def run_trial(config) -> Measurement:
         limit_s = spec.search.trial_timeout_s * 2 ** timeouts.get(config, 0)
         m = measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
-                    timeout_s=limit_s)
+                    timeout_s=limit_s, guard=guard)
         if m.status == "timeout":
             timeouts[config] = timeouts.get(config, 0) + 1
         raise_input_error(m)  # the user's code raised: every other config would fail alike
@@ -208,7 +209,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
 
     def run_long(config, steps: int, timeout_s: float) -> Measurement:
         m = measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
-                    measure_steps=steps, timeout_s=timeout_s)
+                    measure_steps=steps, timeout_s=timeout_s, guard=guard)
         validations.setdefault(config, []).append(m)
         return m
 

@@ -640,3 +640,47 @@ def test_a_spec_error_in_the_models_folder_is_one_log_line(tmp_path, monkeypatch
     (line,) = [line for line in out.getvalue().splitlines() if "beta.yaml" in line]
     assert "model.args.n_head: must divide" in line and "attempt 1 of" in line
     assert "Traceback" not in out.getvalue()
+
+
+@pytest.mark.slow
+def test_another_job_on_the_tuned_gpu_stops_the_running_trial_within_2_s(tmp_path):
+    """End to end: `autofit serve` tunes a model whose trial hangs in its training step on
+    an emulated card; the card's process list gains another job's pid; within 2 s the trial
+    child is gone, the trial is not a result in the study, and status says why and when the
+    pair is tried again."""
+    import tempfile
+
+    from conftest import faulty_spec
+
+    foreign_pid = 2_000_000_001  # above any pid_max: no process of this host
+    config = write_config(tmp_path)
+    faulty_spec(tmp_path / "models", "hang_in_training")
+    inventory = write_inventory(tmp_path, H100)
+    serve = Serve(config, inventory)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        logs = []
+        while time.monotonic() < deadline and not any("step 0" in p.read_text() for p in logs if p.exists()):
+            assert serve.proc.poll() is None, serve.log()
+            logs = list(Path(tempfile.gettempdir()).glob("autofit-trial-*/log"))
+            time.sleep(0.1)
+        running = [p for p in logs if p.exists() and "step 0" in p.read_text()]
+        assert len(running) == 1, f"no trial in its training step:\n{serve.log()}"
+        log = running[0]
+        write_inventory(tmp_path, H100 | {"processes": [foreign_pid]})
+        appeared_s = time.monotonic()
+        while time.monotonic() - appeared_s < 10 and log.parent.exists():
+            time.sleep(0.02)
+        gone_s = time.monotonic() - appeared_s
+        state = serve.wait_for("the pair retrying", lambda s: serve.pairs().get(("faulty-hang_in_training", H100["name"]), {})
+                               .get("status") == "retrying", 30)
+        assert gone_s < 2.0, serve.log()
+        (pair,) = state["pairs"]
+        assert pair["failure"]["kind"] == "interrupted" and str(foreign_pid) in pair["detail"]
+        assert state["inventory"]["gpus"][0]["state"] == f"in use by pid {foreign_pid}"
+        assert _study_records(f"sqlite:///{tmp_path / 'state' / 'studies.db'}") == []  # not a result
+        text = run_cli("status", "--config", config).stdout
+        assert "retrying" in text and "interrupted (1 in a row)" in text and "next try" in text
+        assert serve.terminate()[0] == 0
+    finally:
+        serve.kill()
