@@ -653,7 +653,7 @@ def test_another_job_on_the_tuned_gpu_stops_the_running_trial_within_2_s(tmp_pat
     from conftest import faulty_spec
 
     foreign_pid = 2_000_000_001  # above any pid_max: no process of this host
-    config = write_config(tmp_path)
+    config = write_config(tmp_path, poll_interval_s=30)  # the default: the guard, not the poll, must see it
     faulty_spec(tmp_path / "models", "hang_in_training")
     inventory = write_inventory(tmp_path, H100)
     serve = Serve(config, inventory)

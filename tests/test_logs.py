@@ -4,7 +4,7 @@ from loguru import logger
 
 
 def _fail(storage: str):
-    password = storage.split(":")[2].split("@")[0]  # a local variable diagnose would have printed
+    # loguru's diagnose would print `storage`, a local, under this line, password and all.
     raise RuntimeError(f"cannot reach {storage}")
 
 
