@@ -26,7 +26,7 @@ from autofit import distributed
 from autofit._io import atomic_write_text
 from autofit.device.memory import LiveBytesTracker, cap_cuda_memory, cuda_memory_stats
 from autofit.errors import AutofitError, InputError, SpecError
-from autofit.knobs import TrainConfig
+from autofit.knobs import TrainConfig, compile_count
 from autofit.optim import implementation
 from autofit.precision import process_flags
 from autofit.recover import is_oom
@@ -40,6 +40,11 @@ PARENT_PID_ENV = "AUTOFIT_TRIAL_PARENT_PID"  # set by autofit.trial for the chil
 _PARENT_POLL_S = 0.5
 _TRACEBACK_CHARS = 8000  # of a user's exception, for the parent's --debug
 TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist
+MAX_COMPILE_STEPS = 4  # compile=true: warm-up steps that may compile (forward, backward, another shape)
+
+
+class CompileFailed(Exception):
+    """torch.compile failed on this config: the trial's status is compile_error."""
 # GradScaler starts at 2**16 and halves per overflow: 24 halvings reach 2**-8, below which
 # the gradients overflow fp16 at any scale and the skipping is the model's, not the warm-up's.
 SCALER_WARMUP_SKIPS = 24
@@ -126,6 +131,9 @@ class _Trial:
                     logger.info("tracked step {}", step)
                     losses.append(self._warm_step(runner, runner.peak_batch(step)))
             step = TRACKED_STEPS
+        compile_s = None
+        if self.config.compile:
+            step, compile_s = self.warm_compiled(runner, step, losses)
         # On CUDA the allocator's peak covers the whole run: one worst-case step at least; and
         # a GradScaler is warmed up before the clock, whatever the warm-up asked for.
         while step < max(self.warmup_steps, int(runner.varying_lengths), int(runner.scaler.is_enabled())):
@@ -134,6 +142,7 @@ class _Trial:
             step += 1
         probe = UpdateProbe(runner.model, runner.optimizer)  # before the timed steps: their updates are judged
         step_times_s, tokens, skipped = [], [], 0
+        graphs_before = compile_count()
         for step in range(step, step + self.measure_steps):
             logger.info("timed step {}", step)
             batch = None  # the previous step's batch is freed before the next is built
@@ -150,7 +159,43 @@ class _Trial:
         self.setup = {"optimizer": implementation(runner.optimizer), "flags": process_flags()}
         # One collective for the whole run: the global batch's loss per step, for the health check.
         losses = distributed.mean_over_ranks(torch.stack(losses).float()).tolist()
-        return self._result(workload, losses, step_times_s, tokens, skipped)
+        out = self._result(workload, losses, step_times_s, tokens, skipped)
+        if self.config.compile:
+            out |= {"compile_s": compile_s, "timed_recompiles": compile_count() - graphs_before}
+            if out["timed_recompiles"]:
+                logger.warning("{} graphs compiled during the timed steps (new shapes recompile)",
+                               out["timed_recompiles"])
+        return out
+
+    def warm_compiled(self, runner: Runner, step: int, losses: list) -> tuple[int, float]:
+        """Warm-up steps until one compiles nothing (at most MAX_COMPILE_STEPS), so the timed
+        steps run what is compiled. Returns the next step and the compile time: the compiling
+        steps' time beyond what the first steady step took. A failure while compiling is
+        `CompileFailed`, unless it is an out-of-memory error."""
+        compiling_s, compiled_steps = 0.0, 0
+        for attempt in range(MAX_COMPILE_STEPS):
+            before = compile_count()
+            logger.info("compile step {}", step)
+            # The widest step first; then real steps: where lengths vary, a second shape makes
+            # Dynamo recompile with dynamic shapes here rather than in a timed step.
+            batch = runner.peak_batch(step) if attempt == 0 else runner.global_batch(step)
+            runner.synchronize()
+            started = time.perf_counter()
+            try:
+                losses.append(self._warm_step(runner, batch))
+                runner.synchronize()
+            except Exception as exc:
+                if is_oom(exc):
+                    raise
+                raise CompileFailed(f"torch.compile failed: {type(exc).__name__}: "
+                                    f"{(str(exc).strip().splitlines() or [''])[0][:300]}") from exc
+            elapsed = time.perf_counter() - started
+            step += 1
+            if compile_count() == before:  # steady: its time is what a compiled step costs
+                return step, max(0.0, compiling_s - compiled_steps * elapsed)
+            compiling_s, compiled_steps = compiling_s + elapsed, compiled_steps + 1
+        logger.warning("still compiling after {} steps: the timed steps may recompile", MAX_COMPILE_STEPS)
+        return step, compiling_s
 
     def _warm_step(self, runner: Runner, batch: list) -> torch.Tensor:
         """A warm-up step. fp16's GradScaler starts at a scale that usually overflows and halves
@@ -285,6 +330,9 @@ def run_request(request: dict) -> dict:
     try:
         trial = _Trial(request)
         out |= trial.run()
+    except CompileFailed as exc:
+        logger.opt(exception=exc.__cause__).error("compile failed")
+        out |= {"status": "compile_error", "reason": str(exc)}
     except AutofitError as exc:
         # The user's input, found bad only here (their own code raised, their spec cannot
         # be built): the same for every config, so the parent stops with exit 2.

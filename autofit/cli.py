@@ -57,7 +57,8 @@ def cmd_train(args) -> int:
         return 0  # under torchrun the metrics are rank 0's to report
     metrics = _finite(metrics)  # JSON has no NaN: a diverged loss is written as null
     _write_json(args.metrics_out, metrics)
-    summary = {k: metrics[k] for k in ("steps", "first_loss", "final_loss", "samples_per_s", "peak_memory_bytes")}
+    summary = {k: metrics[k] for k in ("steps", "first_loss", "final_loss", "samples_per_s", "compile_s",
+                                       "peak_memory_bytes") if k in metrics}
     print(json.dumps(summary))
     if metrics["final_loss"] is None and metrics["steps"]:
         print(f"autofit: error: the loss diverged at step {metrics['steps'] - 1} (NaN/inf); "
@@ -175,6 +176,8 @@ def cmd_trial(args) -> int:
         line = f"{m.status}  {m.config.short()}  peak {format_bytes(m.peak_memory_bytes)}"
         if m.samples_per_s is not None:
             line += f"  {m.samples_per_s:.1f} samples/s  step {m.step_time_s * 1000:.1f} ms"
+        if m.compile_s is not None:  # apart from the step time it never enters
+            line += f"  compile {m.compile_s:.1f} s"
         print(line + (f"  ({m.reason})" if m.reason else ""))
     # Not ok is a usable answer printed in full, but no usable measurement: exit 3.
     return 0 if m.ok else 3

@@ -137,7 +137,11 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
         spec.train, global_batch_size=config.micro_batch_size * micro_batches))
     # One rank runs the same step as one process on its share of the batch; what the
     # strategy adds or shards is applied afterwards (autofit.estimate_shard).
-    small_config = config.replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1)
+    # A compiled step is estimated as the eager one: torch.compile cannot trace under the
+    # tracker's dispatch mode, and compiling per estimate would cost more than a trial.
+    # Fused kernels usually keep fewer intermediates; the calibration, fitted per compile
+    # setting, learns the difference from measured trials.
+    small_config = config.replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1, compile=False)
     # Real (meta) tensors are let in: a model's constant tensors become fake on first use.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = LiveBytesTracker()

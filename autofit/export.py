@@ -105,6 +105,14 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
         args["fsdp"] = "full_shard auto_wrap" if config.reshard_after_forward else "shard_grad_op auto_wrap"
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": config.reshard_after_forward}
         notes.append(_launch_note(config))
+    if config.compile:
+        # The Trainer compiles the whole model at once; autofit compiled each block with
+        # fullgraph=True (what was measured), and the whole model only without a block stack.
+        args["torch_compile"] = True
+        notes.append("compile: torch_compile=True compiles the whole model, and a graph break outside the blocks "
+                     "leaves that part eager; autofit measured each block compiled (fullgraph) with inductor. For "
+                     "the exact setup call autofit.knobs.apply_compile(model) before building the Trainer and "
+                     "leave torch_compile=False")
     if config.freeze_blocks > 0:
         notes.append(f"freeze_blocks={config.freeze_blocks}: TrainingArguments cannot freeze parameters; "
                      f"freeze them before building the Trainer: "
@@ -250,12 +258,14 @@ def lightning_notes(profile) -> list[str]:
                      "the 8-bit state autofit measured")
     if config.chunked_loss:
         notes.append(_CHUNKED_NOTE + " in training_step")
-    if config.checkpoint_blocks or config.freeze_blocks:
+    if config.checkpoint_blocks or config.freeze_blocks or config.compile:
         # Lightning has no checkpointing of its own outside FSDP's activation_checkpointing_policy,
-        # which wraps whole modules: neither a few blocks nor a selective policy.
-        policy = f" ({config.checkpoint_policy})" if config.checkpoint_blocks else ""
-        notes.append(f"checkpoint_blocks={config.checkpoint_blocks}{policy}, freeze_blocks={config.freeze_blocks}: "
-                     f"apply them to the model in configure_model() with "
+        # which wraps whole modules (neither a few blocks nor a selective policy), and no
+        # Trainer argument for torch.compile.
+        knobs = [f"checkpoint_blocks={config.checkpoint_blocks}"
+                 + (f" ({config.checkpoint_policy})" if config.checkpoint_blocks else ""),
+                 f"freeze_blocks={config.freeze_blocks}"] + (["compile=true"] if config.compile else [])
+        notes.append(f"{', '.join(knobs)}: apply them to the model in configure_model() with "
                      f"autofit.knobs.apply_config(model, profile.config)")
     return notes
 
@@ -277,6 +287,8 @@ def to_env(profile) -> dict[str, str]:
         env["AUTOFIT_OPTIMIZER_BITS"] = str(config.optimizer_bits)
     if config.chunked_loss:
         env["AUTOFIT_CHUNKED_LOSS"] = "1"
+    if config.compile:  # absent: eager
+        env["AUTOFIT_COMPILE"] = "1"
     if config.distributed:
         env |= {"AUTOFIT_PARALLELISM": config.parallelism, "AUTOFIT_WORLD_SIZE": str(config.world_size),
                 "AUTOFIT_TORCHRUN": torchrun_command(config)}

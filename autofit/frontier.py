@@ -49,7 +49,8 @@ def total_peak(m: Measurement) -> int:
 def measured_of(m: Measurement, validated_steps: int) -> Measured:
     return Measured(samples_per_s=m.samples_per_s, tokens_per_s=m.tokens_per_s, peak_memory_bytes=total_peak(m),
                     step_time_s=m.step_time_s, validated_steps=validated_steps, optimizer=m.optimizer,
-                    flags=dict(m.flags))
+                    flags=dict(m.flags),
+                    compile_s=None if m.compile_s is None else round(m.compile_s, 2))
 
 
 def pareto(result: SearchResult, demoted: set = frozenset()) -> list[tuple[TrialRecord, int, float]]:

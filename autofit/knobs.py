@@ -2,6 +2,7 @@
 checkpointing (whole blocks, or selective per op) and freezing."""
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,9 @@ class TrainConfig:
     # defaults are what every run did before them, so older profiles load unchanged.
     optimizer_bits: int = 32  # 32: the moments in fp32; 8: blockwise 8-bit moments (bitsandbytes AdamW8bit)
     chunked_loss: bool = False  # LM heads: head + cross-entropy in chunks, the full logits never exist
+    # torch.compile of each block (the whole model without a block stack); compile time is
+    # measured apart from throughput.
+    compile: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -71,7 +75,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise SpecError(f"{name}: must be an integer >= 0, got {value!r}")
-        for name in ("length_bucketing", "chunked_loss"):
+        for name in ("length_bucketing", "chunked_loss", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.optimizer_bits, bool) or self.optimizer_bits not in OPTIMIZER_BITS:
@@ -117,7 +121,7 @@ class TrainConfig:
         # Knobs at their defaults are left out: a profile mentions what it changes, and the
         # records of configs that never had these knobs stay as they were.
         for name, default in (("length_bucketing", False), ("optimizer_bits", 32), ("chunked_loss", False),
-                              ("checkpoint_policy", "full")):
+                              ("checkpoint_policy", "full"), ("compile", False)):
             if out[name] == default:
                 del out[name]
         # A strategy's own knobs are written only with that strategy: a one-process profile
@@ -157,7 +161,8 @@ class TrainConfig:
                 f"freeze={self.freeze_blocks}"
                 + (" bucketed" if self.length_bucketing else "")
                 + (" adam8bit" if self.optimizer_bits == 8 else "")
-                + (" chunked-ce" if self.chunked_loss else ""))
+                + (" chunked-ce" if self.chunked_loss else "")
+                + (" compiled" if self.compile else ""))
         if self.parallelism == "fsdp":
             text += f" fsdp x{self.world_size}" + ("" if self.reshard_after_forward else " keep-gathered")
         elif self.parallelism == "ddp":
@@ -342,11 +347,50 @@ def apply_freezing(model: nn.Module, n_blocks: int) -> int:
     return count
 
 
+# inductor: what `torch.compile` uses by default, and what runs on a GPU; on a CPU it needs
+# a C++ compiler (g++ on a Debian-like machine). AUTOFIT_COMPILE_BACKEND names another
+# torch.compile backend: `aot_eager` traces the same graphs with no code generation (where
+# no compiler is at hand, and in the tests, where inductor's compile takes tens of seconds).
+COMPILE_BACKEND_ENV = "AUTOFIT_COMPILE_BACKEND"
+
+
+def compile_backend() -> str:
+    return os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+
+
+def compile_count() -> int:
+    """Graphs compiled in this process so far: Dynamo's captured graphs and inductor's
+    compiled (or cache-loaded) forward and backward graphs. A step that raises it compiled
+    something, so its time is not steady-state time. torch's own counters (a private
+    structure; tests/test_knobs.py fails loudly if torch changes it)."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return counters["stats"]["unique_graphs"] + sum(inductor[f"fxgraph_cache_{k}"] for k in ("miss", "hit", "bypass"))
+
+
+def apply_compile(model: nn.Module) -> list[str]:
+    """`torch.compile` each block of the block stack in place, or the whole model when it has
+    no stack; returns the names compiled. In place (`nn.Module.compile`): state_dict keys and
+    checkpoint wrappers stay as they are. Per block, as torchtitan does: the blocks share one
+    compiled graph (their parameters are its inputs), so compiling costs one block's time, not
+    the model's. `fullgraph`: a graph break in a block is a compile failure, since what it
+    leaves eager is the time compiling was meant to save. Compiling happens at the first
+    forward (and backward), not here."""
+    stack = find_block_stack(model)
+    targets = [(f"{stack[0]}.{i}", block) for i, block in enumerate(stack[1])] if stack else [("", model)]
+    for _, module in targets:
+        module.compile(backend=compile_backend(), fullgraph=True)
+    return [name for name, _ in targets]
+
+
 def apply_config(model: nn.Module, config: TrainConfig) -> nn.Module:
-    """Freezing and checkpointing, in place; returns the model for chaining."""
+    """Freezing, checkpointing and compiling, in place; returns the model for chaining."""
     apply_freezing(model, config.freeze_blocks)
     apply_checkpointing(model, config.checkpoint_blocks, first_block=config.freeze_blocks,
                         policy=config.checkpoint_policy)
+    if config.compile:  # last: a checkpointed block is compiled with its checkpointing
+        apply_compile(model)
     return model
 
 

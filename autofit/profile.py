@@ -63,6 +63,13 @@ class Measured:
     # `apply` builds or checks the one, and sets (then restores) the others.
     optimizer: str | None = None
     flags: dict = field(default_factory=dict)
+    compile_s: float | None = None  # compile=true: seconds compiling took, apart from step_time_s
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if out["compile_s"] is None:  # eager configs: profiles as before compiling existed
+            del out["compile_s"]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,7 +121,7 @@ class FrontierPoint:
     measured: Measured
 
     def to_dict(self) -> dict:
-        return {"config": self.config.to_dict(), "measured": dataclasses.asdict(self.measured)}
+        return {"config": self.config.to_dict(), "measured": self.measured.to_dict()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +164,7 @@ class Profile:
             "device": dataclasses.asdict(self.device),
             "budget_bytes": self.budget_bytes,
             "config": self.config.to_dict(),
-            "measured": dataclasses.asdict(self.measured),
+            "measured": self.measured.to_dict(),
         } | ({"frontier": [p.to_dict() for p in self.frontier]} if self.frontier else {}) | (
             {"training": dataclasses.asdict(self.training)} if self.training is not None else {}) | {
             "search": dataclasses.asdict(self.search),

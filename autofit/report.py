@@ -10,7 +10,7 @@ from autofit.search import SearchResult, TrialRecord
 from autofit.sizes import format_bytes
 
 _COLOURS = {"ok": "#2a9d4b", "oom": "#d62828", "pruned": "#9a9a9a", "unhealthy": "#f4a000",
-            "error": "#6a4c93", "timeout": "#6a4c93"}
+            "error": "#6a4c93", "timeout": "#6a4c93", "compile_error": "#6a4c93"}
 
 
 def _peak(r: TrialRecord) -> int | None:
@@ -25,8 +25,10 @@ def format_trial_line(record: TrialRecord, best: TrialRecord | None, considered:
     speed = f"{record.samples_per_s:9.1f} samples/s" if record.measurement is not None and record.status == "ok" else " " * 19
     best_text = f"best {best.samples_per_s:.1f}" if best is not None else "best -"
     reason = f"  [{record.reason}]" if record.reason and record.status != "ok" else ""
+    compiled = record.measurement.compile_s if record.measurement is not None else None
+    compile_text = f"  compile {compiled:.1f} s" if compiled is not None else ""
     return (f"trial {considered:>3}/{total:<3} {record.config.short():<40} {record.status:<9} "
-            f"{format_bytes(peak):>10}{estimated} {share} of budget {speed}  {best_text}{reason}")
+            f"{format_bytes(peak):>10}{estimated} {share} of budget {speed}{compile_text}  {best_text}{reason}")
 
 
 def _rows(result: SearchResult) -> list[TrialRecord]:
@@ -86,7 +88,7 @@ def _svg(result: SearchResult, winner: TrialRecord | None, width: int = 760, hei
     parts.append(f'<text transform="rotate(-90)" x="{-(top + plot_h / 2)}" y="16" text-anchor="middle">samples/s</text>')
     legend_x = left + 10
     for i, (status, colour) in enumerate(_COLOURS.items()):
-        if status == "timeout":
+        if status in ("timeout", "compile_error"):  # drawn as error
             continue
         parts.append(f'<circle cx="{legend_x + i * 95}" cy="{top - 16}" r="5" fill="{colour}"/>'
                      f'<text x="{legend_x + i * 95 + 9}" y="{top - 12}">{status}</text>')

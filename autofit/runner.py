@@ -20,7 +20,8 @@ from autofit import distributed
 from autofit._io import atomic_write
 from autofit.errors import AutofitError, SpecError
 from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
-from autofit.knobs import TrainConfig, apply_config, check_global_batch, micro_batch_floor, trainable_parameters
+from autofit.knobs import (TrainConfig, apply_config, check_global_batch, compile_count, micro_batch_floor,
+                           trainable_parameters)
 from autofit.optim import build_optimizer
 from autofit.precision import PrecisionPolicy, check_supported
 from autofit.recover import Demotion, StepOutOfMemory, accumulate, demotion, release_memory
@@ -246,6 +247,7 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
 
     samples_per_step = spec.train.global_batch_size
     timed_s, timed_steps, timed_tokens, losses = 0.0, 0, 0, history["losses"]
+    compile_s = 0.0  # compile=true: the steps that compiled, whole (not in samples_per_s)
     demotions: list[Demotion] = []
     widest_tracked = 0  # varying lengths: the widest micro batch the tracker has seen
     bar = _progress(range(start_step, total_steps), total_steps, start_step,
@@ -258,6 +260,7 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
             # wider than any it has watched at this micro batch: the peak and the budget
             # follow the longest batch, at a fraction of the cost of watching every step.
             tracked = tracker is not None and (step - start_step < 2 or width > widest_tracked)
+            graphs_before = compile_count() if config.compile else 0
             t0 = time.perf_counter()
             try:
                 with tracker if tracked else contextlib.nullcontext():
@@ -280,8 +283,11 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
         # time below is real.
         loss = distributed.mean_over_ranks(result.loss).item()
         step_time_s = time.perf_counter() - t0
+        if config.compile and compile_count() != graphs_before:
+            # A step that compiled: its time is compile time, not training speed.
+            compile_s += step_time_s
         # The first step pays for warm-up and lazy allocation; tracked steps for the tracker.
-        if step > start_step and not tracked:
+        elif step > start_step and not tracked:
             timed_s += step_time_s
             timed_steps += 1
             timed_tokens += runner.tokens_in(batch) or 0
@@ -316,6 +322,7 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
         "final_loss": losses[-1] if losses else None,
         "losses": losses,
         "samples_per_s": samples_per_s,
+        **({"compile_s": compile_s} if config.compile else {}),
         # Non-pad tokens where lengths vary (counted per step), else samples x sequence length.
         "tokens_per_s": (timed_tokens / timed_s if timed_s > 0 else None) if runner.varying_lengths else
         samples_per_s * workload.tokens_per_sample if samples_per_s is not None and workload.tokens_per_sample else None,

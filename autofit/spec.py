@@ -99,6 +99,7 @@ class SearchSpec:
     # Opt-in knobs (the default searches only the first value): the checkpoint policies of
     # the checkpointed blocks.
     checkpoint_policies: tuple[str, ...] = ("full",)
+    compile: tuple[bool, ...] = (False,)  # [false, true]: also torch.compile'd steps
     memory_headroom: float = 0.05  # fraction of usable memory left free
     trials: int = 40  # most configurations measured (pruned proposals and repeats do not count)
     patience: int = 12  # stop after this many measured trials without a better one
@@ -145,7 +146,7 @@ class ModelSpec:
         out["train"] = dataclasses.asdict(self.train)
         out["search"] = dataclasses.asdict(self.search) | {
             name: list(getattr(self.search, name))
-            for name in ("precisions", "checkpoint_policies", "optimizer_bits", "chunked_loss")}
+            for name in ("precisions", "checkpoint_policies", "optimizer_bits", "chunked_loss", "compile")}
         return out
 
     @property
@@ -355,7 +356,7 @@ def _seed(r: "_Reader") -> int:
 
 
 _OPT_IN_DEFAULTS = {"checkpoint_policies": ["full"], "min_micro_batch_size": None, "optimizer_bits": [32],
-                    "chunked_loss": [False]}
+                    "chunked_loss": [False], "compile": [False]}
 
 
 def _search(r: "_Reader") -> SearchSpec:
@@ -373,6 +374,7 @@ def _search(r: "_Reader") -> SearchSpec:
         max_freeze_blocks=r.nonnegative_int("max_freeze_blocks", default=0, maximum=MAX_TRIAL_STEPS),
         activation_checkpointing=r.get("activation_checkpointing", bool, default=True),
         checkpoint_policies=_choices(r, "checkpoint_policies", CHECKPOINT_POLICIES, default=("full",)),
+        compile=_choices(r, "compile", (False, True), default=(False,)),
         memory_headroom=headroom,
         trials=r.positive_int("trials", default=40, maximum=MAX_TRIALS),
         patience=r.positive_int("patience", default=12, maximum=MAX_TRIALS),
@@ -395,9 +397,10 @@ def _choices(r: "_Reader", key: str, allowed: tuple, *, default: tuple) -> tuple
     values = r.get(key, list, default=list(default))
     for i, value in enumerate(values):
         if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
-            raise SpecError(f"search.{key}[{i}]: {_choice_error(value, tuple(map(str, allowed)))}")
+            names = tuple(str(a).lower() if isinstance(a, bool) else a for a in allowed)  # YAML's spelling
+            raise SpecError(f"search.{key}[{i}]: {_choice_error(value, names)}")
     if not values:
-        raise SpecError(f"search.{key}: at least one of {', '.join(map(str, allowed))} is needed")
+        raise SpecError(f"search.{key}: at least one value is needed")
     return tuple(dict.fromkeys(values))
 
 

@@ -27,7 +27,9 @@ from autofit.errors import DeviceError, InputError
 from autofit.knobs import TrainConfig, check_global_batch
 from autofit.spec import ModelSpec
 
-STATUSES = ("ok", "oom", "unhealthy", "error", "timeout")
+# compile_error: the config asked for torch.compile and compiling failed (a graph break in a
+# block, a backend error); the model's eager configs are unaffected.
+STATUSES = ("ok", "oom", "unhealthy", "error", "timeout", "compile_error")
 _POLL_S = 0.1
 _LOG_TAIL_CHARS = 4000
 
@@ -37,7 +39,7 @@ class Measurement:
     """What one trial measured. Byte counts are the trial's own (allocator or tracked
     tensors); `overhead_bytes` is the CUDA context and library workspaces beside them."""
 
-    status: str  # ok | oom | unhealthy | error | timeout
+    status: str  # ok | oom | unhealthy | error | timeout | compile_error
     config: TrainConfig
     peak_memory_bytes: int | None = None  # peak reserved on CUDA, peak tracked live bytes on CPU
     peak_allocated_bytes: int | None = None
@@ -47,6 +49,10 @@ class Measurement:
     tokens_per_s: float | None = None
     step_time_s: float | None = None  # median over the timed steps
     step_times_s: list[float] = field(default_factory=list)
+    # compile=true: the seconds the compiling warm-up steps took beyond steady-state steps.
+    # Never part of step_time_s or samples_per_s.
+    compile_s: float | None = None
+    timed_recompiles: int = 0  # graphs compiled during the timed steps (0: they ran what warm-up compiled)
     losses: list[float] = field(default_factory=list)  # every optimizer step from step 0, in order
     scaler_skipped_steps: int = 0  # GradScaler skips among the timed steps
     scaler_warmup_skips: int = 0  # steps done again before timing while the GradScaler found its scale

@@ -93,6 +93,7 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchS
         length_bucketing=(False, True) if bucketing else (False,),
         checkpoint_policies=spec.search.checkpoint_policies,
         optimizer_bits=spec.search.optimizer_bits, chunked_loss=chunked,
+        compile=spec.search.compile,
     )
 
 
@@ -248,7 +249,8 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         search=SearchSummary(
             trials=len(result.records), measured=result.measured, pruned=result.count("pruned"),
             oom=result.count("oom"), unhealthy=result.count("unhealthy"),
-            failed=result.count("error") + result.count("timeout"), wall_s=round(result.wall_s, 1),
+            failed=result.count("error") + result.count("timeout") + result.count("compile_error"),
+            wall_s=round(result.wall_s, 1),
             sampler=type(study.sampler).__name__, storage=redact_url(storage or "in-memory"),
             baseline={} if baseline_m is None else {"config": baseline.config.to_dict(),
                                                     "samples_per_s": baseline_m.samples_per_s},
@@ -405,7 +407,7 @@ def _nothing_fits_message(result: SearchResult, tuner: Tuner, space: SearchSpace
                           space.max_freeze_blocks)
     frugal = frugal.replace(**space.lean(frugal.precision))
     needed = tuner.memory.corrected_peak(frugal, result.records)
-    unhealthy = result.count("unhealthy") + result.count("error") + result.count("timeout")
+    unhealthy = sum(result.count(s) for s in ("unhealthy", "error", "timeout", "compile_error"))
     seen = (f"; the smallest peak seen was {format_bytes(smallest[0])} ({smallest[1].config.short()})"
             if smallest else "")
     extra = f"; {unhealthy} trials failed or were unhealthy" if unhealthy else ""

@@ -6,6 +6,7 @@ how much faster than what a user would pick by hand, and how close is the memory
     python benchmarks/suite.py --device 0 --models gpt-small          # exhaustive grid: hours
     python benchmarks/suite.py --device 0 --quick --deadline-min 9 --resume   # in 10-minute sittings
     python benchmarks/suite.py --render benchmarks/results/2026-11-22-nvidia-h100-80gb-hbm3-quick.json
+    python benchmarks/suite.py --device cpu --knobs --models gpt-small --trials 8   # with/without the new knobs
 
 For each model: the grid (every config of the search space measured with `autofit trial`;
 with --quick the subset of metrics.quick_grid_points), `autofit tune` with its defaults,
@@ -15,7 +16,8 @@ estimator's predicted peak for every grid config. Then the runner's overhead aga
 hand-written AMP loop, and MFU for the GPT models. Writes
 benchmarks/results/<date>-<device-slug>[-quick].json (every measurement) and .md (the
 tables), and updates that device's section of benchmarks/RESULTS.md. docs/benchmarks.md
-explains every number.
+explains every number. `--knobs` instead tunes each model twice, without and with the
+opt-in knobs of issue 13 (benchmarks/knobs_bench.py), into a section of its own.
 """
 
 import argparse
@@ -47,7 +49,8 @@ from autofit.trial import measure
 from autofit.tune import default_state_dir, search_space, tune
 from autofit.workload import build_workload
 
-import metrics  # benchmarks/, beside this file
+import knobs_bench  # benchmarks/, beside this file
+import metrics
 from sittings import Clock, Incomplete, State, say
 
 HERE = Path(__file__).resolve().parent
@@ -453,6 +456,24 @@ def write_outputs(reports: list[dict], md_path: Path, results_md: Path) -> str:
     return section
 
 
+def run_knobs(args, argv: list[str], info: DeviceInfo, names: list[str], tiny: bool, state_dir: Path) -> int:
+    """--knobs: each model tuned without and with the opt-in knobs (benchmarks/knobs_bench.py)."""
+    state, load_start, models = State(state_dir, identity={"knobs": names}, resume=False), os.getloadavg(), {}
+    for name in names:
+        spec = load_spec(spec_path_for(name, tiny=tiny))
+        bench = ModelBench(spec, info, state, Clock(None), cap_bytes=None)
+        rule = args.memory_budget or ("auto" if info.kind == "cpu" else "device")
+        bench.budget_bytes = resolve_budget(bench, rule)["bytes"]
+        models[spec.name] = knobs_bench.bench_knobs(spec, bench, args.trials, say)
+    report = knobs_bench.report(models, info=info, command=shlex.join(["python", "benchmarks/suite.py", *argv]),
+                                git=_git_revision(), tiny=tiny, load_start=load_start,
+                                cpu_threads=args.cpu_threads if info.kind == "cpu" else None)
+    path = knobs_bench.write(report, Path(args.out_dir), REPO)
+    print(knobs_bench.write_section([report], Path(args.results_md)))
+    say(f"wrote {path} and {args.results_md}")
+    return 0
+
+
 # ---- entry point ---------------------------------------------------------------------------
 
 
@@ -483,6 +504,10 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--render", metavar="JSON", nargs="+",
                         help="only re-render RESULTS.md (and the first JSON's .md) from results JSON files: "
                              "several runs of one device (model subsets) merge into one table")
+    parser.add_argument("--knobs", action="store_true",
+                        help="tune each model without and with the opt-in knobs (selective checkpointing, "
+                             "compile, 8-bit optimizer state, chunked loss) and compare the winners")
+    parser.add_argument("--trials", type=int, default=None, help="--knobs: search.trials of each tune")
     parser.add_argument("--verbose", action="store_true", help="autofit's own INFO logs too")
     return parser.parse_args(argv)
 
@@ -492,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level="INFO" if args.verbose else "WARNING", format="{level}: {message}")
+    if args.render and args.knobs:
+        reports = [json.loads(Path(p).read_text()) for p in args.render]
+        print(knobs_bench.write_section(reports, Path(args.results_md)))
+        return 0
     if args.render:
         reports = [json.loads(Path(p).read_text()) for p in args.render]
         if len({r["results_key"] for r in reports}) > 1:
@@ -511,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir() / "bench" / slug
     identity = {"device": info.fingerprint, "quick": args.quick, "tiny": tiny, "models": names,
                 "memory_budget": args.memory_budget, "cpu_threads": args.cpu_threads if info.kind == "cpu" else None}
+    if args.knobs:
+        return run_knobs(args, argv, info, names, tiny, state_dir / "knobs")
     state = State(state_dir, identity=identity, resume=args.resume)
     clock = Clock(None if args.deadline_min is None else args.deadline_min * 60)
     load_start = [round(x, 2) for x in os.getloadavg()]

@@ -74,6 +74,9 @@ def test_selective_checkpointing_peak_lies_between_none_and_full_as_predicted(ti
     (none_e, none_m), (sel_e, sel_m), (full_e, full_m) = peaks.values()
     assert none_e > sel_e > full_e and none_m > sel_m > full_m
     assert sel_e == pytest.approx(sel_m, rel=0.02)
+    # A compiled step is estimated as the eager one (docs/estimator.md).
+    compiled = TrainConfig(micro_batch_size=8, checkpoint_blocks=2, checkpoint_policy="selective", compile=True)
+    assert estimate_memory(tiny_spec, compiled).peak_bytes == sel_e
 
 
 def test_tied_weights_are_counted_once(tmp_path, one_thread):

@@ -76,6 +76,15 @@ def test_selective_checkpointing_exports_say_where_the_target_cannot_express_it(
     assert not any("checkpoint_policy" in n for n in hf_notes(_profile(checkpoint_blocks=2), n_blocks=2))
 
 
+def test_compiled_exports_say_how_the_target_compiles():
+    profile = _profile(compile=True)
+    assert to_hf_training_args(profile)["torch_compile"] is True
+    assert any("apply_compile(model)" in n for n in hf_notes(profile))
+    assert any("compile=true" in n and "apply_config" in n for n in lightning_notes(profile))
+    assert profile.to_env()["AUTOFIT_COMPILE"] == "1"
+    assert "torch_compile" not in to_hf_training_args(_profile()) and "AUTOFIT_COMPILE" not in _profile().to_env()
+
+
 @pytest.mark.parametrize("precision, lightning", [
     ("32-true", "32-true"), ("tf32", "32-true"), ("16-mixed", "16-mixed"), ("bf16-mixed", "bf16-mixed"),
     ("bf16-true", "bf16-true"),

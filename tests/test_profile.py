@@ -60,6 +60,19 @@ def test_profile_round_trips_through_yaml(tmp_path, tiny_spec):
     assert raw["config"] == {"precision": "bf16-mixed", "micro_batch_size": 4, "grad_accum_steps": 2,
                              "checkpoint_blocks": 1, "freeze_blocks": 0, "parallelism": "none", "world_size": 1}
     assert not list(tmp_path.glob(".*.tmp")), "the atomic write left a temporary file behind"
+    assert "compile_s" not in raw["measured"]  # eager: the measured section as before compile existed
+
+
+def test_compiled_selective_profile_round_trips_with_its_compile_time(tmp_path, tiny_spec):
+    config = TrainConfig(micro_batch_size=4, grad_accum_steps=2, checkpoint_blocks=2, checkpoint_policy="selective",
+                         compile=True)
+    profile = make_profile(tiny_spec, config)
+    profile = dataclasses.replace(profile, measured=dataclasses.replace(profile.measured, compile_s=12.5))
+    path = profile.save(tmp_path / profile.file_name)
+    raw = yaml.safe_load(path.read_text())
+    assert raw["config"]["checkpoint_policy"] == "selective" and raw["config"]["compile"] is True
+    assert raw["measured"]["compile_s"] == 12.5 and raw["measured"]["step_time_s"] == 0.065
+    assert Profile.load(path) == profile
 
 
 def test_profile_matches_its_spec(tiny_spec):

@@ -193,6 +193,20 @@ def test_an_oom_blocks_only_configs_that_keep_at_least_as_much():
     assert not _needs_more(sel2.replace(checkpoint_blocks=3), full2)
 
 
+def test_a_model_that_fails_to_compile_is_searched_eagerly_from_then_on():
+    import dataclasses
+
+    landscape = dataclasses.replace(_landscape("compiled"), compile_fails=True)
+    landscape.reset()
+    _, result = run_tuner(landscape)
+    compiled = [c for c in landscape.calls if c.compile]
+    assert len(compiled) == 1, [c.short() for c in compiled]  # the first failure ends compiled configs
+    assert [r.status for r in result.records if r.config.compile and r.measurement] == ["compile_error"]
+    chosen = result.ranked[0].config
+    assert not chosen.compile
+    assert landscape.samples_per_s(chosen) >= 0.98 * landscape.grid_best()[1]
+
+
 def test_search_space_for_python_data(tmp_path):
     """The block count is read from a meta-device model; a python dataset still samples real data."""
     from autofit.device.probe import cpu_device

@@ -29,6 +29,8 @@ MALFORMED = {
     "bad checkpoint policy": (tiny_gpt_dict(search={"checkpoint_policies": ["selectiv"]}),
                               "search.checkpoint_policies[0]: must be one of full, selective, got 'selectiv'; "
                               "did you mean selective?"),
+    "compile not a boolean": (tiny_gpt_dict(search={"compile": ["yes"]}),
+                              "search.compile[0]: must be one of false, true, got 'yes'"),
     "headroom too large": (tiny_gpt_dict(search={"memory_headroom": 0.9}), "search.memory_headroom"),
     "bad name": (tiny_gpt_dict(name="my model/v2"), "name:"),
     "optimizer bits 16": (tiny_gpt_dict(search={"optimizer_bits": [32, 16]}), "search.optimizer_bits[1]"),
@@ -112,6 +114,9 @@ def test_spec_hash_is_stable_and_tracks_what_tuning_depends_on(tmp_path):
     both = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"checkpoint_policies": ["full", "selective"]}),
                                 "f.yaml"))
     assert both.spec_hash != a.spec_hash and both.search.checkpoint_policies == ("full", "selective")
+    eager = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"compile": [False]}), "g.yaml"))
+    compiled = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"compile": [False, True]}), "h.yaml"))
+    assert eager.spec_hash == a.spec_hash != compiled.spec_hash and compiled.search.compile == (False, True)
 
 
 def test_example_specs_parse():

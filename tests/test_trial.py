@@ -42,6 +42,42 @@ def test_ok_trial_reports_speed_memory_and_losses(tiny_spec):
     assert Measurement.from_dict(json.loads(json.dumps(m.to_dict()))) == m
 
 
+def test_compiled_trial_reports_compile_time_apart_and_times_no_recompile(tiny_spec, monkeypatch):
+    # aot_eager: the same capture as inductor without its C++ build (tests/test_knobs.py has
+    # the one inductor test).
+    monkeypatch.setenv("AUTOFIT_COMPILE_BACKEND", "aot_eager")
+    config = TrainConfig(micro_batch_size=4, grad_accum_steps=2, checkpoint_blocks=1, compile=True)
+    m = measure(tiny_spec, config, warmup_steps=0, measure_steps=2)
+    assert m.status == "ok", m.reason
+    assert m.compile_s > 0 and m.timed_recompiles == 0
+    # The compiling step is warm-up: not among the timed steps, whose time is the speed.
+    assert len(m.step_times_s) == 2 and m.step_time_s < m.compile_s
+    assert m.samples_per_s == pytest.approx(8 / m.step_time_s)
+    # Two tracked (eager) steps, the compiling one, one steady, two timed: losses from step 0.
+    assert len(m.losses) == 6 and all(3.0 < x < 5.0 for x in m.losses)
+
+
+def test_a_compile_failure_is_a_trial_status(tmp_path):
+    import torch
+
+    from autofit._trial_child import run_request
+
+    # The model reads a value in forward (.item()): a graph break, which fullgraph refuses.
+    spec = load_spec(faulty_spec(tmp_path, "item"))
+
+    def trial(config: TrainConfig) -> dict:  # the child's own code, in this process
+        return run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
+                            "device": "cpu", "budget_bytes": None, "warmup_steps": 0, "measure_steps": 1})
+
+    try:
+        failed = trial(TrainConfig(micro_batch_size=8, compile=True))
+    finally:
+        torch._dynamo.reset()
+    assert failed["status"] == "compile_error" and "torch.compile failed" in failed["reason"], failed
+    assert not failed.get("input_error")  # not the user's input: the model's eager configs still run
+    assert trial(TrainConfig(micro_batch_size=8))["status"] == "ok"
+
+
 def test_oom_is_a_result_and_the_next_trial_measures_normally(tiny_spec):
     config = TrainConfig(precision="32-true", micro_batch_size=8)
     oom = measure(tiny_spec, config, budget_bytes=300_000, warmup_steps=0, measure_steps=1)

@@ -5,6 +5,7 @@ does neither, so `LiveBytesTracker` counts the bytes of every live tensor storag
 create them (a `TorchDispatchMode` sees every op, forward, backward and optimizer) and
 raises `torch.OutOfMemoryError` when a budget is crossed, just as a capped GPU would.
 The same tracker over fake tensors is how `estimate.py` predicts memory without running.
+While it tracks, `torch.compile`d modules run eagerly: it measures the eager step.
 """
 
 import weakref
@@ -85,11 +86,18 @@ class LiveBytesTracker(TorchDispatchMode):
 
         self._saved_resize = resize
         torch.UntypedStorage.resize_ = counted_resize
+        # Compiled code runs outside the dispatcher's Python modes (torch.compile refuses to
+        # trace under one, and inductor's kernels allocate unseen): what the tracker measures
+        # is the step run eagerly, compiled modules included.
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._saved_resize
-        return super().__exit__(*exc)
+        out = super().__exit__(*exc)
+        self._eager.__exit__(*exc)
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -121,6 +121,9 @@ class Tuner:
         is re-decided every time."""
         timeouts = 0
         for r in records:
+            if r.status == "compile_error" and config.compile:
+                # The model did not compile: no compiled config of it is measured again.
+                return r
             if r.config != config or r.repeat:
                 continue
             if r.status in ("ok", "unhealthy", "error"):
@@ -310,8 +313,7 @@ class Tuner:
         if config.checkpoint_blocks == 0:
             return []
         again = seeding.fewest_checkpointed(self.space, self._fits(records), config.precision, config.micro_batch_size,
-                                            config.freeze_blocks, self.space.strategy_of(config),
-                                            config.checkpoint_policy)
+                                            config.freeze_blocks, self.space.kept(config), config.checkpoint_policy)
         return [again] if again is not None and again != config and self.known(again, records) is None else []
 
     def _was_queued(self, trial: optuna.Trial) -> bool:

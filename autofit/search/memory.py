@@ -6,9 +6,9 @@ the pruning decision (predicted to fit the budget or not).
 `overhead_bytes` is what the device adds whatever the config (CUDA context, cuBLAS/cuDNN
 workspaces, lazily loaded kernels); `scale` is what grows with the tensors (allocator
 fragmentation, kernels the estimator does not see). Both are fitted per group of configs
-(precision, checkpointing on or off) from the trials measured so far. The model is
-re-fitted from the records on every decision, so a decision is never frozen: a config
-pruned under an early fit is re-decided under the current one.
+(precision, checkpointing none/full/selective, strategy, compiled) from the trials measured
+so far. The model is re-fitted from the records on every decision, so a decision is never
+frozen: a config pruned under an early fit is re-decided under the current one.
 """
 
 import statistics
@@ -64,7 +64,8 @@ def _group(config: TrainConfig) -> tuple:
     # Per strategy too: DDP's and FSDP2's buffers are modelled, not traced. Per checkpoint
     # policy: a selective block's saved matmul outputs are kernel-dependent on a GPU.
     checkpointing = config.checkpoint_blocks > 0 and config.checkpoint_policy
-    return config.precision, checkpointing, config.parallelism
+    # Per compile setting: a compiled step is estimated eagerly (docs/estimator.md).
+    return config.precision, checkpointing, config.parallelism, config.compile
 
 
 def _keeps_more(config: TrainConfig, than: TrainConfig) -> bool:

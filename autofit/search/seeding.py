@@ -57,7 +57,7 @@ def policy_twin(space: SearchSpace, fits: Fits, config: TrainConfig) -> TrainCon
         return None
     other = next(p for p in space.policies() if p != config.checkpoint_policy)
     twin = fewest_checkpointed(space, fits, config.precision, config.micro_batch_size, config.freeze_blocks,
-                               space.strategy_of(config) | space.memory_knobs_of(config), other)
+                               space.kept(config), other)
     return twin if twin is not None and twin.checkpoint_blocks > 0 else None
 
 
@@ -109,16 +109,17 @@ def _merge(plain: list[TrainConfig], lean: list[TrainConfig]) -> list[TrainConfi
 def replacement(space: SearchSpace, fits: Fits, seed: TrainConfig) -> TrainConfig | None:
     """For a seed that ran out of memory: the largest config of its precision and strategy
     predicted to fit now (the fit has just learned from the OOM)."""
-    line = frontier(space, fits, seed.precision, seed.freeze_blocks, 1,
-                    space.strategy_of(seed) | space.memory_knobs_of(seed), seed.checkpoint_policy)
+    line = frontier(space, fits, seed.precision, seed.freeze_blocks, 1, space.kept(seed), seed.checkpoint_policy)
     return line[0] if line else None
 
 
 def refinements(space: SearchSpace, fits: Fits, best: TrainConfig) -> list[TrainConfig]:
-    """After a new best: its precision's frontier under the now-calibrated model at the micro
-    batches next to the best's (under its checkpoint policy and memory knobs), its other-policy
-    twin, then its neighbours at its precision (cheap local steps)."""
-    strategy = space.strategy_of(best) | space.memory_knobs_of(best)
+    """After a new best: its compiled (or eager) twin, its precision's frontier under the
+    now-calibrated model at the micro batches next to the best's (under its checkpoint policy,
+    memory knobs and compile setting), its other-policy twin, then its neighbours at its
+    precision (cheap local steps)."""
+    strategy = space.kept(best)
+    flip = [best.replace(compile=not best.compile)] if len(space.compile) > 1 else []
     sizes = space.micro_batch_sizes
     here = sizes.index(best.micro_batch_size)
     line = frontier(space, fits, best.precision, best.freeze_blocks, len(sizes), strategy, best.checkpoint_policy)
@@ -128,4 +129,4 @@ def refinements(space: SearchSpace, fits: Fits, best: TrainConfig) -> list[Train
     others += [c for p in space.policies() if p != best.checkpoint_policy
                for c in frontier(space, fits, best.precision, best.freeze_blocks, 1, strategy, p)
                if c.checkpoint_blocks and c not in others]
-    return near[:2] + others + [c for c in space.neighbours(best) if c.precision == best.precision] + near[2:]
+    return flip + near[:2] + others + [c for c in space.neighbours(best) if c.precision == best.precision] + near[2:]

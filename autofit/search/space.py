@@ -57,6 +57,7 @@ class SearchSpace:
     length_bucketing: tuple[bool, ...] = (False,)  # (False, True) where sorting by length can help
     # What each checkpointed block keeps; ("full", "selective") when the spec opts in.
     checkpoint_policies: tuple[str, ...] = ("full",)
+    compile: tuple[bool, ...] = (False,)  # (False, True) when the spec opts in to torch.compile'd steps
     # Ranks (`--nproc`). Above 1 the strategy and its memory knobs join the space, and the
     # micro batches divide each rank's share of the global batch.
     world_size: int = 1
@@ -85,6 +86,8 @@ class SearchSpace:
         if len(self.checkpoint_policies) > 1 and self.max_checkpoint_blocks:
             knobs += (Knob(field="checkpoint_policy", param="checkpoint_policy", values=self.checkpoint_policies,
                            ordered=False),)
+        if len(self.compile) > 1:
+            knobs += (Knob(field="compile", param="compile", values=self.compile, ordered=False),)
         if self.world_size == 1:
             return knobs
         # A strategy's knob is inert under the other strategy (TrainConfig resets it), so
@@ -103,6 +106,14 @@ class SearchSpace:
             return [{}]
         lean = {"ddp": {"gradient_as_bucket_view": True}, "fsdp": {"reshard_after_forward": True}}
         return [{"parallelism": p, **lean[p]} for p in self.parallelisms]
+
+    def kept(self, config: TrainConfig) -> dict:
+        """What the configs planned around `config` keep of it besides precision, micro batch,
+        checkpointing and freezing: its strategy, its memory knobs, and whether it is compiled
+        (compiling scales a config's speed about alike at every batch, so it is a twin, not a
+        dimension to seed)."""
+        return (self.strategy_of(config) | self.memory_knobs_of(config)
+                | ({"compile": config.compile} if len(self.compile) > 1 else {}))
 
     def strategy_of(self, config: TrainConfig) -> dict:
         """`config`'s strategy and its memory knobs ({} on one rank)."""

@@ -20,7 +20,7 @@ _ATTR = "autofit"  # user attr holding a trial's record
 class TrialRecord:
     number: int
     config: TrainConfig
-    status: str  # ok | oom | unhealthy | error | timeout | pruned
+    status: str  # ok | oom | unhealthy | error | timeout | compile_error | pruned
     predicted_peak_bytes: int | None
     measurement: Measurement | None
     reason: str | None = None
