@@ -397,7 +397,7 @@ def _choices(r: "_Reader", key: str, allowed: tuple, *, default: tuple) -> tuple
     values = r.get(key, list, default=list(default))
     for i, value in enumerate(values):
         if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
-            names = tuple(str(a).lower() if isinstance(a, bool) else a for a in allowed)  # YAML's spelling
+            names = tuple(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed)  # YAML spelling
             raise SpecError(f"search.{key}[{i}]: {_choice_error(value, names)}")
     if not values:
         raise SpecError(f"search.{key}: at least one value is needed")
