@@ -115,6 +115,9 @@ class SearchSpec:
     # Memory knobs that change the optimizer's numerics or the loss's code path: opt-in.
     optimizer_bits: tuple[int, ...] = (32,)  # [32, 8]: also bitsandbytes' 8-bit AdamW state
     chunked_loss: tuple[bool, ...] = (False,)  # [false, true]: also the chunked LM loss (LM heads)
+    # Validation: a low-precision run's loss curve (5-step medians) may leave the 32-true
+    # baseline's over the same batches by this fraction.
+    loss_curve_rtol: float = 0.01
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -356,7 +359,7 @@ def _seed(r: "_Reader") -> int:
 
 
 _OPT_IN_DEFAULTS = {"checkpoint_policies": ["full"], "min_micro_batch_size": None, "optimizer_bits": [32],
-                    "chunked_loss": [False], "compile": [False]}
+                    "chunked_loss": [False], "compile": [False], "loss_curve_rtol": 0.01}
 
 
 def _search(r: "_Reader") -> SearchSpec:
@@ -387,6 +390,7 @@ def _search(r: "_Reader") -> SearchSpec:
         min_micro_batch_size=r.positive_int("min_micro_batch_size", default=None, maximum=MAX_GLOBAL_BATCH_SIZE),
         optimizer_bits=_choices(r, "optimizer_bits", (32, 8), default=(32,)),
         chunked_loss=_choices(r, "chunked_loss", (False, True), default=(False,)),
+        loss_curve_rtol=r.number("loss_curve_rtol", default=0.01, minimum=0.0, exclusive=True, maximum=1.0),
     )
     r.finish()
     return search

@@ -26,6 +26,7 @@ from autofit.profile import Profile, ProfileModel, SearchSummary, TrainingSetup,
 from autofit.redact import redact_url
 from autofit.report import format_trial_line, trials_table, write_html_report
 from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, make_study
+from autofit.search.health import LossCurveCheck
 from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec, divisors
 from autofit.store import ProfileStore, default_root, read_demotions
@@ -207,23 +208,28 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         raise NothingFitsError(_nothing_fits_message(result, tuner, space))
 
     validations: dict = {}  # config -> its validation runs, which the frontier reuses
+    # Every validation run trains the same batches from the same weights: a low-precision
+    # one is held to the 32-true baseline's loss curve, not to one short mean.
+    curve = LossCurveCheck(spec.search.loss_curve_rtol)
 
     def run_long(config, steps: int, timeout_s: float) -> Measurement:
-        m = measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
-                    measure_steps=steps, timeout_s=timeout_s, guard=guard)
+        m = curve.check(measure(spec, config, device=execute_on, budget_bytes=budget_bytes, stop_event=stop_event,
+                                measure_steps=steps, timeout_s=timeout_s, guard=guard))
         validations.setdefault(config, []).append(m)
         return m
 
-    winner, validated = validate(spec, result, run_long, demoted=demoted)
-    host_load = _host_load()
     baseline = _baseline(result, demoted)
     # The speed-up compares like with like: the baseline re-measured over as many steps as
-    # the winner's validation, so one noisy short trial cannot make or break it.
+    # the winner's validation, so one noisy short trial cannot make or break it. It runs
+    # first: its loss curve is the reference the others are checked against.
     baseline_m, note = None, ""
     if baseline is not None:
-        baseline_m = validated if baseline.config == winner.config else _run_validation(spec, baseline, run_long)
-        if baseline_m.status != "ok" or not baseline_m.samples_per_s:
-            baseline_m = None
+        baseline_m = _run_validation(spec, baseline, run_long)
+        curve.set_reference(baseline_m)
+    winner, validated = validate(spec, result, run_long, demoted=demoted, done=validations)
+    host_load = _host_load()
+    if baseline_m is not None and (baseline_m.status != "ok" or not baseline_m.samples_per_s):
+        baseline_m = None
     if baseline_m is not None and baseline.config != winner.config:
         winner, validated, baseline_m, note = never_worse(spec, (winner, validated), (baseline, baseline_m), run_long)
     if winner.config == getattr(baseline, "config", None) and not note:
@@ -259,6 +265,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
             noise=None if result.noise is None else round(result.noise, 4),
             host_load=None if host_load is None else round(host_load, 2), note=note,
             micro_batch_floor={} if space.micro_batch_floor is None else space.micro_batch_floor.to_dict(),
+            loss_curve=curve.summary(winner.config),
         ),
         created=utc_now(),
         autofit=__version__,
@@ -315,11 +322,12 @@ def _run_validation(spec: ModelSpec, record: TrialRecord, run_long) -> Measureme
 
 
 def validate(spec: ModelSpec, result: SearchResult, run_long,
-             demoted: set = frozenset()) -> tuple[TrialRecord, Measurement]:
+             demoted: set = frozenset(), done: dict | None = None) -> tuple[TrialRecord, Measurement]:
     """Re-run the best configs longer in fresh children; the first that stays ok and inside
     the budget wins. Short trials can miss slow leaks and late allocator growth. Configs
     that ran out of memory in training (`demoted`) are passed over.
-    `run_long(config, steps, timeout_s)` measures one config."""
+    `run_long(config, steps, timeout_s)` measures one config; `done` (config -> validation
+    runs already taken, e.g. the baseline's) are used rather than run again."""
     ranked = [r for r in result.ranked if r.config not in demoted]
     if not ranked:
         raise NothingFitsError("every configuration that fits in the search ran out of memory in training "
@@ -327,7 +335,7 @@ def validate(spec: ModelSpec, result: SearchResult, run_long,
     failures, crashes = [], []
     for record in ranked[:5]:
         logger.info("validating {} over {} steps", record.config.short(), spec.search.validate_steps)
-        m = _run_validation(spec, record, run_long)
+        m = (done or {}).get(record.config, [None])[-1] or _run_validation(spec, record, run_long)
         if m.status == "ok" and total_peak(m) <= result.budget_bytes:
             return record, m
         failures.append(m.status if m.status != "ok" else "over budget")

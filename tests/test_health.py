@@ -84,3 +84,61 @@ def test_persistent_fp16_skipping_is_unhealthy(spec, monkeypatch):
     record = measure_here(spec, TrainConfig(precision="16-mixed", micro_batch_size=8))
     assert record.status == "unhealthy"
     assert "skipped 2 of 2 timed steps after 2 warm-up skips" in record.reason
+
+
+# --- validation: the winner's loss curve against the reference's --------------------------
+
+def _simulated(validate_steps: int, drift: float):
+    """`autofit.tune.measure` without a child: bf16-mixed is twice as fast as 32-true and its
+    search trials track 32-true's losses; over the validation steps its loss drifts away by
+    `drift` (relative, growing linearly), with a spike at step 3 that no healthy curve minds."""
+    def measure(spec, config, *, measure_steps=None, budget_bytes=None, **_):
+        steps = 2 + (measure_steps or spec.search.measure_steps)
+        losses = [4.0 - 0.01 * i for i in range(steps)]
+        if config.precision != "32-true":
+            losses[3] *= 1.3  # a spike: chaotic in size, the same trend
+            if measure_steps == validate_steps:
+                losses = [x * (1 + drift * i / steps) for i, x in enumerate(losses)]
+        sps = 200.0 if config.precision == "bf16-mixed" else 100.0
+        return Measurement(status="ok", config=config, peak_memory_bytes=1000 * config.micro_batch_size,
+                           overhead_bytes=0, samples_per_s=sps, step_time_s=8 / sps, step_times_s=[8 / sps] * 2,
+                           losses=losses, budget_bytes=budget_bytes, wall_s=0.1)
+    return measure
+
+
+@pytest.mark.parametrize("drift, winner", [(0.002, "bf16-mixed"), (0.05, "32-true")])
+def test_validation_compares_the_winner_s_loss_curve_with_the_reference_s(tmp_path, monkeypatch, drift, winner):
+    import types
+
+    from autofit.device.probe import cpu_device
+    from autofit.tune import tune
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={
+        "precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 4, "patience": 4,
+        "validate_steps": 20, "frontier_points": 1})))
+    monkeypatch.setattr("autofit.tune.measure", _simulated(20, drift))
+    monkeypatch.setattr("autofit.tune.estimate_memory",
+                        lambda spec, config, **_: types.SimpleNamespace(peak_bytes=1000 * config.micro_batch_size))
+    outcome = tune(spec, device=cpu_device(), budget_bytes=10**6, out_dir=tmp_path / "profiles", storage=None,
+                   report=False)
+    curve = outcome.profile.search.loss_curve
+    assert outcome.profile.config.precision == winner
+    assert curve["reference"].startswith("32-true") and curve["rtol"] == 0.01 and curve["window_steps"] == 5
+    assert curve["steps"] == 22  # two warm-up steps and the 20 validation steps, the same batches
+    if winner == "bf16-mixed":
+        assert curve["gap"] <= 0.01 and "rejected" not in curve
+    else:  # drifted out: passed over, the next best (the baseline) is the profile
+        assert curve["gap"] is None and list(curve["rejected"].values())[0] > 0.01
+    assert outcome.profile.to_dict()["search"]["loss_curve"] == curve  # stated in the profile file
+
+
+def test_loss_curve_gap_is_the_largest_gap_of_windowed_medians():
+    from autofit.search.health import loss_curve_gap
+
+    reference = [4.0 - 0.01 * i for i in range(7)]
+    assert loss_curve_gap(reference, reference) == 0.0
+    spiked = reference[:2] + [9.0] + reference[3:]
+    assert loss_curve_gap(spiked, reference) < 0.005  # a spike is not a trend: one step's fall at most
+    drifted = [x * 1.02 for x in reference]
+    assert loss_curve_gap(drifted, reference) == pytest.approx(0.02)
+    assert loss_curve_gap(drifted[:3], reference) == pytest.approx(0.02)  # over the steps both have
