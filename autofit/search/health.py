@@ -122,8 +122,8 @@ def loss_curve_gap(mine: list[float], reference: list[float], window_steps: int 
 class LossCurveCheck:
     """Validation runs compared with the reference's (the 32-true baseline) over the same
     batches: a run whose windowed loss curve leaves the reference's by more than `rtol` is
-    unhealthy. Full-precision runs, runs at another freezing depth and runs made before the
-    reference is known pass unchecked."""
+    unhealthy (16-bit precisions and 8-bit optimizer state alike). Full-numerics runs, runs
+    at another freezing depth and runs made before the reference is known pass unchecked."""
 
     def __init__(self, rtol: float, window_steps: int = LOSS_CURVE_WINDOW_STEPS):
         self.rtol, self.window_steps = rtol, window_steps
@@ -136,7 +136,7 @@ class LossCurveCheck:
 
     def check(self, m: Measurement) -> Measurement:
         ref = self.reference
-        if (ref is None or m.status != "ok" or not m.losses or m.config.precision in REFERENCE_PRECISIONS
+        if (ref is None or m.status != "ok" or not m.losses or is_reference(m.config)
                 or m.config.freeze_blocks != ref.config.freeze_blocks):
             return m
         gap = loss_curve_gap(m.losses, ref.losses, self.window_steps)
