@@ -192,7 +192,7 @@ def check_overhead(ctx: Context) -> dict:
               "step_status": result["status"], "nvml_per_process": _nvml_lists_me(trial._nvml_before)}
     if result["status"] != "ok":
         return fail(values, f"the example model's step failed: {result.get('reason')}",
-                    "run `autofit trial examples/tiny-gpt.yaml --device N -v` to see the failure")
+                    "run `autofit trial <your model.yaml> --device N --debug` to see whether every model fails there")
     if start is None or end is None:
         return fail(values, f"NVML cannot see GPU {ctx.device.index}: the trial child cannot measure the CUDA "
                             f"context, so budgets do not subtract it",
