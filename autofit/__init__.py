@@ -8,8 +8,10 @@ from autofit.plan import TrainingPlan
 from autofit.profile import Profile
 from autofit.spec import ModelSpec, load_spec
 from autofit.store import ProfileStore, load_profile
+from autofit.workload.chunked import chunked_lm_loss
 
 __all__ = [
     "AutofitError", "DeviceError", "ModelSpec", "NothingFitsError", "Profile", "ProfileError", "ProfileStore",
-    "SpecError", "TrainConfig", "TrainingPlan", "TrialError", "__version__", "load_profile", "load_spec",
+    "SpecError", "TrainConfig", "TrainingPlan", "TrialError", "__version__", "chunked_lm_loss", "load_profile",
+    "load_spec",
 ]

@@ -77,6 +77,10 @@ class TrainingPlan:
                                f"{type(model).__name__}: nothing to train")
         # Built from the trainable parameters only: frozen ones get no optimizer state.
         self.optimizer = optimizer_factory(self.parameters) if optimizer_factory is not None else None
+        if config.chunked_loss:  # the loss is the loop's own: say what was measured
+            logger.info("this profile was measured with the chunked LM loss: compute the loss with "
+                        "autofit.chunked_lm_loss(plan.model, micro_batch) (or plan.step(batch=..., "
+                        "loss_fn=autofit.chunked_lm_loss)), or the full logits come back into the peak")
         self.scaler = distributed.grad_scaler(self.policy.make_scaler(self.device.type), config, self.device)
         self.skipped_steps = 0
         self.steps_done = 0  # optimizer steps taken

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autofit.errors import SpecError
-from autofit.workload import hf, text
+from autofit.workload import chunked, hf, text
 from autofit.workload.data import (
     Batch,
     DataSource,
@@ -72,12 +72,14 @@ def build_workload(spec) -> Workload:
             inputs = inputs.with_seq_len(data.seq_len)
         build_model = functools.partial(BUILTIN_MODELS[source.target], dict(source.args))
         loss_fn = _lm_loss if inputs.task == "causal_lm" else _classify_loss
+        chunkable = inputs.task == "causal_lm" and chunked.available()
         where = f"model.builtin {source.target}"
     elif source.kind == "hf":
         resolved = hf.resolve(source.target, dict(source.args), seq_len=data.seq_len)
         inputs, build_model = resolved.inputs, resolved.build
         # Python datasets may give tuple batches; the generic loss handles both kinds.
         loss_fn = hf.loss if data.kind != "python" else _generic_loss
+        chunkable = inputs.task == "causal_lm" and data.kind != "python" and chunked.hf_chunkable(resolved.config)
         where = f"model.hf {source.target}"
     elif source.kind == "python":
         fn = load_callable(source.target, "model.python", spec.source_dir)
@@ -85,6 +87,7 @@ def build_workload(spec) -> Workload:
         inputs = None  # unknown until the user's model runs
         build_model = functools.partial(_build_python, fn, dict(source.args), source.target)
         loss_fn = functools.partial(_user_loss, source.target)
+        chunkable = False  # autofit cannot find the head of a model it did not build
         where = f"model.python {source.target}"
     else:
         raise SpecError(f"model: unknown source kind {source.kind!r}; allowed: builtin, hf, python")
@@ -109,6 +112,7 @@ def build_workload(spec) -> Workload:
     elif data.kind == "text":
         source_data = _text_source(spec, inputs, where)
         loss_fn, tokens_per_sample = text_lm_loss, None  # tokens are counted per step: lengths vary
+        chunked_loss_fn = chunked.chunked_text_lm_loss if chunkable else None
         sample_shape = f"tokens[<={source_data.longest_tokens}]"
     elif data.kind == "python":
         source_data = dataset_source(data.factory, data.args, spec.source_dir)
@@ -117,8 +121,10 @@ def build_workload(spec) -> Workload:
     else:
         raise SpecError(f"data.kind: unknown kind {data.kind!r}; allowed: synthetic, tokens, python, text")
 
+    if data.kind != "text":
+        chunked_loss_fn = chunked.chunked_lm_loss if chunkable and data.kind != "python" else None
     return Workload(name=spec.name, build_model=build_model, data=source_data, loss_fn=loss_fn,
-                    tokens_per_sample=tokens_per_sample, sample_shape=sample_shape)
+                    tokens_per_sample=tokens_per_sample, sample_shape=sample_shape, chunked_loss_fn=chunked_loss_fn)
 
 
 def _text_source(spec, inputs: InputSpec | None, where: str) -> TextData:

@@ -124,15 +124,19 @@ class GPT(nn.Module):
             if name.endswith("attn.c_proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.n_layer))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                return_hidden: bool = False) -> torch.Tensor:
         # `targets` is accepted for nanoGPT-style callers; the workload's loss_fn owns the loss.
+        # `return_hidden`: the states before the head, for the chunked loss (workload/chunked.py),
+        # through forward so that wrappers of the model's call still see the pass.
         T = idx.shape[1]
         assert T <= self.config.seq_len, f"sequence of {T} tokens, position table holds {self.config.seq_len}"
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        return x if return_hidden else self.lm_head(x)
 
 
 def _init_normal(module: nn.Module) -> None:
