@@ -7,7 +7,10 @@ Trains the same model from the same initial weights on the same batches with:
 
 - `32-true`: fp32 weights, PyTorch AdamW (the reference);
 - `bf16-plain`: bf16 weights, PyTorch AdamW (the old bf16-true update);
-- `bf16-kahan`: bf16 weights, torch-optimi AdamW with Kahan summation;
+- `bf16-kahan`: bf16 weights, torch-optimi AdamW with Kahan summation (its own decay, which
+  rounds away on bf16 weights);
+- `bf16-true`: what autofit builds for bf16-true (`autofit.optim.build_optimizer`): the same,
+  with the decoupled weight decay added to the compensation buffer;
 - `bf16-sr`: bf16 weights, torchao's AdamW with bf16 stochastic rounding.
 
 The variants step in turn within each step (one step of each, then the next step), so
@@ -34,7 +37,7 @@ from autofit.runner import Runner  # noqa: E402
 from autofit.spec import load_spec  # noqa: E402
 from autofit.workload import build_workload  # noqa: E402
 
-VARIANTS = ("32-true", "bf16-plain", "bf16-kahan", "bf16-sr")
+VARIANTS = ("32-true", "bf16-plain", "bf16-kahan", "bf16-true", "bf16-sr")
 
 
 def _optimizer(variant: str, runner: Runner) -> torch.optim.Optimizer:
@@ -43,6 +46,8 @@ def _optimizer(variant: str, runner: Runner) -> torch.optim.Optimizer:
 
     spec = runner.spec.optimizer
     groups = param_groups(spec, runner.params)
+    if variant == "bf16-true":
+        return runner.optimizer  # the runner built it: what a bf16-true run trains with
     if variant in ("32-true", "bf16-plain"):
         return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, foreach=False)
     if variant == "bf16-kahan":

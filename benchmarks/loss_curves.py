@@ -6,7 +6,9 @@
 Each variant is measured as a validation run is: the trial child's own steps (in this
 process, so the plain-bf16 fixture can be swapped in), from the same initial weights over
 the same batches. Reported per variant: the largest gap of its 5-step medians to 32-true's
-(what validation compares), of 5-step means and of single steps (what it does not, and why).
+(what validation compares), of 5-step means and of single steps (what it does not, and why);
+and the stagnation check's figures over the timed steps: the share of trainable elements
+left bit-identical and the tensors never changed.
 """
 
 import argparse
@@ -60,22 +62,25 @@ def main() -> None:
         "bf16-true (Kahan)": (TrainConfig(precision="bf16-true", micro_batch_size=n), build_optimizer),
         "bf16, plain AdamW": (TrainConfig(precision="bf16-true", micro_batch_size=n), _plain_bf16),
     }
-    curves = {}
+    curves, stagnation = {}, {}
     for name, (config, optimizer) in variants.items():
         runner_module.build_optimizer = optimizer
         result = run_request(trial_request(spec, config, warmup_steps=1, measure_steps=args.steps))
         assert result["status"] == "ok", result
         curves[name] = result["losses"]
+        stagnation[name] = {"unchanged_share": round(result["unchanged_share"], 5),
+                            "stalled_params": result["stalled_params"]}
     runner_module.build_optimizer = build_optimizer
     ref = curves["32-true"]
     rows = {name: {"median_gap": round(loss_curve_gap(c, ref), 5),
                    "mean_gap": round(_mean_gap(c, ref, LOSS_CURVE_WINDOW_STEPS), 5),
-                   "step_gap": round(loss_curve_gap(c, ref, 1), 5)} for name, c in curves.items()}
+                   "step_gap": round(loss_curve_gap(c, ref, 1), 5), **stagnation[name]} for name, c in curves.items()}
     print(f"{spec.name}, lr {spec.optimizer.lr:g}, {len(ref)} steps; largest gap to 32-true over windows of "
           f"{LOSS_CURVE_WINDOW_STEPS} steps")
-    print(f"{'variant':28s} {'medians':>8s} {'means':>8s} {'single steps':>13s}")
+    print(f"{'variant':28s} {'medians':>8s} {'means':>8s} {'single steps':>13s} {'unchanged':>10s}  never changed")
     for name, row in rows.items():
-        print(f"{name:28s} {row['median_gap']:8.2%} {row['mean_gap']:8.2%} {row['step_gap']:13.2%}")
+        print(f"{name:28s} {row['median_gap']:8.2%} {row['mean_gap']:8.2%} {row['step_gap']:13.2%} "
+              f"{row['unchanged_share']:10.2%}  {len(row['stalled_params'])}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "spec": str(args.spec), "lr": spec.optimizer.lr, "steps": len(ref), "torch": torch.__version__,

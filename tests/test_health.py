@@ -18,7 +18,11 @@ from conftest import tiny_gpt_dict, write_spec
 def spec(tmp_path):
     # An LLM learning rate: AdamW's first steps move each weight by about lr, far below half
     # the bf16 ulp of a LayerNorm gain of 1.0 (2**-8).
-    return load_spec(write_spec(tmp_path, tiny_gpt_dict(optimizer={"name": "adamw", "lr": 3e-4})))
+    # Weight decay and a vocabulary the batches do not cover: the embedding rows no token
+    # reaches move by decay alone, which bf16-true must not round away either.
+    model = {"builtin": "gpt", "args": {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 512, "seq_len": 16}}
+    return load_spec(write_spec(tmp_path, tiny_gpt_dict(model=model, optimizer={
+        "name": "adamw", "lr": 3e-4, "weight_decay": 0.1})))
 
 
 def measure_here(spec, config: TrainConfig, number: int = 0) -> TrialRecord:
@@ -42,6 +46,7 @@ def test_the_old_pure_bf16_update_is_unhealthy_within_one_trial(spec, monkeypatc
     kahan = measure_here(spec, TrainConfig(precision="bf16-true", micro_batch_size=4, grad_accum_steps=2), 1)
     assert kahan.measurement.optimizer == "optimi.AdamW/per-parameter+kahan"
     assert health_problem(kahan, [reference]) is None
+    assert kahan.measurement.unchanged_share <= reference.measurement.unchanged_share + 0.001
 
     monkeypatch.setattr(runner_module, "build_optimizer", plain_bf16_adamw)
     # Checkpointing wraps the blocks: names still compare with the reference's.
@@ -142,3 +147,28 @@ def test_loss_curve_gap_is_the_largest_gap_of_windowed_medians():
     drifted = [x * 1.02 for x in reference]
     assert loss_curve_gap(drifted, reference) == pytest.approx(0.02)
     assert loss_curve_gap(drifted[:3], reference) == pytest.approx(0.02)  # over the steps both have
+
+
+def test_bf16_true_adamw_applies_weight_decay_through_the_kahan_buffer():
+    """optimi decays a weight by `p *= 1 - lr*wd`, which rounds back to a bf16 weight; autofit
+    adds the decay to the compensation buffer instead, so bf16-true decays as fp32 AdamW does."""
+    from autofit.optim import build_optimizer
+    from autofit.spec import OptimizerSpec
+
+    spec = OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1)
+    w0 = torch.randn(10, 100, generator=torch.Generator().manual_seed(0)) * 0.02
+    fp32, bf16 = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.to(torch.bfloat16))
+    optimizers = [build_optimizer(spec, [p], config=TrainConfig(precision=precision, micro_batch_size=1),
+                                  device=torch.device("cpu")) for p, precision in ((fp32, "32-true"),
+                                                                                 (bf16, "bf16-true"))]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(100):
+        grad = torch.randn(10, 100, generator=generator) * 1e-3 if step % 2 else torch.zeros(10, 100)
+        fp32.grad, bf16.grad = grad.clone(), grad.to(torch.bfloat16)
+        for optimizer in optimizers:
+            optimizer.step()
+    # The weight bf16 holds is within rounding of fp32 AdamW's: its decay was not lost.
+    kahan = optimizers[1].state[bf16]["kahan_comp"]
+    decayed = (w0 - fp32.detach()).norm()
+    assert decayed > 0.02 * w0.norm()
+    assert (bf16.detach().float() + kahan.float() - fp32.detach()).norm() < 0.02 * decayed
