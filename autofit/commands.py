@@ -136,7 +136,8 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
 
     try:
         metrics = train(spec, workload, config, device=torch_device, steps=steps, checkpoint_dir=ckpt_dir,
-                        resume=resume, progress=progress, memory_budget_bytes=budget_bytes, on_demotion=on_demotion)
+                        resume=resume, progress=progress, memory_budget_bytes=budget_bytes, on_demotion=on_demotion,
+                        measured_optimizer=loaded.measured.optimizer if profile is not None else None)
         # On failure a rank exits with the error and torchrun stops its peers; a clean end
         # tears the group down here, so no rank waits on another at exit.
         distributed.destroy_process_group()

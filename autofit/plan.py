@@ -53,7 +53,8 @@ class TrainingPlan:
 
     def __init__(self, model: nn.Module, config: TrainConfig, optimizer_factory: OptimizerFactory | None = None,
                  *, device: torch.device | str | int | None = None, max_grad_norm: float | None = None,
-                 on_demotion: Callable[[Demotion], None] | None = None, flags: dict | None = None):
+                 on_demotion: Callable[[Demotion], None] | None = None, flags: dict | None = None,
+                 min_micro_batch_size: int = 1):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ProfileError(f"max_grad_norm: must be positive or None (no clipping), got {max_grad_norm!r}")
         self.config = config
@@ -86,6 +87,9 @@ class TrainingPlan:
         self.steps_done = 0  # optimizer steps taken
         self.demotions: list[Demotion] = []  # out-of-memory recoveries, oldest first
         self.on_demotion = on_demotion
+        # A BatchNorm model's floor (the profile's search.micro_batch_floor): an out-of-memory
+        # step is not done again below it, where it would train on other statistics.
+        self.min_micro_batch_size = min_micro_batch_size
         self.last_loss: torch.Tensor | None = None  # mean loss of the last `step(batch=...)`
         self._micro_batches = 0  # backward passes since the last optimizer step
 
@@ -175,7 +179,7 @@ class TrainingPlan:
             except StepOutOfMemory as exc:
                 # Not under DDP/FSDP: the other ranks would wait in the all-reduce of this step.
                 event = None if self.config.distributed else demotion(self.steps_done, self.config, exc)
-                if event is None:
+                if event is None or event.to_config.micro_batch_size < self.min_micro_batch_size:
                     raise
             self.config = event.to_config
             release_memory(self.device)

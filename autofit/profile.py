@@ -327,7 +327,8 @@ class Profile:
                 return build_optimizer(optimizer_spec, params, config=chosen.config, device=where)
 
         plan = TrainingPlan(model, chosen.config, factory, device=device, max_grad_norm=max_grad_norm,
-                            on_demotion=on_demotion, flags=chosen.measured.flags)
+                            on_demotion=on_demotion, flags=chosen.measured.flags,
+                            min_micro_batch_size=self.search.micro_batch_floor.get("size", 1))
         measured = chosen.measured.optimizer
         if optimizer_factory is not None and plan.optimizer is not None and measured is not None:
             from autofit.optim import implementation

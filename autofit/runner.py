@@ -22,7 +22,7 @@ from autofit.errors import AutofitError, SpecError
 from autofit.device.memory import LiveBytesTracker, cuda_memory_stats
 from autofit.knobs import (TrainConfig, apply_config, check_global_batch, compile_count, micro_batch_floor,
                            trainable_parameters)
-from autofit.optim import build_optimizer
+from autofit.optim import build_optimizer, implementation
 from autofit.precision import PrecisionPolicy, check_supported
 from autofit.recover import Demotion, StepOutOfMemory, accumulate, demotion, release_memory
 from autofit.spec import ModelSpec
@@ -221,12 +221,14 @@ def save_atomic(obj, path: Path) -> None:
 def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: torch.device,
           steps: int | None = None, checkpoint_dir: Path | None = None, resume: bool = False,
           progress: bool = True, memory_budget_bytes: int | None = None,
-          on_demotion: Callable[[Demotion], None] | None = None) -> dict:
+          on_demotion: Callable[[Demotion], None] | None = None, measured_optimizer: str | None = None) -> dict:
     """The training loop around `Runner.step`; returns the metrics dict.
 
     A step that runs out of memory is done again with half the micro batch and twice the
     accumulation (`Runner.demote`), from its own beginning; `on_demotion` hears of each such
-    event."""
+    event. `measured_optimizer`: the implementation a profile was measured with; another one
+    here (another torch, no Triton) is warned about, since the profile's speed and peak were
+    measured with that one."""
     total_steps = steps if steps is not None else spec.train.steps
     # On a CPU the tracker is the only memory meter; it slows ops, so it watches the first
     # two steps (by the second, weights, grads and optimizer state all exist) and no more.
@@ -235,8 +237,13 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
         runner = Runner(spec, workload, config, device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    optimizer = implementation(runner.optimizer)
     logger.info("config: {}", {"model": spec.name, "device": str(device), **config.to_dict(),
-                              "steps": total_steps, "global_batch_size": spec.train.global_batch_size})
+                              "steps": total_steps, "global_batch_size": spec.train.global_batch_size,
+                              "optimizer": optimizer})
+    if measured_optimizer is not None and optimizer != measured_optimizer:
+        logger.warning("the optimizer here is {}, the profile was measured with {}: its speed and peak memory "
+                       "may not hold", optimizer, measured_optimizer)
 
     start_step, history = 0, {"losses": []}
     checkpoint = _Checkpoints(runner, checkpoint_dir)

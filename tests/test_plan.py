@@ -187,3 +187,16 @@ def test_flags_changed_by_apply_are_restored_when_the_plan_is_closed():
     assert process_flags() == before
     plan.close()  # idempotent
     assert process_flags() == before
+
+
+def test_train_warns_when_it_builds_another_optimizer_than_the_profile_measured(tmp_path):
+    from loguru import logger
+
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    messages, sink = _warnings()
+    try:
+        train(spec, build_workload(spec), TrainConfig(micro_batch_size=8), device=CPU, steps=1, progress=False,
+              measured_optimizer="torch.AdamW/fused")  # e.g. a profile tuned on CUDA, trained on a CPU
+    finally:
+        logger.remove(sink)
+    assert any("torch.AdamW/per-parameter, the profile was measured with torch.AdamW/fused" in m for m in messages)

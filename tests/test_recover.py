@@ -163,3 +163,25 @@ def test_train_under_a_tight_budget_demotes_and_stays_within_it(tmp_path, capsys
     assert [d["to_config"]["micro_batch_size"] for d in metrics["demotions"]] == [4]
     assert metrics["peak_memory_bytes"] <= budget and metrics["steps"] == 2
     assert read_demotions(tmp_path / "store" / "tiny-text--cpu.yaml")[0].to_config == BIG
+
+
+def test_a_plan_does_not_demote_below_the_profile_s_micro_batch_floor(tmp_path):
+    """A BatchNorm model's profile records its floor; below it the step would train on other
+    statistics, so an out-of-memory step there ends the loop instead."""
+    from autofit.recover import StepOutOfMemory
+    from autofit.runner import step_generator
+    from conftest import tiny_gpt_dict
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    workload = build_workload(spec)
+    profile = make_profile(spec, BIG)
+    floored = dataclasses.replace(profile, search=dataclasses.replace(
+        profile.search, micro_batch_floor={"size": 4, "excludes_accumulation": False, "reason": "BatchNorm"}))
+    batch = workload.data.batch(8, step_generator(spec.train.seed, 0))
+    plan = floored.apply(workload.build_model(), device="cpu")
+    with pytest.raises(StepOutOfMemory):
+        plan.step(batch=batch, loss_fn=OutOfMemoryAt(workload.loss_fn, at=1))
+    assert plan.demotions == [] and plan.config == BIG
+    unfloored = profile.apply(workload.build_model(), device="cpu")
+    unfloored.step(batch=batch, loss_fn=OutOfMemoryAt(workload.loss_fn, at=1))
+    assert unfloored.config == SMALL
