@@ -337,3 +337,36 @@ def test_8bit_state_is_judged_against_an_fp32_state_reference():
     assert "mean loss differs from 32-true" in health_problem(drifting, [reference])
     assert health_problem(drifting, [drifting]) is None  # an 8-bit trial is no reference
     assert health_problem(rec(plain.replace(chunked_loss=True), [4.0, 4.3, 4.7, 5.2]), [reference]) is None
+
+
+def test_a_batchnorm_model_s_profile_says_which_floor_and_why(tmp_path, monkeypatch):
+    """A tune of the built-in convnet (simulated measurements, in this process): no trial and
+    no profile point below the floor, and the profile file states it."""
+    import types
+
+    from autofit.device.probe import cpu_device
+    from autofit.spec import load_spec
+    from autofit.tune import tune
+    from conftest import tiny_gpt_dict, write_spec
+    from test_health import _simulated
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(model=TINY_CONVNET, train={"global_batch_size": 32}, search={
+        "precisions": ["32-true"], "activation_checkpointing": False, "trials": 6, "patience": 6,
+        "frontier_points": 3})))
+    measured = []
+    simulated = _simulated(spec.search.validate_steps, 0.0)
+
+    def measure(spec, config, **kwargs):
+        measured.append(config)
+        return simulated(spec, config, **kwargs)
+
+    monkeypatch.setattr("autofit.tune.measure", measure)
+    monkeypatch.setattr("autofit.tune.estimate_memory",
+                        lambda spec, config, **_: types.SimpleNamespace(peak_bytes=1000 * config.micro_batch_size))
+    profile = tune(spec, device=cpu_device(), budget_bytes=10**6, out_dir=tmp_path / "profiles", storage=None,
+                   report=False).profile
+    assert measured and min(c.micro_batch_size for c in measured) == 16
+    assert all(p.config.micro_batch_size >= 16 for p in profile.points)
+    floor = profile.to_dict()["search"]["micro_batch_floor"]
+    assert floor["size"] == 16 and floor["excludes_accumulation"] is False
+    assert floor["reason"].startswith("the model has 3 BatchNorm2d")
