@@ -212,6 +212,8 @@ def cmd_estimate(args) -> int:
               f"{out['device_kind']} estimate{per_rank}")
         for part, n_bytes in out["bytes"].items():
             print(f"  {part:<12} {format_bytes(n_bytes):>12}")
+        print(f"model state {format_bytes(out['model_state_bytes'])}: {out['model_state_bytes_per_param']:.2f} "
+              f"bytes per parameter (weights, gradients, optimizer state)")
         if "max_micro_batch_size" in out:
             print(f"budget {format_bytes(out['budget_bytes'])}: fits={out['fits']}, "
                   f"largest micro batch that fits: {out['max_micro_batch_size']}")
