@@ -85,6 +85,9 @@ class TrainConfig:
             # 8-bit state; bitsandbytes' update to a bf16 weight rounds small steps away.
             raise SpecError("optimizer_bits: 8-bit state needs fp32 weights; bf16-true keeps bf16 weights "
                             "(use optimizer_bits 32 with bf16-true, or another precision)")
+        if self.optimizer_bits == 8 and self.parallelism == "fsdp":
+            raise SpecError("optimizer_bits: 8-bit state does not run under FSDP2 (bitsandbytes' update takes no "
+                            "DTensor shards); use parallelism ddp or optimizer_bits 32")
         if self.chunked_loss and self.parallelism != "none":
             # The chunked loss reads the head's weight outside the model's forward, where
             # DDP's and FSDP2's hooks do not see it.

@@ -413,7 +413,7 @@ def _nothing_fits_message(result: SearchResult, tuner: Tuner, space: SearchSpace
                               if p in ("bf16-true", "bf16-mixed", "16-mixed") else 9),
                           space.micro_batch_sizes[0], space.checkpointable(space.max_freeze_blocks),
                           space.max_freeze_blocks)
-    frugal = frugal.replace(**space.lean(frugal.precision))
+    frugal = frugal.replace(**space.lean(frugal.precision, space.strategy_of(frugal)))
     needed = tuner.memory.corrected_peak(frugal, result.records)
     unhealthy = sum(result.count(s) for s in ("unhealthy", "error", "timeout", "compile_error"))
     seen = (f"; the smallest peak seen was {format_bytes(smallest[0])} ({smallest[1].config.short()})"

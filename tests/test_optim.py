@@ -103,6 +103,8 @@ def test_8bit_is_refused_where_it_cannot_apply(wide_spec, monkeypatch):
     with pytest.raises(SpecError, match="optimizer_bits: 8-bit state needs fp32 weights"):
         with_overrides(TrainConfig(micro_batch_size=8), {"precision": "bf16-true", "optimizer_bits": "8"},
                        global_batch_size=8)
+    with pytest.raises(SpecError, match="8-bit state does not run under FSDP2"):
+        TrainConfig(micro_batch_size=4, world_size=2, parallelism="fsdp", optimizer_bits=8)
     with pytest.raises(SpecError, match="optimizer_bits: must be 32 or 8, got 16"):
         TrainConfig(micro_batch_size=8, optimizer_bits=16)
     params = [torch.nn.Parameter(torch.zeros(4, 4))]

@@ -307,6 +307,10 @@ def test_memory_knobs_space_has_no_8bit_state_on_bf16_weights():
     assert (lean.optimizer_bits, lean.chunked_loss) == (8, True) and space.lean("bf16-true") == {"chunked_loss": True}
     toggles = [c for c in space.neighbours(lean) if c.micro_batch_size == 4 and c.precision == "32-true"]
     assert {(c.optimizer_bits, c.chunked_loss) for c in toggles} >= {(32, True), (8, False)}
+    two = SearchSpace(global_batch_size=4, precisions=("32-true",), micro_batch_sizes=(1, 2), max_checkpoint_blocks=0,
+                      max_freeze_blocks=0, world_size=2, optimizer_bits=(32, 8))
+    assert {(c.parallelism, c.optimizer_bits) for c in two.grid()} == {("ddp", 32), ("ddp", 8), ("fsdp", 32)}
+    assert two.lean("32-true", {"parallelism": "fsdp"}) == {}  # FSDP2's shards keep 32-bit state
 
 
 def test_an_oom_at_32bit_state_does_not_block_8bit_state():

@@ -81,8 +81,8 @@ def _keeps_more(config: TrainConfig, than: TrainConfig) -> bool:
 
 def _needs_more(config: TrainConfig, than: TrainConfig) -> bool:
     """`config` holds everything `than` holds in memory, or more."""
-    if config.precision != than.precision:  # (and bf16-true takes no 8-bit state to compare)
-        return False
+    if config.precision != than.precision or config.parallelism != than.parallelism:
+        return False  # (and the replace below could ask for 8-bit state where it cannot run)
     same_otherwise = config.replace(micro_batch_size=than.micro_batch_size, grad_accum_steps=than.grad_accum_steps,
                                     checkpoint_blocks=than.checkpoint_blocks, checkpoint_policy=than.checkpoint_policy,
                                     freeze_blocks=than.freeze_blocks, optimizer_bits=than.optimizer_bits,

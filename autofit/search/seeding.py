@@ -75,7 +75,7 @@ def starting_points(space: SearchSpace, fits: Fits) -> list[TrainConfig]:
     for precision in space.precisions:
         for strategy in space.strategies():
             mine = _frontier_seeds(space, fits, precision, freeze, strategy)
-            lean = space.lean(precision)
+            lean = space.lean(precision, strategy)
             if lean:
                 mine = _merge(mine, _frontier_seeds(space, fits, precision, freeze, strategy | lean))
             waves.append(mine)

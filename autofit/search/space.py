@@ -122,11 +122,13 @@ class SearchSpace:
         return {name: getattr(config, name) for name in ("parallelism", "reshard_after_forward",
                                                          "gradient_as_bucket_view")}
 
-    def lean(self, precision: str) -> dict:
-        """The memory knobs at their most frugal that `precision` allows ({} when the space
-        has no choice): where seeds look for micro batches the plain settings cannot fit."""
+    def lean(self, precision: str, strategy: dict | None = None) -> dict:
+        """The memory knobs at their most frugal that `precision` and `strategy` allow ({}
+        when the space has no choice): where seeds look for micro batches the plain settings
+        cannot fit."""
         out = {}
-        if 8 in self.optimizer_bits and len(self.optimizer_bits) > 1 and _eight_bit_allowed(precision):
+        parallelism = (strategy or {}).get("parallelism", "none")
+        if 8 in self.optimizer_bits and len(self.optimizer_bits) > 1 and _eight_bit_allowed(precision, parallelism):
             out["optimizer_bits"] = 8
         if True in self.chunked_loss and len(self.chunked_loss) > 1:
             out["chunked_loss"] = True
@@ -135,7 +137,7 @@ class SearchSpace:
     def seed_group(self, config: TrainConfig) -> tuple:
         """The seeds `config` counts for: its precision, its strategy, and whether it runs
         the lean memory knobs. Each group's seed is measured before another's best is refined."""
-        lean = self.lean(config.precision)
+        lean = self.lean(config.precision, self.strategy_of(config))
         return (config.precision, tuple(self.strategy_of(config).items()),
                 bool(lean) and all(getattr(config, k) == v for k, v in lean.items()))
 
@@ -150,7 +152,7 @@ class SearchSpace:
         if self.world_size > 1:
             other = {"parallelism": self.parallelisms[0], **other, "world_size": self.world_size}
         # The first allowed value is the default (the plain one when both are allowed).
-        bits = self.optimizer_bits[0] if _eight_bit_allowed(precision) else 32
+        bits = self.optimizer_bits[0] if _eight_bit_allowed(precision, other.get("parallelism", "none")) else 32
         other = {"optimizer_bits": bits, "chunked_loss": self.chunked_loss[0], **other}
         return TrainConfig(precision=precision, micro_batch_size=micro_batch_size,
                            grad_accum_steps=rank_batch // micro_batch_size,
@@ -176,8 +178,8 @@ class SearchSpace:
         values = {k.field: k.suggest(trial) for k in self.knobs()}
         # Checkpointing beyond the trainable blocks is the same point as checkpointing all of them.
         values["checkpoint_blocks"] = min(values["checkpoint_blocks"], self.checkpointable(values["freeze_blocks"]))
-        if not _eight_bit_allowed(values["precision"]):
-            values["optimizer_bits"] = 32  # bf16 weights keep their compensated 32-bit-state update
+        if not _eight_bit_allowed(values["precision"], values.get("parallelism", "none")):
+            values["optimizer_bits"] = 32  # bf16 weights and FSDP2 shards keep 32-bit state
         return self._from_values(values)
 
     def params(self, config: TrainConfig) -> dict:
@@ -222,7 +224,8 @@ class SearchSpace:
                 # A policy without checkpointed blocks is inert: no neighbour there. No 8-bit
                 # state with bf16 weights.
                 out += [c for v in k.values if v != getattr(config, k.field)
-                        and _coherent({**self.memory_knobs_of(config), "precision": config.precision, k.field: v})
+                        and _coherent({**self.memory_knobs_of(config), "precision": config.precision,
+                                       "parallelism": config.parallelism, k.field: v})
                         if (c := config.replace(**{k.field: v})) != config]
         return out
 
@@ -239,10 +242,12 @@ class SearchSpace:
         return self._from_values(values)
 
 
-def _eight_bit_allowed(precision: str) -> bool:
-    """8-bit optimizer state needs fp32 weights (TrainConfig refuses it with bf16-true)."""
-    return precision != "bf16-true"
+def _eight_bit_allowed(precision: str, parallelism: str = "none") -> bool:
+    """8-bit optimizer state needs fp32 weights and whole (not FSDP2-sharded) parameters:
+    TrainConfig refuses it with bf16-true and with fsdp."""
+    return precision != "bf16-true" and parallelism != "fsdp"
 
 
 def _coherent(values: dict) -> bool:
-    return values.get("optimizer_bits", 32) == 32 or _eight_bit_allowed(values["precision"])
+    return values.get("optimizer_bits", 32) == 32 or _eight_bit_allowed(values["precision"],
+                                                                         values.get("parallelism", "none"))
