@@ -188,8 +188,9 @@ class Tuner:
             if not line:
                 break
             self._measure_now(line[0], records)
-        logger.warning("no {} reference fits: numeric health of 16-bit precisions is checked for finite "
-                       "losses and scaler skips only (no stagnation or loss-curve comparison)", precision)
+        logger.warning("no {} reference (fp32 optimizer state) fits: numeric health of 16-bit precisions and "
+                       "8-bit optimizer state is checked for finite losses and scaler skips only (no stagnation "
+                       "or loss-curve comparison)", precision)
 
     def remeasure_contenders(self) -> tuple[float | None, int]:
         """Re-measure the configs within noise of the best, interleaved, until the leader's
