@@ -308,7 +308,8 @@ class Service:
         # The budget is each rank's: every GPU of a kind has the same memory.
         job = TuneJob(key=pair.key, gpu=gpus[0], gpus=tuple(gpus), spec=spec,
                       trials=self.config.trials or spec.search.trials,
-                      budget_bytes=usable_budget_bytes(gpus[0].device, headroom=self._headroom(spec)))
+                      budget_bytes=usable_budget_bytes(gpus[0].device, headroom=self._headroom(spec)),
+                      worker=self.config.worker)
         # Checked on every tick of the tune, not only at the next poll: a job that starts
         # while a trial holds most of the card would run out of memory.
         job.guard = TrialGuard(self.inventory, gpus, lambda reason: job.stop(reason, retry=True), rule=self.pid_rule)
@@ -430,7 +431,9 @@ class Service:
 
 def _profile_summary(path: Path, profile, stale: list[str]) -> dict:
     return {"path": str(path), "spec_hash": profile.model.spec_hash, "config": profile.config.short(),
-            "samples_per_s": profile.measured.samples_per_s, "created": profile.created, "stale": stale}
+            "samples_per_s": profile.measured.samples_per_s, "created": profile.created, "stale": stale,
+            # Which hosts sharing the study measured its trials, and which one validated it.
+            "workers": profile.search.workers, "validated_by": profile.search.validated_by}
 
 
 def serve_command(config_path: str | Path | None, *, inventory_path: str | Path | None = None) -> int:

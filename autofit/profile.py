@@ -95,6 +95,8 @@ class SearchSummary:
     loss_curve: dict = field(default_factory=dict)
     # The smallest micro batch the space held and why (a model with BatchNorm): size, reason.
     micro_batch_floor: dict = field(default_factory=dict)
+    workers: dict = field(default_factory=dict)  # search trials measured by each worker sharing the study
+    validated_by: str = ""  # the worker that validated the winner and wrote the profile
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

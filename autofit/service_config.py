@@ -6,12 +6,15 @@
     poll_interval_s: 30
     idle: {max_utilization: 5, min_idle_s: 120}
     multi_gpu: true               # also tune over all GPUs of a kind (DDP/FSDP2) where there are several
+    worker_name: node-a           # how its trials are labelled in studies shared on PostgreSQL (default: host name)
 
 Relative paths are relative to the config file, so a config and its models folder can be
 moved together. Errors name the key, as model.yaml errors do, and exit with code 2.
 """
 
 import os
+import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +51,12 @@ class ServiceConfig:
     # A host with N > 1 GPUs of one kind also gets each model's N-rank profile (DDP or
     # FSDP2 through torchrun), tuned when all N are idle.
     multi_gpu: bool = True
+    # Labels this service's trials and profiles in studies shared with other hosts.
+    worker_name: str = ""  # "": the host name
+
+    @property
+    def worker(self) -> str:
+        return self.worker_name or socket.gethostname()
 
     @property
     def storage_url(self) -> str:
@@ -58,7 +67,7 @@ class ServiceConfig:
                 "state_dir": str(self.state_dir), "storage": redact_url(self.storage_url),
                 "poll_interval_s": self.poll_interval_s, "memory_headroom": self.memory_headroom,
                 "idle": {"max_utilization": self.idle.max_utilization, "min_idle_s": self.idle.min_idle_s},
-                "trials": self.trials, "multi_gpu": self.multi_gpu}
+                "trials": self.trials, "multi_gpu": self.multi_gpu, "worker_name": self.worker}
 
 
 def resolve_config_path(path: str | Path | None) -> Path:
@@ -118,8 +127,11 @@ def _parse(raw, path: Path) -> ServiceConfig:
                     min_idle_s=idle_reader.number("min_idle_s", default=120.0, minimum=0.0, maximum=MAX_TIMEOUT_S))
     idle_reader.finish()
     multi_gpu = top.get("multi_gpu", bool, default=True)
+    worker_name = top.get("worker_name", str, default="")
+    if worker_name and not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", worker_name):
+        raise SpecError(f"worker_name: letters, digits, '.', '_', ':' and '-', at most 64, got {worker_name!r}")
     top.finish()
     return ServiceConfig(path=path, models_dir=models_dir, store_dir=store_dir, state_dir=state_dir,
                          storage=storage, poll_interval_s=poll_interval_s,
                          memory_headroom=None if headroom is None else float(headroom), idle=idle, trials=trials,
-                         multi_gpu=multi_gpu)
+                         multi_gpu=multi_gpu, worker_name=worker_name)

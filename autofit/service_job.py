@@ -57,6 +57,7 @@ class TuneJob:
     gpus: tuple[Gpu, ...] = ()  # every GPU it runs on, one rank each; () is (gpu,)
     guard: TrialGuard | None = None  # watches `gpus` on every tick while the tune runs
     done: threading.Event = field(default_factory=threading.Event)  # the worker has ended
+    worker: str | None = None  # this service's name in studies shared with other hosts
 
     def __post_init__(self):
         self.gpus = self.gpus or (self.gpu,)
@@ -132,7 +133,8 @@ class TuneJob:
             execute_on = "cpu" if device.emulated else ",".join(str(g.device.index) for g in self.gpus)
             self.outcome = tune(self.spec, device=device, budget_bytes=self.budget_bytes, out_dir=store_dir,
                                 storage=storage, execute_on=execute_on, trials=self.trials,
-                                stop_event=self.stop_event, on_trial=on_trial, nproc=self.nproc, guard=self.guard)
+                                stop_event=self.stop_event, on_trial=on_trial, nproc=self.nproc, guard=self.guard,
+                                worker=self.worker)
         except Exception as exc:  # every ending is judged by the main thread, in settle()
             self.error = exc
         finally:
@@ -209,8 +211,11 @@ def finished_trials(storage: str, name: str) -> int:
     """Finished trials already in a study (0 when there is none yet): where a resumed tune starts."""
     import optuna
 
+    from autofit.search.shared import creation_lock
+
     try:
-        study = optuna.load_study(study_name=name, storage=storage)
+        with creation_lock(storage):  # opening it may create Optuna's tables, as other services do
+            study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
         return 0
     # Only measured search trials count, as in search.Tuner.spent: pruned proposals and

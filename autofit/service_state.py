@@ -217,4 +217,8 @@ def _profile_text(pair: dict) -> str:
     if not profile:
         return "-" + detail
     stale = f", stale: {'; '.join(profile['stale'])}" if profile.get("stale") else ""
-    return f"{Path(profile['path']).name} ({profile['config']}, {profile['samples_per_s']:.1f} samples/s{stale}){detail}"
+    workers = profile.get("workers") or {}
+    by = (f", trials by {', '.join(f'{w} {n}' for w, n in workers.items())}; validated by {profile.get('validated_by')}"
+          if len(workers) > 1 else "")  # a study shared by several hosts
+    return (f"{Path(profile['path']).name} ({profile['config']}, {profile['samples_per_s']:.1f} samples/s{by}{stale})"
+            f"{detail}")

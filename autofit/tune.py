@@ -4,8 +4,10 @@
     autofit tune model.yaml --device 0 --memory-budget 24GiB --trials 60 --storage postgresql://…
 """
 
+import contextlib
 import dataclasses
 import os
+import socket
 import statistics
 import threading
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from loguru import logger
 
 from autofit import __version__
 from autofit.device.probe import DeviceInfo, usable_budget_bytes, with_memory_budget
-from autofit.errors import DeviceError, NothingFitsError, SpecError, TrialError, TrialTimeoutError
+from autofit.errors import DeviceError, NothingFitsError, ProfileError, SpecError, TrialError, TrialTimeoutError
 from autofit.estimate import EstimateError, estimate_memory
 from autofit.frontier import build_frontier, total_peak
 from autofit.knobs import block_count, micro_batch_floor
@@ -27,6 +29,7 @@ from autofit.redact import redact_url
 from autofit.report import format_trial_line, trials_table, write_html_report
 from autofit.search import SearchResult, SearchSpace, TrialRecord, Tuner, make_study
 from autofit.search.health import LossCurveCheck
+from autofit.search.shared import StudyLocks, profiles_written, record_profile, shared_profile
 from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec, divisors
 from autofit.store import ProfileStore, default_root, read_demotions
@@ -132,14 +135,27 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
          execute_on: str | None = None, trials: int | None = None, timeout_s: float | None = None,
          emulated_budget_bytes: int | None = None, stop_event: threading.Event | None = None,
          on_trial: Callable[[TrialRecord, TrialRecord | None, int], None] | None = None,
-         report: bool = True, nproc: int = 1, guard=None) -> TuneOutcome:
+         report: bool = True, nproc: int = 1, guard=None,
+         worker: str | None = None) -> TuneOutcome:
     """Search, validate and save. `execute_on` is where trials run ("cpu" or a CUDA index;
     default: the device itself; an emulated GPU runs on the CPU under its budget).
     `emulated_budget_bytes` (from --memory-budget) keys a study apart from the full card's.
     `nproc` > 1 tunes data-parallel jobs over that many ranks (DDP or FSDP2, each trial
     launched through torchrun); `budget_bytes` is then each rank's. `guard` (the service's
     `service_guard.TrialGuard`) watches every trial child.
+    `worker` names this worker in a study it shares with others (default: the host name).
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
+    with contextlib.ExitStack() as cleanup:  # the study's locks are released however it ends
+        return _tune(spec, device=device, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
+                     execute_on=execute_on, trials=trials, timeout_s=timeout_s,
+                     emulated_budget_bytes=emulated_budget_bytes, stop_event=stop_event, on_trial=on_trial,
+                     report=report, nproc=nproc, guard=guard, worker=worker or socket.gethostname(), cleanup=cleanup)
+
+
+def _tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Path, storage: str | None,
+          execute_on: str | None, trials: int | None, timeout_s: float | None, emulated_budget_bytes: int | None,
+          stop_event: threading.Event | None, on_trial: Callable[[TrialRecord, TrialRecord | None, int], None] | None,
+          report: bool, nproc: int, guard, worker: str, cleanup: contextlib.ExitStack) -> TuneOutcome:
     execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
     if emulated_budget_bytes is not None:
         device = with_memory_budget(device, emulated_budget_bytes)
@@ -148,6 +164,8 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     max_trials = trials or spec.search.trials
     name = study_name(spec, device, emulated_budget_bytes)
     study = make_study(study_name=name, storage=storage, seed=spec.train.seed)
+    locks = cleanup.enter_context(StudyLocks(storage, name))
+    written_before = profiles_written(study)
     logger.info("tuning {} on {} ({}): budget {}, {} configs in the space, up to {} trials",
                 spec.name, device.name, execute_on, format_bytes(budget_bytes), space.size, max_trials)
     if space.micro_batch_floor is not None:
@@ -188,13 +206,22 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                     ", ".join(c.short() for c in demoted))
     tuner = Tuner(space, study=study, budget_bytes=budget_bytes, measure=run_trial, estimate=predict,
                   max_trials=max_trials, patience=spec.search.patience, timeout_s=timeout_s,
-                  on_trial=report_trial, should_stop=(stop_event.is_set if stop_event else None), starts=starts)
-    result = tuner.run()
+                  on_trial=report_trial, should_stop=(stop_event.is_set if stop_event else None), starts=starts,
+                  locks=locks, worker=worker)
+    searched = tuner.search()
+    # Workers sharing the study: the first to end its search validates and writes the
+    # profile; the others wait here (the lock is held until tune() returns), then hand out
+    # the same profile.
+    locks.finish(should_stop=stop_event.is_set if stop_event else None)
+    shared = shared_profile(study, since=written_before)
+    result = tuner.result(searched) if shared else tuner.finish(searched)
     logger.info("search stopped: {}; {} trials ({} measured, {} pruned, {} oom) in {:.0f}s",
                 result.stop_reason, len(result.records), result.measured, result.count("pruned"),
                 result.count("oom"), result.wall_s)
     if stop_event is not None and stop_event.is_set():
         raise InterruptedError("tune stopped before validation; rerun to resume the study")
+    if shared is not None:
+        return _shared_outcome(*shared, result=result, out_dir=Path(out_dir))
     if not result.ranked:
         # "Nothing fits" is a verdict only when every trial was measured: one that timed out
         # or crashed might have fitted, and a rerun resumes the study to find out.
@@ -266,6 +293,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
             host_load=None if host_load is None else round(host_load, 2), note=note,
             micro_batch_floor={} if space.micro_batch_floor is None else space.micro_batch_floor.to_dict(),
             loss_curve=curve.summary(winner.config),
+            workers=_workers(result.records), validated_by=worker,
         ),
         created=utc_now(),
         autofit=__version__,
@@ -274,6 +302,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm),
     )
     profile_path = ProfileStore(Path(out_dir)).save(profile)
+    record_profile(study, profile.to_dict(), worker)  # for the workers waiting on this study
     report_path = None
     if report:
         report_path = write_html_report(profile_path.with_suffix(".report.html"), profile, result, winner)
@@ -283,6 +312,34 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                     baseline.config.short(), profile.search.speedup)
     return TuneOutcome(profile=profile, profile_path=profile_path, report_path=report_path, result=result,
                        validated=validated)
+
+
+def _workers(records: list[TrialRecord]) -> dict[str, int]:
+    """Search trials measured per worker sharing the study (empty before workers were named)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.measurement is not None and not r.repeat and r.worker:
+            counts[r.worker] = counts.get(r.worker, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _shared_outcome(profile_dict: dict, worker: str, *, result: SearchResult, out_dir: Path) -> TuneOutcome:
+    """The profile another worker of the study validated and wrote: the same file here (a
+    store of its own gets a copy), and this tune's outcome."""
+    profile = Profile.from_dict(profile_dict, where=f"the profile {worker} wrote")
+    path = out_dir / profile.file_name
+    try:
+        same = Profile.load(path) == profile
+    except ProfileError:
+        same = False
+    if not same:  # this worker's store is not the one it was written to
+        path = ProfileStore(out_dir).save(profile)
+    logger.info("{} validated the winner of this study and wrote the profile: {}", worker, path)
+    m = profile.measured
+    validated = Measurement(status="ok", config=profile.config, samples_per_s=m.samples_per_s,
+                            tokens_per_s=m.tokens_per_s, peak_memory_bytes=m.peak_memory_bytes,
+                            step_time_s=m.step_time_s)
+    return TuneOutcome(profile=profile, profile_path=path, report_path=None, result=result, validated=validated)
 
 
 def data_assumptions(spec: ModelSpec, workload=None) -> dict:

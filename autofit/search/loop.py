@@ -4,6 +4,11 @@ The tuner is written against two callables, `measure(config) -> Measurement` and
 `estimate(config) -> predicted peak bytes`, so the same loop drives real trials and the
 simulated devices of the tests. Every decision (fits or not, already known or not) is
 made when a config is asked for, from the records as they are then: nothing is frozen.
+
+Several workers may share the study (on PostgreSQL, across hosts). Each reads the others'
+records at every ask, and deciding on a config and claiming it as a RUNNING trial is one
+step under the study's claim lock (`search/shared.py`), so no config is measured by two
+workers; a dead worker's trial comes back as a WAITING trial that the next ask takes.
 """
 
 import math
@@ -17,11 +22,13 @@ from autofit.knobs import TrainConfig
 from autofit.search import choice, seeding
 from autofit.search.health import REFERENCE_PRECISIONS, health_problem, reference_for
 from autofit.search.memory import MemoryModel, record_budget
+from autofit.search.shared import StudyLocks
 from autofit.search.space import SearchSpace
-from autofit.search.study import _ATTR, SearchResult, TrialRecord, read_records
+from autofit.search.study import _ATTR, SearchResult, TrialRecord, ask, fail_stale_trials, heartbeat, read_records
 from autofit.trial import Measurement
 
 WAITING = (optuna.trial.TrialState.WAITING,)
+RUNNING = (optuna.trial.TrialState.RUNNING,)
 BUDGET_RTOL = 0.02  # budgets this close are the same budget
 
 
@@ -32,8 +39,12 @@ class Tuner:
                  measure: Callable[[TrainConfig], Measurement], estimate: Callable[[TrainConfig], int],
                  max_trials: int, patience: int, timeout_s: float | None = None,
                  on_trial: Callable[[TrialRecord, "TrialRecord | None", int], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None, starts: tuple[TrainConfig, ...] = ()):
+                 should_stop: Callable[[], bool] | None = None, starts: tuple[TrainConfig, ...] = (),
+                 locks: StudyLocks | None = None, worker: str | None = None):
         self.space, self.study, self.budget_bytes = space, study, budget_bytes
+        # Without locks (a study of this process alone): ones that serialise its threads.
+        self.locks = locks or StudyLocks(None, study.study_name)
+        self.worker = worker  # recorded in each of its trials
         self.measure = measure
         self.memory = MemoryModel(estimate, budget_bytes)
         self.max_trials, self.patience, self.timeout_s = max_trials, patience, timeout_s
@@ -45,6 +56,11 @@ class Tuner:
         return read_records(self.study)
 
     def run(self) -> SearchResult:
+        """Search, then measure a reference if there is none and re-measure the contenders."""
+        return self.finish(self.search())
+
+    def search(self) -> tuple[str, int, float]:
+        """The ask/tell loop, until a stop reason. Returns (stop reason, trials resumed, start)."""
         start = time.monotonic()
         records = self.records()
         resumed = self.spent(records)
@@ -58,23 +74,28 @@ class Tuner:
         # Given starts (e.g. where training was demoted to) are measured first, before the seeds.
         self._queue, self._seeds = list(self.starts), set(self.starts)
         while stop_reason is None:
-            stop_reason = self._stop_reason(records, since_best, skipped, start)
-            if stop_reason is not None:
-                break
-            planned = self._next(records, best)
-            if planned is not None:
-                self.study.enqueue_trial(self.space.params(planned))
-            trial = self.study.ask()
-            queued = self._was_queued(trial)
-            config = self.space.suggest(trial)
-            known = self.known(config, records)
-            if known is not None or not self.memory.fits(config, records):
-                skipped["known" if known is not None else "pruned"] += 1
-                self._skip(trial, config, known, stale=queued and config != planned, best=best, records=records)
-                continue
+            with self.locks.claim():  # decide and claim as one step among the study's workers
+                fail_stale_trials(self.study)
+                records = self.records()  # other workers' trials too
+                stop_reason = self._stop_reason(records, since_best, skipped, start)
+                if stop_reason is not None:
+                    break
+                planned = self._next(records, best)
+                if planned is not None:
+                    self.study.enqueue_trial(self.space.params(planned))
+                trial = ask(self.study)
+                queued = self._was_queued(trial)
+                config = self.space.suggest(trial)
+                known = self.known(config, records)
+                busy = known is None and self._busy(config, trial)
+                if known is not None or busy or not self.memory.fits(config, records):
+                    skipped["known" if known is not None or busy else "pruned"] += 1
+                    self._skip(trial, config, known, stale=busy or (queued and config != planned), best=best,
+                               records=records)
+                    continue
             skipped = {"known": 0, "pruned": 0}
             try:
-                record = self._evaluate(trial.number, config, records)
+                record = self._evaluate(trial, config, records)
             except BaseException:  # the user's code failed the trial (exit 2), or a signal stops the tune
                 self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING in the study
                 raise
@@ -100,12 +121,24 @@ class Tuner:
             best = new_best
             self.on_trial(record, best, self.spent(records))
 
-        self._drop_queue()
+        with self.locks.claim():
+            self._drop_queue()
+        return stop_reason, resumed, start
+
+    def finish(self, searched: tuple[str, int, float]) -> SearchResult:
+        """After `search()`: a full-precision reference if the study has none, and the
+        contenders re-measured; the result. With workers sharing the study, one finishes."""
+        _, _, start = searched
         noise, rounds = None, 0
         if not self.should_stop():
             self.ensure_reference()
             if not self._timed_out(start):  # out of time: the longer validation still compares
                 noise, rounds = self.remeasure_contenders()
+        return self.result(searched, noise, rounds)
+
+    def result(self, searched: tuple[str, int, float], noise: float | None = None, rounds: int = 0) -> SearchResult:
+        """The study's records as they are now, ranked."""
+        stop_reason, resumed, start = searched
         records = self.records()
         ranked = choice.rank(records, self.budget_bytes)
         return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=time.monotonic() - start,
@@ -222,17 +255,22 @@ class Tuner:
 
     def _measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False) -> TrialRecord:
         """Measure one config outside the sampler's choice, as a trial of the study."""
-        self.study.enqueue_trial(self.space.params(config))
-        trial = self.study.ask()
-        record = self._evaluate(trial.number, self.space.suggest(trial), records).replace(repeat=repeat)
+        with self.locks.claim():
+            # The search is over: a trial still waiting (a dead worker's, queued again) is
+            # dropped, so the ask below takes this one.
+            self._drop_queue()
+            self.study.enqueue_trial(self.space.params(config))
+            trial = ask(self.study)
+            config = self.space.suggest(trial)  # its params, set while claimed
+        record = self._evaluate(trial, config, records).replace(repeat=repeat)
         self._tell(trial, record)
         return record
 
     def _drop_queue(self) -> None:
         """The search is over: queued seeds and refinements are failed unmeasured (a resumed
-        study may propose them again)."""
+        study may propose them again). Call under the claim lock."""
         for _ in range(len(self.study.get_trials(deepcopy=False, states=WAITING))):
-            self.study.tell(self.study.ask(), state=optuna.trial.TrialState.FAIL)
+            self.study.tell(ask(self.study), state=optuna.trial.TrialState.FAIL)
 
     # --- one trial -------------------------------------------------------------------------
 
@@ -260,11 +298,12 @@ class Tuner:
         else:
             self._tell(trial, self._pruned(trial.number, config, records))
 
-    def _evaluate(self, number: int, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord:
-        measurement = self.measure(config)
-        record = TrialRecord(number=number, config=config, status=measurement.status,
+    def _evaluate(self, trial: optuna.Trial, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord:
+        with heartbeat(self.study, trial):  # so that a worker that dies here leaves the trial to another
+            measurement = self.measure(config)
+        record = TrialRecord(number=trial.number, config=config, status=measurement.status,
                              predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
-                             reason=measurement.reason, budget_bytes=self.budget_bytes)
+                             reason=measurement.reason, budget_bytes=self.budget_bytes, worker=self.worker)
         if record.status == "ok" and record.peak_memory_bytes is not None and record.peak_memory_bytes > self.budget_bytes:
             record = record.replace(status="oom", reason="peak exceeded the budget")
         if record.status == "ok":
@@ -317,6 +356,13 @@ class Tuner:
                                             config.freeze_blocks, self.space.kept(config), config.checkpoint_policy)
         return [again] if again is not None and again != config and self.known(again, records) is None else []
 
+    def _busy(self, config: TrainConfig, trial: optuna.Trial) -> bool:
+        """`config` is being measured in another trial: another worker's, or a dead worker's
+        until its heartbeat is overdue and the trial is queued again."""
+        params = self.space.params(config)
+        return any(t.number != trial.number and t.params == params
+                   for t in self.study.get_trials(deepcopy=False, states=RUNNING))
+
     def _was_queued(self, trial: optuna.Trial) -> bool:
         """Asked from the queue (a seed, refinement or neighbour), not proposed by the sampler."""
         frozen = self.study.get_trials(deepcopy=False)
@@ -328,7 +374,7 @@ class Tuner:
         of seeds (placed under the current fit), then the refinements of the best again (the
         fit may have moved the frontier next to it). None: let the sampler propose."""
         running = {tuple(sorted(t.params.items()))
-                   for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
+                   for t in self.study.get_trials(deepcopy=False, states=RUNNING)}
         for refill in range(3):
             while self._queue:
                 config = self._queue.pop(0)

@@ -1,7 +1,10 @@
 """The study and what it stores: one `TrialRecord` per finished trial (in the trial's user
-attributes, so any Optuna storage resumes it), the `SearchResult`, and `make_study`."""
+attributes, so any Optuna storage resumes it), the `SearchResult`, `make_study`, and the
+heartbeat that lets workers sharing a study take over a dead worker's trial."""
 
+import contextlib
 import dataclasses
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -14,6 +17,13 @@ from autofit.search.shared import creation_lock
 from autofit.trial import Measurement
 
 _ATTR = "autofit"  # user attr holding a trial's record
+# A measuring worker records a heartbeat this often; a RUNNING trial whose heartbeat is
+# older than the grace period belongs to a dead worker: it is failed and queued again
+# (Optuna's RetryHeartbeatStaleTrialCallback) for a live worker to measure. Trial length
+# does not matter: the heartbeat comes from a thread beside the measurement.
+HEARTBEAT_INTERVAL_S = 10
+GRACE_PERIOD_S = 60
+STALE_RETRIES = 2  # a config whose trials keep killing their worker is given up after this
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,6 +36,7 @@ class TrialRecord:
     reason: str | None = None
     budget_bytes: int | None = None  # the budget it ran (or was pruned) under; None in older studies
     repeat: bool = False  # a re-measurement of a measured config (noise), not a search trial
+    worker: str | None = None  # who measured it (host name, or the service's worker_name); None in older studies
 
     @property
     def samples_per_s(self) -> float:
@@ -51,7 +62,8 @@ class TrialRecord:
     def to_attr(self) -> dict:
         return {"status": self.status, "predicted_peak_bytes": self.predicted_peak_bytes, "reason": self.reason,
                 "budget_bytes": self.budget_bytes, "repeat": self.repeat, "config": self.config.to_dict(),
-                "measurement": None if self.measurement is None else self.measurement.to_dict()}
+                "measurement": None if self.measurement is None else self.measurement.to_dict(),
+                "worker": self.worker}
 
     @classmethod
     def from_attr(cls, number: int, attr: dict) -> "TrialRecord":
@@ -59,7 +71,7 @@ class TrialRecord:
         return cls(number=number, config=TrainConfig.from_dict(attr["config"]), status=attr["status"],
                    predicted_peak_bytes=attr.get("predicted_peak_bytes"), reason=attr.get("reason"),
                    budget_bytes=attr.get("budget_bytes"), repeat=bool(attr.get("repeat", False)),
-                   measurement=None if m is None else Measurement.from_dict(m))
+                   measurement=None if m is None else Measurement.from_dict(m), worker=attr.get("worker"))
 
 
 @dataclass(kw_only=True)
@@ -99,14 +111,65 @@ def make_study(*, study_name: str, storage: str | None, seed: int = 0) -> optuna
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True, group=True)
     try:
         # Workers started together on an empty database would all create Optuna's tables.
-        with creation_lock(storage):
-            return optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
+        with creation_lock(storage), warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            rdb = None if storage is None else optuna.storages.RDBStorage(
+                storage, heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=GRACE_PERIOD_S,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=STALE_RETRIES))
+            return optuna.create_study(study_name=study_name, storage=rdb, sampler=sampler,
                                        direction="maximize", load_if_exists=True)
     except ImportError:  # a database driver missing for the URL's scheme
         raise SpecError(f"--storage {redact_url(storage)}: {driver_hint(storage)}") from None
     except Exception as exc:  # sqlalchemy: unknown scheme, unreachable or unwritable database
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SpecError(f"--storage {redact_url(storage)}: cannot open the study storage: {redact_text(first)[:200]}") from None
+
+
+def ask(study: optuna.Study) -> optuna.Trial:
+    """`study.ask()`. Heartbeats come from our own thread (`heartbeat`), not from
+    study.optimize(), about which Optuna warns at every ask."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+        return study.ask()
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    """Fail the RUNNING trials of dead workers (no heartbeat within the grace period); each
+    is queued again as a WAITING trial with the same config."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+@contextlib.contextmanager
+def heartbeat(study: optuna.Study, trial: optuna.Trial):
+    """Record `trial`'s heartbeat every HEARTBEAT_INTERVAL_S while the block runs.
+
+    Optuna beats only inside study.optimize(); the ask/tell loop starts its own thread. A
+    database error skips one beat rather than ending the thread: a worker that stops
+    beating while alive would see its trial taken over. `_storage` and `_trial_id` are the
+    one place autofit reaches into Optuna's private attributes (tests/test_fleet.py)."""
+    storage = study._storage
+    interval_s = getattr(storage, "get_heartbeat_interval", lambda: None)()  # None: an in-memory study
+    if not interval_s:
+        yield
+        return
+    trial_id, stop = trial._trial_id, threading.Event()
+
+    def beat() -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                storage.record_heartbeat(trial_id)
+            if stop.wait(interval_s):
+                return
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 # SQLAlchemy 2.x's driver for each URL scheme, and what installs it.
