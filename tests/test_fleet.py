@@ -249,3 +249,23 @@ def test_a_trial_whose_heartbeat_stops_is_failed_and_queued_again(tmp_path, monk
     failed, queued = study.trials
     assert failed.state == optuna.trial.TrialState.FAIL
     assert queued.state == optuna.trial.TrialState.WAITING and queued.params == failed.params
+
+
+def test_a_measurement_whose_trial_was_taken_over_is_kept():
+    """A worker that stopped beating while alive (frozen, or cut off from the database)
+    finds its trial failed by another worker: telling it must not crash the tune, and the
+    measurement is kept as a trial of its own."""
+    from autofit.search import Tuner, make_study, read_records
+    from autofit.search.study import ask
+    from simulated import LANDSCAPES
+
+    landscape = LANDSCAPES[0]
+    study = make_study(study_name="taken-over", storage=None)
+    tuner = Tuner(landscape.space(), study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
+                  estimate=landscape.estimate, max_trials=1, patience=1)
+    trial = ask(study)
+    config = tuner.space.suggest(trial)
+    study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)  # the takeover
+    tuner._tell(trial, tuner._evaluate(trial, config, []))
+    (record,) = read_records(study)
+    assert record.config == config and record.status == "ok"

@@ -320,11 +320,22 @@ class Tuner:
             violation = max((peak or 0) - self.budget_bytes, 1.0)
         else:  # unhealthy, error, timeout: never a winner, and the sampler should steer away
             violation = float(self.budget_bytes)
-        trial.set_constraint("memory", float(violation))
-        if store:
-            trial.set_user_attr(_ATTR, record.to_attr())
-        value = record.samples_per_s if record.status == "ok" else 0.0
-        self.study.tell(trial, value if math.isfinite(value) else 0.0)
+        value = record.samples_per_s if record.status == "ok" and math.isfinite(record.samples_per_s) else 0.0
+        try:
+            trial.set_constraint("memory", float(violation))
+            if store:
+                trial.set_user_attr(_ATTR, record.to_attr())
+            self.study.tell(trial, value)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # No heartbeat for longer than the grace period (a frozen process, the database out
+            # of reach): another worker failed the trial and queued its config again. The
+            # measurement is kept, as a trial of its own.
+            logger.warning("trial {} was given up as stale by a worker sharing the study; keeping its "
+                           "measurement as a new trial", trial.number)
+            if store:
+                self.study.add_trial(optuna.trial.create_trial(
+                    params=trial.params, distributions=trial.distributions, value=value,
+                    user_attrs={_ATTR: record.to_attr()}, constraints={"memory": float(violation)}))
 
     def _unseeded(self, records: list[TrialRecord]) -> list[TrainConfig]:
         """For each seed group (precision, strategy, lean memory knobs or not) with nothing
