@@ -290,12 +290,13 @@ SAVE_MATMUL_ATTENTION = frozenset({
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten.convolution.default,  # a convnet's matmuls: without it its blocks would save nothing
 })
 
 
 def save_matmul_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """`selective`'s policy for `create_selective_checkpoint_contexts`: keep matmul and
-    attention outputs, recompute the rest."""
+    """`selective`'s policy for `create_selective_checkpoint_contexts`: keep matmul, attention
+    (and convolution) outputs, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in SAVE_MATMUL_ATTENTION else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -10,7 +10,10 @@ a fresh in-memory study:
 - `without`: the spec's own search space;
 - `with`: the same plus every opt-in knob this autofit has (`NEW_KNOBS`: selective
   checkpointing, compiled steps, 8-bit optimizer state, a chunked loss), where the spec's
-  model can use it.
+  model can use it (the tuner's own refusal says why one is left out).
+
+Then the two winners are measured again, alternating, HEAD_TO_HEAD_ROUNDS times each: the
+ratio of those medians is the comparison (the tunes ran minutes apart on a shared host).
 
 `search.frontier_points` is 1 in both (the winner is what is compared, and each extra
 point would cost a validation run). Each tune's winner is validated as `autofit tune`
@@ -23,6 +26,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -33,8 +37,11 @@ import torch
 from autofit import __version__
 from autofit.errors import AutofitError
 from autofit.spec import ModelSpec, SearchSpec
-from autofit.tune import tune
+from autofit.knobs import TrainConfig
+from autofit.trial import measure
+from autofit.tune import search_space, tune
 
+HEAD_TO_HEAD_ROUNDS = 3
 # The opt-in `search` keys and the values `with` searches. Keys this autofit's SearchSpec
 # lacks are skipped, so the file runs on either side of a knob's introduction.
 NEW_KNOBS = {
@@ -45,11 +52,23 @@ NEW_KNOBS = {
 }
 
 
-def with_new_knobs(spec: ModelSpec) -> tuple[ModelSpec, dict]:
-    """`spec` with every opt-in knob searched; the keys it set."""
+def with_new_knobs(spec: ModelSpec, device) -> tuple[ModelSpec, dict, dict]:
+    """`spec` with every opt-in knob searched that this model can use on `device`; the keys
+    it set, and those it left out with the reason (the tuner's own refusal)."""
     fields = {f.name for f in dataclasses.fields(SearchSpec)}
-    added = {k: v for k, v in NEW_KNOBS.items() if k in fields}
-    return dataclasses.replace(spec, search=dataclasses.replace(spec.search, **added)), added
+    added, skipped = {}, {}
+    for key, values in NEW_KNOBS.items():
+        if key not in fields:
+            skipped[key] = "not in this autofit"
+            continue
+        trial = dataclasses.replace(spec, search=dataclasses.replace(spec.search, **added, **{key: values}))
+        try:
+            search_space(trial, device)
+        except AutofitError as exc:
+            skipped[key] = str(exc)
+            continue
+        added[key] = values
+    return dataclasses.replace(spec, search=dataclasses.replace(spec.search, **added)), added, skipped
 
 
 def _variant(spec: ModelSpec, trials: int | None, frontier_points: int = 1) -> ModelSpec:
@@ -84,7 +103,9 @@ def _tune_once(spec: ModelSpec, bench, say) -> dict:
         "validated_step_times_s": validated.step_times_s, "compile_s": validated.compile_s,
         "peak_memory_bytes": validated.peak_memory_bytes, "speedup_vs_32_true": outcome.profile.search.speedup,
         "noise": result.noise, "choice": result.choice, "stop_reason": result.stop_reason,
-        "measured": result.measured, "statuses": statuses, "wall_s": round(time.monotonic() - started, 1),
+        "measured": sum(r.measurement is not None and not r.repeat for r in result.records),
+        "repeats": sum(r.repeat for r in result.records), "statuses": statuses,
+        "wall_s": round(time.monotonic() - started, 1),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "records": [{"config": r.config.short(), "status": r.status, "repeat": r.repeat,
                      "samples_per_s": r.samples_per_s if r.measurement is not None else None,
@@ -94,16 +115,39 @@ def _tune_once(spec: ModelSpec, bench, say) -> dict:
     }
 
 
+def head_to_head(spec: ModelSpec, bench, configs: list, say) -> list[list[float]]:
+    """The two winners measured again, alternating, HEAD_TO_HEAD_ROUNDS times each: one
+    tune's trials and validation ran minutes apart from the other's, and on a shared host the
+    load moves more than these configs differ. Each is a fresh trial (a compiled one compiles
+    again; its compile time stays out of samples/s)."""
+    rates: list[list[float]] = [[] for _ in configs]
+    for round_ in range(HEAD_TO_HEAD_ROUNDS):
+        for i, config in enumerate(configs):
+            m = measure(spec, config, device="cpu" if bench.info.kind == "cpu" else str(bench.info.index),
+                        budget_bytes=bench.budget_bytes)
+            if m.status == "ok" and m.samples_per_s:
+                rates[i].append(round(m.samples_per_s, 2))
+            say(f"  {spec.name} head to head {round_ + 1}: {config.short()}: {m.status} "
+                f"{m.samples_per_s or 0:.4g} samples/s")
+    return rates
+
+
 def bench_knobs(spec: ModelSpec, bench, trials: int | None, say) -> dict:
     """Both tunes of one model; `bench` is the suite's ModelBench (device, budget)."""
     plain = _variant(spec, trials)
-    knobbed, added = with_new_knobs(plain)
+    knobbed, added, skipped = with_new_knobs(plain, bench.info)
+    for key, why in skipped.items():
+        say(f"{spec.name}: {key} not searched: {why}")
     say(f"{spec.name}: tune without the new knobs (budget {bench.budget_bytes:,} bytes)")
     without = _tune_once(plain, bench, say)
     say(f"{spec.name}: tune with {', '.join(f'{k}={list(v)}' for k, v in added.items())}")
     with_knobs = _tune_once(knobbed, bench, say)
-    return {"budget_bytes": bench.budget_bytes, "trials": plain.search.trials, "added": {k: list(v) for k, v in
-                                                                                        added.items()},
+    if not without.get("error") and not with_knobs.get("error"):
+        head = head_to_head(plain, bench, [TrainConfig.from_dict(t["winner_config"]) for t in (without, with_knobs)],
+                            say)
+        without["head_to_head_samples_per_s"], with_knobs["head_to_head_samples_per_s"] = head
+    return {"budget_bytes": bench.budget_bytes, "trials": plain.search.trials,
+            "added": {k: list(v) for k, v in added.items()}, "skipped": skipped,
             "without": without, "with": with_knobs}
 
 
@@ -115,15 +159,24 @@ def render(reports: list[dict]) -> str:
             for label in ("without", "with"):
                 t = m.get(label) or {}
                 if t.get("error") or not t:
-                    rows.append(f"| {name} | {label} | error: {t.get('error', 'not run')} | | | | |")
+                    rows.append(f"| {name} | {label} | error: {t.get('error', 'not run')} | | | | | |")
                     continue
                 compile_s = "-" if t["compile_s"] is None else f"{t['compile_s']:.1f}"
                 noise = "-" if t["noise"] is None else f"{t['noise']:.1%}"
+                head = t.get("head_to_head_samples_per_s") or []
+                head_text = (f"{statistics.median(head):.1f} ({min(head):.0f}–{max(head):.0f})" if head else "-")
                 rows.append(f"| {name} | {label} | `{t['winner']}` | {t['validated_samples_per_s']:.1f} | "
-                            f"{compile_s} | {t['measured']} ({_statuses(t['statuses'])}) | {noise} |")
-            if not (m.get("without") or {}).get("error") and not (m.get("with") or {}).get("error"):
-                ratio = m["with"]["validated_samples_per_s"] / m["without"]["validated_samples_per_s"]
-                rows.append(f"| {name} | with / without | | {ratio:.3f} | | | |")
+                            f"{head_text} | {compile_s} | {_trials(t)} | {noise} |")
+            heads = [(m.get(label) or {}).get("head_to_head_samples_per_s") for label in ("without", "with")]
+            if all(heads):
+                ratio = statistics.median(heads[1]) / statistics.median(heads[0])
+                rows.append(f"| {name} | with / without | | | {ratio:.3f} | | | |")
+    notes = []
+    for report in reports:
+        for name, m in report["models"].items():
+            searched = ", ".join(f"{k} {v}" for k, v in m.get("added", {}).items())
+            left = "; ".join(f"{k}: {why}" for k, why in m.get("skipped", {}).items())
+            notes.append(f"- {name}: `with` adds {searched or 'nothing'}" + (f"; not searched: {left}" if left else ""))
     first = reports[0]
     loads = ", ".join("{:.1f}→{:.1f}".format(r["load_average"]["start"][0], r["load_average"]["end"][0])
                       for r in reports)
@@ -132,8 +185,17 @@ def render(reports: list[dict]) -> str:
     return (f"Device: {first['device']['name']}; torch {first['torch']}; {first['date'][:10]}; one torch thread "
             f"per trial; host load average (1 min) {loads} on {first.get('cpu_count')} cores.\n"
             f"Commands: {commands}. Raw results: {raw}.\n\n"
-            "| model | search | winner (validated) | samples/s | compile s | trials (statuses) | noise seen |\n"
-            "|---|---|---|---:|---:|---|---:|\n" + "\n".join(rows) + "\n")
+            "| model | search | winner | validated samples/s | head to head samples/s, median (range) | "
+            "compile s | trials (statuses) | noise seen by the tune |\n"
+            "|---|---|---|---:|---:|---:|---|---:|\n" + "\n".join(rows) + "\n\n" + "\n".join(notes) + "\n")
+
+
+def _trials(t: dict) -> str:
+    """Search trials by status, and the contenders' repeats. (Runs written before the
+    `repeats` field counted repeats among `measured`.)"""
+    counts = {s: n for s, n in t["statuses"].items() if s != "pruned"}
+    repeats = t.get("repeats", t["measured"] - sum(counts.values()))
+    return f"{sum(counts.values())} ({_statuses(counts)})" + (f" + {repeats} repeats" if repeats else "")
 
 
 def _statuses(counts: dict) -> str:

@@ -485,7 +485,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--quick", action="store_true",
                         help="the grid subset; on a CPU also the *-tiny specs and their short trials")
     parser.add_argument("--size", choices=("auto", "tiny", "full"), default="auto",
-                        help="which specs: auto = tiny for --quick on a CPU, full otherwise")
+                        help="which specs: auto = tiny for --quick or --knobs on a CPU, full otherwise")
     parser.add_argument("--memory-budget", default=None,
                         help="auto (CPU default: 60%% of the predicted 32-true full-batch peak), device (GPU "
                              "default: the whole GPU), or a size such as 24GiB (an emulated smaller GPU)")
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(args.cpu_threads)
         torch.set_num_threads(args.cpu_threads)
-    tiny = args.size == "tiny" or (args.size == "auto" and args.quick and info.kind == "cpu")
+    tiny = args.size == "tiny" or (args.size == "auto" and (args.quick or args.knobs) and info.kind == "cpu")
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     slug = info.slug + ("-quick" if args.quick else "")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir() / "bench" / slug

@@ -175,3 +175,44 @@ def test_repeat_noise_compares_configs_measured_twice():
             {"config": {"precision": "32-true", "micro_batch_size": 4}, "status": "ok", "samples_per_s": 1.0}]
     assert metrics.repeat_noise(grid, tune) == {"n": 1, "median": pytest.approx(0.1), "max": pytest.approx(0.1)}
     assert metrics.repeat_noise([], tune)["median"] is None
+
+
+# ---- with and without the new knobs (benchmarks/knobs_bench.py) -------------------------------
+
+
+def _knobs_bench():
+    path = _PATH.with_name("knobs_bench.py")
+    spec = importlib.util.spec_from_file_location("bench_knobs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_knobs_bench_adds_what_the_model_can_use_and_says_why_not_the_rest():
+    from autofit.device.probe import cpu_device
+    from autofit.spec import parse_spec
+    from conftest import REPO, tiny_gpt_dict
+
+    knobs_bench = _knobs_bench()
+    convnet = tiny_gpt_dict(model={"builtin": "convnet", "args": {"in_channels": 3, "image_size": 8, "channels": 8,
+                                                                  "n_blocks": 2, "n_classes": 4}})
+    spec, added, skipped = knobs_bench.with_new_knobs(parse_spec(convnet, source_dir=REPO), cpu_device())
+    assert added["checkpoint_policies"] == ("full", "selective") and added["compile"] == (False, True)
+    assert spec.search.compile == (False, True) and spec.search.checkpoint_policies == ("full", "selective")
+    assert "language-model" in skipped["chunked_loss"]  # a classifier has no LM head to chunk
+
+
+def test_knobs_bench_table_compares_the_head_to_head_medians():
+    knobs_bench = _knobs_bench()
+    tune = {"winner": "32-true mb=2x4 ckpt=0 freeze=0", "validated_samples_per_s": 100.0, "compile_s": None,
+            "measured": 6, "statuses": {"ok": 5, "oom": 1}, "noise": 0.05,
+            "head_to_head_samples_per_s": [90.0, 100.0, 110.0]}
+    compiled = dict(tune, winner="32-true mb=2x4 ckpt=0 freeze=0 compiled", compile_s=12.0,
+                    head_to_head_samples_per_s=[140.0, 150.0, 160.0])
+    report = {"device": {"name": "cpu"}, "torch": "2.13", "date": "2026-11-23T16:00:00+00:00", "cpu_count": 2,
+              "load_average": {"start": [4.0], "end": [5.0]}, "command": "python benchmarks/suite.py --knobs",
+              "json_path": "benchmarks/results/x.json",
+              "models": {"m": {"without": tune, "with": compiled, "added": {"compile": [False, True]}, "skipped": {}}}}
+    table = knobs_bench.render([report])
+    assert "| m | with / without | | | 1.500 |" in table
+    assert "150.0 (140–160)" in table and "| 12.0 |" in table and "6 (5 ok, 1 oom)" in table

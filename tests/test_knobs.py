@@ -170,6 +170,7 @@ def test_selective_checkpointing_keeps_matmul_outputs_and_recomputes_the_rest():
     aten = torch.ops.aten
     assert save_matmul_attention(None, aten.mm.default).name == "MUST_SAVE"
     assert save_matmul_attention(None, aten._scaled_dot_product_flash_attention_for_cpu.default).name == "MUST_SAVE"
+    assert save_matmul_attention(None, aten.convolution.default).name == "MUST_SAVE"
     assert save_matmul_attention(None, aten.gelu.default).name == "PREFER_RECOMPUTE"
 
     plain = make_runner(TrainConfig(micro_batch_size=8))
