@@ -38,6 +38,7 @@ from autofit import __version__
 from autofit.errors import AutofitError
 from autofit.spec import ModelSpec, SearchSpec
 from autofit.knobs import TrainConfig
+from autofit.sizes import format_bytes
 from autofit.trial import measure
 from autofit.tune import search_space, tune
 
@@ -155,7 +156,8 @@ def render(reports: list[dict]) -> str:
     """One table over the models of the given runs."""
     rows = []
     for report in reports:
-        for name, m in report["models"].items():
+        for model, m in report["models"].items():
+            name = f"{model} ({format_bytes(m['budget_bytes'])})"
             for label in ("without", "with"):
                 t = m.get(label) or {}
                 if t.get("error") or not t:
@@ -173,7 +175,8 @@ def render(reports: list[dict]) -> str:
                 rows.append(f"| {name} | with / without | | | {ratio:.3f} | | | |")
     notes = []
     for report in reports:
-        for name, m in report["models"].items():
+        for model, m in report["models"].items():
+            name = f"{model} ({format_bytes(m['budget_bytes'])})"
             searched = ", ".join(f"{k} {v}" for k, v in m.get("added", {}).items())
             left = "; ".join(f"{k}: {why}" for k, why in m.get("skipped", {}).items())
             notes.append(f"- {name}: `with` adds {searched or 'nothing'}" + (f"; not searched: {left}" if left else ""))
@@ -185,7 +188,7 @@ def render(reports: list[dict]) -> str:
     return (f"Device: {first['device']['name']}; torch {first['torch']}; {first['date'][:10]}; one torch thread "
             f"per trial; host load average (1 min) {loads} on {first.get('cpu_count')} cores.\n"
             f"Commands: {commands}. Raw results: {raw}.\n\n"
-            "| model | search | winner | validated samples/s | head to head samples/s, median (range) | "
+            "| model (budget) | search | winner | validated samples/s | head to head samples/s, median (range) | "
             "compile s | trials (statuses) | noise seen by the tune |\n"
             "|---|---|---|---:|---:|---:|---|---:|\n" + "\n".join(rows) + "\n\n" + "\n".join(notes) + "\n")
 
@@ -213,9 +216,9 @@ def report(models: dict, *, info, command: str, git: str | None, tiny: bool, loa
     }
 
 
-def write(report: dict, out_dir: Path, repo: Path) -> Path:
-    """benchmarks/results/<date>-<device>-knobs-<models>.json"""
-    path = out_dir / f"{report['date'][:10]}-{report['results_key']}-{'+'.join(report['models'])}.json"
+def write(report: dict, out_dir: Path, repo: Path, tag: str = "") -> Path:
+    """benchmarks/results/<date>-<device>-knobs-<models>[<tag>].json"""
+    path = out_dir / f"{report['date'][:10]}-{report['results_key']}-{'+'.join(report['models'])}{tag}.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     report["json_path"] = str(path.resolve().relative_to(repo)) if path.resolve().is_relative_to(repo) else str(path)
     path.write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -468,7 +468,8 @@ def run_knobs(args, argv: list[str], info: DeviceInfo, names: list[str], tiny: b
     report = knobs_bench.report(models, info=info, command=shlex.join(["python", "benchmarks/suite.py", *argv]),
                                 git=_git_revision(), tiny=tiny, load_start=load_start,
                                 cpu_threads=args.cpu_threads if info.kind == "cpu" else None)
-    path = knobs_bench.write(report, Path(args.out_dir), REPO)
+    tag = "" if args.memory_budget is None else "-budget-" + "".join(c if c.isalnum() else "_" for c in args.memory_budget)
+    path = knobs_bench.write(report, Path(args.out_dir), REPO, tag)
     print(knobs_bench.write_section([report], Path(args.results_md)))
     say(f"wrote {path} and {args.results_md}")
     return 0

@@ -212,7 +212,7 @@ def test_knobs_bench_table_compares_the_head_to_head_medians():
     report = {"device": {"name": "cpu"}, "torch": "2.13", "date": "2026-11-23T16:00:00+00:00", "cpu_count": 2,
               "load_average": {"start": [4.0], "end": [5.0]}, "command": "python benchmarks/suite.py --knobs",
               "json_path": "benchmarks/results/x.json",
-              "models": {"m": {"without": tune, "with": compiled, "added": {"compile": [False, True]}, "skipped": {}}}}
+              "models": {"m": {"budget_bytes": 6 * 2**20, "without": tune, "with": compiled, "added": {"compile": [False, True]}, "skipped": {}}}}
     table = knobs_bench.render([report])
-    assert "| m | with / without | | | 1.500 |" in table
+    assert "| m (6.00 MiB) | with / without | | | 1.500 |" in table
     assert "150.0 (140–160)" in table and "| 12.0 |" in table and "6 (5 ok, 1 oom)" in table
