@@ -203,7 +203,7 @@ LANDSCAPES = [
               rate={"32-true": 100.0, "bf16-mixed": 300.0}, m_half=6.0, estimate_bias=0.9,
               context_bytes=0.8 * GiB),
     # Selective checkpointing searched beside full: selective recomputes less but keeps more,
-    # so the fastest point (selective, 21 of 24 blocks at micro batch 32) needs more blocks
+    # so the fastest point (selective, 22 of 24 blocks at micro batch 32) needs more blocks
     # than full's at the same batch.
     Landscape(name="selective", params=1.0e9, act_bytes_per_sample_block=150e6, n_blocks=24,
               global_batch_size=128, budget_bytes=40 * GiB, rate=GPU_RATES, m_half=8.0, estimate_bias=0.88,
