@@ -30,6 +30,7 @@ from autofit.trial import Measurement
 WAITING = (optuna.trial.TrialState.WAITING,)
 RUNNING = (optuna.trial.TrialState.RUNNING,)
 BUDGET_RTOL = 0.02  # budgets this close are the same budget
+BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
 
 
 class Tuner:
@@ -211,7 +212,8 @@ class Tuner:
         precision = next((p for p in REFERENCE_PRECISIONS if p in self.space.precisions), None)
         if 32 not in self.space.optimizer_bits:  # every config of the space has 8-bit state
             precision = None
-        for _ in range(3):  # an OOM refits the model; the next frontier point is smaller
+        attempts = 0
+        while attempts < 3:  # an OOM refits the model; the next frontier point is smaller
             records = self.records()
             if precision is None or reference_for(None, records, same_freeze=False) is not None:
                 return
@@ -220,7 +222,14 @@ class Tuner:
                     if self.known(c, records) is None]
             if not line:
                 break
-            self._measure_now(line[0], records)
+            if self._measure_now(line[0], records, unless_busy=True) is None:
+                # Another worker sharing the study is measuring it: its result is the reference
+                # (or, if that worker dies, the trial comes back to be measured here).
+                if self.should_stop():
+                    return
+                time.sleep(BUSY_WAIT_S)
+                continue
+            attempts += 1
         logger.warning("no {} reference (fp32 optimizer state) fits: numeric health of 16-bit precisions and "
                        "8-bit optimizer state is checked for finite losses and scaler skips only (no stagnation "
                        "or loss-curve comparison)", precision)
@@ -253,9 +262,13 @@ class Tuner:
             rounds += 1
         return choice.observed_noise(records), rounds
 
-    def _measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False) -> TrialRecord:
-        """Measure one config outside the sampler's choice, as a trial of the study."""
+    def _measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False,
+                     unless_busy: bool = False) -> TrialRecord | None:
+        """Measure one config outside the sampler's choice, as a trial of the study. With
+        `unless_busy`, None (and nothing measured) while another worker is measuring it."""
         with self.locks.claim():
+            if unless_busy and self._busy(config):
+                return None
             # The search is over: a trial still waiting (a dead worker's, queued again) is
             # dropped, so the ask below takes this one.
             self._drop_queue()
@@ -367,11 +380,11 @@ class Tuner:
                                             config.freeze_blocks, self.space.kept(config), config.checkpoint_policy)
         return [again] if again is not None and again != config and self.known(again, records) is None else []
 
-    def _busy(self, config: TrainConfig, trial: optuna.Trial) -> bool:
-        """`config` is being measured in another trial: another worker's, or a dead worker's
-        until its heartbeat is overdue and the trial is queued again."""
+    def _busy(self, config: TrainConfig, trial: optuna.Trial | None = None) -> bool:
+        """`config` is being measured in another trial than `trial`: another worker's, or a
+        dead worker's until its heartbeat is overdue and the trial is queued again."""
         params = self.space.params(config)
-        return any(t.number != trial.number and t.params == params
+        return any((trial is None or t.number != trial.number) and t.params == params
                    for t in self.study.get_trials(deepcopy=False, states=RUNNING))
 
     def _was_queued(self, trial: optuna.Trial) -> bool:
