@@ -31,7 +31,7 @@ from autofit.optim import implementation
 from autofit.precision import process_flags
 from autofit.recover import is_oom
 from autofit.runner import Runner
-from autofit.service_guard import claim_cuda_context
+from autofit.service.guard import claim_cuda_context
 from autofit.stagnation import UpdateProbe
 from autofit.spec import parse_spec
 from autofit.workload import build_workload

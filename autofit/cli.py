@@ -310,7 +310,7 @@ _COMMANDS += [_add_profiles]
 # --- the service: serve, status ----------------------------------------------------------
 
 def cmd_serve(args) -> int:
-    from autofit.daemon import serve_command
+    from autofit.service.daemon import serve_command
 
     return serve_command(args.config, inventory_path=args.inventory)
 
@@ -326,7 +326,7 @@ def _add_serve(sub) -> None:
 
 
 def cmd_status(args) -> int:
-    from autofit.service_state import status_command
+    from autofit.service.state import status_command
 
     sys.stdout.write(status_command(args.config, as_json=args.json))
     return 0

@@ -100,7 +100,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     use in total: on CUDA the child measures its context overhead and caps PyTorch's
     allocator at the rest; on a CPU the tracked live bytes are held to it. Setting
     `stop_event` (a threading.Event) kills the child: status error, reason "stopped".
-    `guard` (the service's `service_guard.TrialGuard`) is told of the child while it runs,
+    `guard` (the service's `service.guard.TrialGuard`) is told of the child while it runs,
     and the child claims its CUDA context in the trial folder for it to read.
     """
     check_global_batch(config, spec.train.global_batch_size)

@@ -142,7 +142,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     `emulated_budget_bytes` (from --memory-budget) keys a study apart from the full card's.
     `nproc` > 1 tunes data-parallel jobs over that many ranks (DDP or FSDP2, each trial
     launched through torchrun); `budget_bytes` is then each rank's. `guard` (the service's
-    `service_guard.TrialGuard`) watches every trial child.
+    `service.guard.TrialGuard`) watches every trial child.
     `worker` names this worker in a study it shares with others (default: the host name).
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     with contextlib.ExitStack() as cleanup:  # the study's locks are released however it ends

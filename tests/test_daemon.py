@@ -24,13 +24,13 @@ import pytest
 import yaml
 
 from autofit.cli import main
-from autofit.daemon import Service
+from autofit.service.daemon import Service
 from autofit.device.probe import emulated_device
 from autofit.errors import DeviceError, SpecError
-from autofit.inventory import Activity, FileInventory, Gpu, NvmlInventory, descendant_pids
-from autofit.notify import notify, watchdog_interval_s
-from autofit.service_config import load_service_config
-from autofit.service_job import TuneJob
+from autofit.service.inventory import Activity, FileInventory, Gpu, NvmlInventory, descendant_pids
+from autofit.service.notify import notify, watchdog_interval_s
+from autofit.service.config import load_service_config
+from autofit.service.job import TuneJob
 from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 80 * 2**30, "compute_capability": "9.0"}
@@ -482,7 +482,7 @@ def test_two_gpus_of_a_kind_get_a_two_rank_profile_tuned_on_both(tmp_path, monke
         calls.append(kwargs)
         raise NothingFitsError("stop here")
 
-    monkeypatch.setattr("autofit.service_job.tune", fake_tune)
+    monkeypatch.setattr("autofit.service.job.tune", fake_tune)
     second._work(tmp_path / "profiles", f"sqlite:///{tmp_path / 'studies.db'}")
     assert calls[0]["nproc"] == 2 and calls[0]["execute_on"] == "0,1"
 
@@ -539,19 +539,19 @@ def test_a_missing_config_names_the_file():
 
 
 def _status_row(service, model_name: str) -> str:
-    from autofit.service_state import render_status
+    from autofit.service.state import render_status
 
     text = render_status({**service._state(), "service": {"alive": True, "healthy": True}})
     return next(line for line in text.splitlines() if line.strip().startswith(model_name))
 
 
 def test_timeouts_and_crashes_are_retried_with_back_off_then_given_up(tmp_path, monkeypatch):
-    from autofit import service_job
+    from autofit.service import job as service_job
     from autofit.errors import TrialTimeoutError
 
     now = [1_000_000.0]
-    monkeypatch.setattr("autofit.daemon.time.time", lambda: now[0])
-    monkeypatch.setattr("autofit.service_job.time.time", lambda: now[0])
+    monkeypatch.setattr("autofit.service.daemon.time.time", lambda: now[0])
+    monkeypatch.setattr("autofit.service.job.time.time", lambda: now[0])
     service, started = _service_with_a_fake_gpu(tmp_path, monkeypatch)
     service._poll()
     endings = [TrialTimeoutError("every validation run timed out"), RuntimeError("CUDA error: an illegal memory access")]

@@ -182,8 +182,8 @@ def test_two_services_sharing_postgres_and_a_store_make_one_profile_per_model(po
     """Two hosts with the same (emulated) GPU kind: each service tunes each model, the two
     tunes of a model share one study, and one profile per model lands in the shared store;
     `autofit status` of either service says which hosts measured its trials."""
-    from autofit.daemon import Service
-    from autofit.service_state import status_command
+    from autofit.service.daemon import Service
+    from autofit.service.state import status_command
     from test_daemon import H100, model, write_inventory
 
     _simulated(monkeypatch, tmp_path / "trials.jsonl")

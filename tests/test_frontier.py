@@ -271,8 +271,8 @@ def _simulated_measure(calls: list):
 def test_the_service_retunes_a_profile_whose_driver_changed_and_validates_its_frontier_again(tmp_path, monkeypatch):
     """A profile (with a frontier) tuned under driver 570; the GPU now runs 580: the service
     re-tunes the pair, and the new profile's frontier is validated on the new driver."""
-    from autofit.daemon import Service
-    from autofit.inventory import Gpu
+    from autofit.service.daemon import Service
+    from autofit.service.inventory import Gpu
     from autofit.profile import device_from_info
     from autofit.spec import load_spec
     from test_daemon import FakeNvml, model, write_config

@@ -18,9 +18,9 @@ import pytest
 
 from autofit.device.probe import emulated_device
 from autofit.errors import DeviceError
-from autofit.inventory import Activity, FileInventory, Gpu
+from autofit.service.inventory import Activity, FileInventory, Gpu
 from autofit.knobs import TrainConfig
-from autofit.service_guard import CLAIM_GRACE_S, PidRule, TrialGuard, claim_cuda_context
+from autofit.service.guard import CLAIM_GRACE_S, PidRule, TrialGuard, claim_cuda_context
 from autofit.spec import load_spec
 from autofit.trial import measure
 from conftest import faulty_spec

@@ -13,7 +13,7 @@ Two sources with the same two methods, `gpus()` and `activity(gpu, own_pids)`:
   no utilisation: it is free once it has no processes for the idle period.
 
 Which of a card's processes are the service's own is not decided here: `own_pids` comes
-from `autofit.service_guard`, which knows what the service launched.
+from `autofit.service.guard`, which knows what the service launched.
 """
 
 import os
@@ -24,7 +24,7 @@ import yaml
 
 from autofit.device.probe import MAX_DEVICE_NAME_CHARS, DeviceInfo, emulated_device, probe_devices
 from autofit.errors import DeviceError
-from autofit.service_config import IdleRule
+from autofit.service.config import IdleRule
 from autofit.sizes import parse_size
 
 

@@ -25,10 +25,10 @@ from pathlib import Path
 from loguru import logger
 
 from autofit.errors import AutofitError, NothingFitsError, TrialTimeoutError
-from autofit.inventory import Gpu
+from autofit.service.inventory import Gpu
 from autofit.profile import utc_now
-from autofit.service_guard import TrialGuard
-from autofit.service_state import PairState, iso_utc
+from autofit.service.guard import TrialGuard
+from autofit.service.state import PairState, iso_utc
 from autofit.spec import ModelSpec
 from autofit.tune import TuneOutcome, device_for_ranks, study_name, tune
 

@@ -26,13 +26,13 @@ from loguru import logger
 
 from autofit.device.probe import DeviceInfo, usable_budget_bytes
 from autofit.errors import AutofitError, SpecError
-from autofit.inventory import FileInventory, Gpu, IdleTracker, NvmlInventory, descendant_pids
-from autofit.notify import Notifier
+from autofit.service.inventory import FileInventory, Gpu, IdleTracker, NvmlInventory, descendant_pids
+from autofit.service.notify import Notifier
 from autofit.profile import utc_now
-from autofit.service_config import ServiceConfig, load_service_config, resolve_config_path
-from autofit.service_guard import PidRule, TrialGuard
-from autofit.service_job import TuneJob, retry_text
-from autofit.service_state import STATE_SCHEMA, PairState, StateLock, pair_key, read_state, write_state
+from autofit.service.config import ServiceConfig, load_service_config, resolve_config_path
+from autofit.service.guard import PidRule, TrialGuard
+from autofit.service.job import TuneJob, retry_text
+from autofit.service.state import STATE_SCHEMA, PairState, StateLock, pair_key, read_state, write_state
 from autofit.sizes import format_bytes
 from autofit.spec import ModelSpec, load_spec
 from autofit.store import ProfileStore

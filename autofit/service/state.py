@@ -20,7 +20,7 @@ from pathlib import Path
 
 from autofit._io import atomic_write_text
 from autofit.errors import AutofitError
-from autofit.service_config import load_service_config
+from autofit.service.config import load_service_config
 from autofit.sizes import format_bytes
 
 STATE_SCHEMA = 1
@@ -46,7 +46,7 @@ class PairState:
     profile: dict | None = None  # the store's newest profile for the pair: path, config, speed, stale reasons
     nothing_fits: dict | None = None  # {spec_hash, headroom, message}: not retried until either changes
     # The last timeout, crash or interruption of this spec: {kind, error, spec_hash, attempts,
-    # max_attempts, interruptions, final, retry_after_unix_s, next_try} (service_job.record_retry).
+    # max_attempts, interruptions, final, retry_after_unix_s, next_try} (service.job.record_retry).
     failure: dict | None = None
     last_tune: dict | None = None  # {gpu, started, ended, result, trials}
 

@@ -64,7 +64,7 @@ class PidRule:
 
     def base_pids(self) -> set[int]:
         """Ours without a claim: the service, and its process tree where NVML's pids are ours."""
-        from autofit.inventory import descendant_pids
+        from autofit.service.inventory import descendant_pids
 
         pids = {os.getpid()}
         if self.shared_namespace is not False:
