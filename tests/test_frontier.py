@@ -287,7 +287,10 @@ def test_the_service_retunes_a_profile_whose_driver_changed_and_validates_its_fr
     gpus = FakeNvml()
     gpus.gpu = Gpu(slot="gpu0", device=dataclasses.replace(gpus.gpu.device, driver_version="580.95.05"))
     old = frontier_profile(spec)
-    old = dataclasses.replace(old, device=dataclasses.replace(device_from_info(gpus.gpu.device), driver="570.1"))
+    # Made earlier than the re-tune can be: `created` has one-second resolution, and a simulated
+    # re-tune can finish within the second the old profile was made in.
+    old = dataclasses.replace(old, device=dataclasses.replace(device_from_info(gpus.gpu.device), driver="570.1"),
+                              created="2026-01-01T00:00:00Z")
     ProfileStore(tmp_path / "profiles").save(old)
 
     (tmp_path / "state").mkdir()  # what `serve` makes at start
