@@ -227,10 +227,14 @@ def test_service_tunes_each_pair_once_and_retunes_only_what_changed(tmp_path, li
 
 
 def _study_records(storage: str) -> list[tuple[int, str]]:
+    """The study's search measurements (not pruned proposals, not the contenders' noise
+    repeats, which measure a config again on purpose)."""
     (name,) = optuna.get_all_study_names(storage)
     study = optuna.load_study(study_name=name, storage=storage)
     return [(t.number, json.dumps(t.user_attrs["autofit"]["config"], sort_keys=True))
-            for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)) if "autofit" in t.user_attrs]
+            for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+            if "autofit" in t.user_attrs and t.user_attrs["autofit"]["status"] != "pruned"
+            and not t.user_attrs["autofit"].get("repeat")]
 
 
 def test_sigterm_mid_tune_exits_cleanly_and_a_restart_resumes_the_study(tmp_path):
