@@ -10,8 +10,9 @@ that fits up to the winner.
 Every point written is validated like the winner: the same `search.validate_steps` run in
 a fresh child, which must stay ok and inside the tuning budget. A point that fails its
 validation is left out, never written as unvalidated, so any point may be chosen without
-a person looking. At most `search.frontier_points - 1` extra validation runs are spent
-(the smallest config, then points spread evenly in log-peak up to the winner); configs
+a person looking. `search.frontier_points - 1` extra validation runs are spent (the
+smallest config, then points spread evenly in log-peak up to the winner), and at most
+`RECHECK_ROUNDS` rounds more for a point whose validation contradicts the search's order; configs
 already validated on the way (the 32-true baseline) cost nothing.
 
 At start, `autofit train --profile`, `Profile.apply` and the exports take the fastest
@@ -25,6 +26,7 @@ without a budget) the winner.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -35,6 +37,8 @@ from autofit.errors import NothingFitsError
 from autofit.knobs import TrainConfig
 from autofit.profile import FrontierPoint, Measured, Profile
 from autofit.sizes import format_bytes
+
+RECHECK_ROUNDS = 2  # a validation out of the search's order is taken again at most this often
 
 if TYPE_CHECKING:
     from autofit.search.study import SearchResult, TrialRecord
@@ -121,35 +125,77 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_m: Measurem
                   and not any(failed(m) for m in validations.get(p[0].config, []))]
     free = [p for p in candidates if validations.get(p[0].config)]
     to_run = spread([p for p in candidates if p not in free], top.measured.peak_memory_bytes, max_points - 1)
-    points = []
+    stopping = should_stop if should_stop is not None else (lambda: False)
+    runs_of: dict[TrainConfig, list[Measurement]] = {}  # each validated point's runs, kept or taken here
+    records = {}
     for record, _peak, _speed in sorted(free + to_run, key=lambda p: p[1]):
-        runs = validations.get(record.config)
-        if not runs and should_stop is not None and should_stop():
+        runs = list(validations.get(record.config, []))
+        if not runs and stopping():
             continue
         if not runs:
             logger.info("validating frontier point {} over {} steps", record.config.short(), validate_steps)
             runs = [run_validation(record)]
-        m = runs[-1]
-        if failed(m):
-            why = (m.reason or m.status) if m.status != "ok" else (
-                "no throughput" if not m.samples_per_s else f"peak {format_bytes(total_peak(m))} over the budget")
-            logger.warning("frontier point {} failed its validation ({}): left out", record.config.short(), why)
+        if _left_out_failed(record.config, runs[-1], failed):
             continue
-        points.append(FrontierPoint(config=record.config, measured=measured_of(m, validate_steps)))
+        runs_of[record.config], records[record.config] = runs, record
+
+    def figure(config: TrainConfig) -> Measurement:
+        """The run nearest the median of a point's validation runs (one noisy run is not its speed)."""
+        runs = runs_of[config]
+        middle = statistics.median(m.samples_per_s for m in runs)
+        return min(runs, key=lambda m: abs(m.samples_per_s - middle))
+
+    def in_order(config: TrainConfig, smaller: TrainConfig | None) -> bool:
+        mine = figure(config)
+        return ((smaller is None or figure(smaller).samples_per_s < mine.samples_per_s)
+                and mine.samples_per_s < top.measured.samples_per_s)
+
     # The Pareto frontier again, in validated figures: each point faster than every smaller
     # one and smaller and slower than the winner. A point that validated as fast as a larger
     # one would be chosen over it wherever both fit, so the larger one goes; one that
-    # validated as fast as the winner is noise (the winner beat it in the search).
-    kept, fastest = [], 0.0
-    for point in sorted(points, key=lambda p: (p.measured.peak_memory_bytes, -p.measured.samples_per_s)):
-        mine, top_m = point.measured, top.measured
-        if fastest < mine.samples_per_s < top_m.samples_per_s and mine.peak_memory_bytes < top_m.peak_memory_bytes:
-            kept.append(point)
-            fastest = mine.samples_per_s
+    # validated as fast as the winner is noise (the winner beat it in the search). Every
+    # point here was slower than the next larger one in the search, so a validation that
+    # says otherwise is taken again, interleaved with the smaller point it contradicts
+    # (the winner's figure is settled), before it decides: medians, not one noisy run.
+    kept: list[TrainConfig] = []
+    for config in sorted(runs_of, key=lambda c: (total_peak(figure(c)), -figure(c).samples_per_s)):
+        if total_peak(figure(config)) >= top.measured.peak_memory_bytes:
+            logger.info("frontier point {} left out: it validated at the winner's peak or above", config.short())
+            continue
+        for _ in range(RECHECK_ROUNDS):
+            smaller = kept[-1] if kept else None
+            if in_order(config, smaller) or stopping():
+                break
+            if smaller is not None and figure(smaller).samples_per_s < figure(config).samples_per_s:
+                smaller = None  # only the winner was as fast: this point alone is taken again
+            logger.info("frontier point {} validated out of the search's order ({:.4g} samples/s): validating "
+                        "it again{}", config.short(), figure(config).samples_per_s,
+                        "" if smaller is None else f", interleaved with {smaller.short()}")
+            for again in (config,) if smaller is None else (config, smaller):
+                runs_of[again].append(run_validation(records[again]))
+            if smaller is not None and _left_out_failed(smaller, runs_of[smaller][-1], failed):
+                kept.pop()
+            if _left_out_failed(config, runs_of[config][-1], failed):
+                break
+        if any(failed(m) for m in runs_of[config]):
+            continue
+        if in_order(config, kept[-1] if kept else None):
+            kept.append(config)
         else:
             logger.info("frontier point {} left out: in validation a smaller point or the winner was as fast "
-                        "({:.4g} samples/s)", point.config.short(), mine.samples_per_s)
-    return (*kept, top)
+                        "({:.4g} samples/s, median of {} runs)", config.short(), figure(config).samples_per_s,
+                        len(runs_of[config]))
+    return (*(FrontierPoint(config=c, measured=measured_of(figure(c), validate_steps)) for c in kept), top)
+
+
+def _left_out_failed(config: TrainConfig, m: Measurement, failed: Callable[[Measurement], bool]) -> bool:
+    """True (and says why) when the validation run `m` of a frontier point failed."""
+    if not failed(m):
+        return False
+    why = (m.reason or m.status) if m.status != "ok" else (
+        "no throughput" if not m.samples_per_s else f"peak {format_bytes(total_peak(m))} over the budget")
+    logger.warning("frontier point {} failed its validation ({}): left out", config.short(), why)
+    return True
 
 
 # --- the choice at start ------------------------------------------------------------------

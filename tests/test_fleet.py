@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import optuna
@@ -187,6 +188,19 @@ def test_two_services_sharing_postgres_and_a_store_make_one_profile_per_model(po
     from test_daemon import H100, model, write_inventory
 
     _simulated(monkeypatch, tmp_path / "trials.jsonl")
+    # Each service's first trial of a model waits for the other's: both tunes of a model are
+    # then searching the shared study at once, however the two threads' start-up interleaves.
+    import autofit.tune
+
+    simulated, started, meet = autofit.tune.measure, set(), {"alpha": threading.Barrier(2), "beta": threading.Barrier(2)}
+
+    def measure(spec, config, **kwargs):
+        if (threading.get_ident(), spec.name) not in started:
+            started.add((threading.get_ident(), spec.name))
+            meet[spec.name].wait(timeout=60)
+        return simulated(spec, config, **kwargs)
+
+    monkeypatch.setattr(autofit.tune, "measure", measure)
     models = tmp_path / "models"
     models.mkdir()
     for name in ("alpha", "beta"):
@@ -246,8 +260,13 @@ def test_a_trial_whose_heartbeat_stops_is_failed_and_queued_again(tmp_path, monk
     study = study_module.make_study(study_name="beats", storage=f"sqlite:///{tmp_path / 'studies.db'}")
     trial = study_module.ask(study)
     trial.suggest_categorical("micro_batch_size", [1, 2, 4])
+    storage, beats = study._storage, []
+    record_heartbeat = storage.record_heartbeat
+    monkeypatch.setattr(storage, "record_heartbeat", lambda trial_id: beats.append(record_heartbeat(trial_id)))
     with study_module.heartbeat(study, trial):
-        time.sleep(1.5)
+        # Just after its second beat (a second apart) the trial is still alive. (A fixed sleep
+        # would race the beat: the database's timestamps have one-second resolution.)
+        wait_until(lambda: len(beats) >= 2, 10, "the second heartbeat", interval_s=0.02)
         study_module.fail_stale_trials(study)  # beating: not stale
         assert study.trials[0].state == optuna.trial.TrialState.RUNNING
     time.sleep(2.2)  # the worker "died": no beat for longer than the grace period
@@ -277,12 +296,10 @@ def test_a_measurement_whose_trial_was_taken_over_is_kept():
     assert record.config == config and record.status == "ok"
 
 
-def test_the_reference_another_worker_is_measuring_is_waited_for_not_measured_again():
+def test_the_reference_another_worker_is_measuring_is_waited_for_not_measured_again(monkeypatch):
     """The finisher's 32-true reference is the config another worker may be measuring at
     that moment: it waits for that result instead of measuring the config a second time."""
-    import threading
-
-    from autofit.search import Tuner, make_study, read_records
+    from autofit.search import Tuner, loop, make_study, read_records
     from autofit.search.study import ask
     from simulated import LANDSCAPES
 
@@ -299,10 +316,14 @@ def test_the_reference_another_worker_is_measuring_is_waited_for_not_measured_ag
     study.enqueue_trial(other.space.params(landscape.space().config("32-true", landscape.global_batch_size, 0, 0)))
     trial = ask(study)
     config = other.space.suggest(trial)
-    finished = threading.Timer(1.0, lambda: other._tell(trial, other._evaluate(trial, config, [])))
-    finished.start()
-    try:
-        finisher.ensure_reference()
-    finally:
-        finished.join()
+    waits = []
+
+    def wait(seconds):  # the other worker's result lands while the finisher waits (no wall-clock race)
+        waits.append(seconds)
+        if len(waits) == 1:
+            other._tell(trial, other._evaluate(trial, config, []))
+
+    monkeypatch.setattr(loop.time, "sleep", wait)
+    finisher.ensure_reference()
+    assert waits == [loop.BUSY_WAIT_S]
     assert finisher_calls == [] and [r.config for r in read_records(study)] == [config]

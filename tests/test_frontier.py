@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from autofit.errors import NothingFitsError, ProfileError
-from autofit.frontier import build_frontier, choose, pareto
+from autofit.frontier import RECHECK_ROUNDS, build_frontier, choose, pareto
 from autofit.knobs import TrainConfig
 from autofit.profile import FrontierPoint, Measured, Profile
 from autofit.search.study import SearchResult, TrialRecord
@@ -109,8 +109,37 @@ def test_a_point_that_fails_validation_or_validates_too_fast_is_left_out():
 
 def test_a_larger_point_that_validates_slower_than_a_smaller_one_is_left_out():
     speeds = {_config(1, 2): 40, _config(1): 72, _config(2): 70}  # mb=2 is now dominated by mb=1
-    frontier, _ = _frontier(lambda c: _m(c, dict((c2, p) for c2, p, _ in SEARCH)[c], speeds[c]))
+    frontier, runs = _frontier(lambda c: _m(c, dict((c2, p) for c2, p, _ in SEARCH)[c], speeds[c]))
     assert [p.config for p in frontier] == [_config(1, 2), _config(1), _config(4)]
+    # Against the search's order, so validated again (interleaved) before it is left out.
+    assert runs.count(_config(2)) == runs.count(_config(1)) == 1 + RECHECK_ROUNDS
+
+
+def _noisy_once(first: dict):
+    """Validation at 97% of the search's speed, except each config's first run in `first`."""
+    by_config = {c: (peak, sps) for c, peak, sps in SEARCH}
+    taken: dict = {}
+
+    def validate(c):
+        taken[c] = taken.get(c, 0) + 1
+        sps = first[c] if taken[c] == 1 and c in first else by_config[c][1] * 0.97
+        return _m(c, by_config[c][0] + 1, sps)
+    return validate
+
+
+def test_a_point_validated_out_of_order_once_is_validated_again_interleaved_and_kept():
+    # mb=2 ran once below mb=1 (48.5 samples/s), against the search's order: noise, not a verdict.
+    frontier, runs = _frontier(_noisy_once({_config(2): 45.0}))
+    assert [p.config for p in frontier] == [_config(1, 2), _config(1), _config(2), _config(4)]
+    first = runs.index(_config(2))
+    assert runs[first:] == [_config(2)] + [_config(2), _config(1)] * RECHECK_ROUNDS
+    assert frontier[2].measured.samples_per_s == 70 * 0.97  # the median run, not the noisy one
+
+
+def test_a_point_validated_as_fast_as_the_winner_once_is_validated_again_alone():
+    frontier, runs = _frontier(_noisy_once({_config(1): 99.0}))
+    assert [p.config for p in frontier] == [_config(1, 2), _config(1), _config(2), _config(4)]
+    assert runs.count(_config(1)) == 1 + RECHECK_ROUNDS and runs.count(_config(1, 2)) == 1
 
 
 def test_validations_already_taken_are_reused_and_failed_ones_never_written():
