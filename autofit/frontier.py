@@ -98,36 +98,45 @@ def spread(candidates: list[tuple[TrialRecord, int, float]], top_peak_bytes: int
     return sorted(chosen, key=lambda c: c[1])
 
 
-def build_frontier(result: SearchResult, winner: TrialRecord, winner_m: Measurement, *, max_points: int,
+def median_run(runs: list[Measurement]) -> Measurement:
+    """The run nearest the median throughput of `runs` (one noisy run is not a config's speed);
+    of two equally near, the earlier."""
+    middle = statistics.median(m.samples_per_s for m in runs)
+    return min(runs, key=lambda m: abs(m.samples_per_s - middle))
+
+
+def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[Measurement], *, max_points: int,
                    validate_steps: int, validations: dict[TrainConfig, list[Measurement]],
                    run_validation: Callable[[TrialRecord], Measurement],
                    demoted: set = frozenset(), should_stop: Callable[[], bool] | None = None
                    ) -> tuple[FrontierPoint, ...]:
     """The validated frontier, smallest peak first, ending with the winner.
 
-    `validations` holds every validation run the tune has taken so far, by config;
-    `run_validation(record)` takes one more. A config any of whose validation runs failed
-    (not ok, or over the budget) is no point; one already validated costs no new run. Once
-    `should_stop()` is true no further run is taken: the points validated so far are kept."""
-    top = FrontierPoint(config=winner.config, measured=measured_of(winner_m, validate_steps))
+    `winner_runs` are the winner's validation runs, its figure their median run; a run taken
+    of it here is appended. `validations` holds every validation run the tune has taken so
+    far, by config; `run_validation(record)` takes one more. A config any of whose validation
+    runs failed (not ok, or over the budget) is no point; one already validated costs no new
+    run. Once `should_stop()` is true no further run is taken: the points validated so far
+    are kept."""
     if max_points <= 1:
-        return (top,)
+        return (FrontierPoint(config=winner.config, measured=measured_of(median_run(winner_runs), validate_steps)),)
 
     def failed(m: Measurement) -> bool:
         return m.status != "ok" or not m.samples_per_s or total_peak(m) > result.budget_bytes
 
+    top_peak = total_peak(median_run(winner_runs))
     ranked_top = next((p for p in pareto(result, demoted) if p[0].config == winner.config), None)
     top_speed = ranked_top[2] if ranked_top else math.inf
     # Below the winner on both axes: smaller and slower (a smaller config measured faster
     # than the winner lost to it in the interleaved re-measurement: noise, not a point).
     candidates = [p for p in pareto(result, demoted) if p[0].config != winner.config
-                  and p[1] < top.measured.peak_memory_bytes and p[2] < top_speed
+                  and p[1] < top_peak and p[2] < top_speed
                   and not any(failed(m) for m in validations.get(p[0].config, []))]
     free = [p for p in candidates if validations.get(p[0].config)]
-    to_run = spread([p for p in candidates if p not in free], top.measured.peak_memory_bytes, max_points - 1)
+    to_run = spread([p for p in candidates if p not in free], top_peak, max_points - 1)
     stopping = should_stop if should_stop is not None else (lambda: False)
-    runs_of: dict[TrainConfig, list[Measurement]] = {}  # each validated point's runs, kept or taken here
-    records = {}
+    runs_of = {winner.config: winner_runs}  # each config's validation runs, taken before or here
+    records = {winner.config: winner}
     for record, _peak, _speed in sorted(free + to_run, key=lambda p: p[1]):
         runs = list(validations.get(record.config, []))
         if not runs and stopping():
@@ -139,63 +148,69 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_m: Measurem
             continue
         runs_of[record.config], records[record.config] = runs, record
 
-    def figure(config: TrainConfig) -> Measurement:
-        """The run nearest the median of a point's validation runs (one noisy run is not its speed)."""
-        runs = runs_of[config]
-        middle = statistics.median(m.samples_per_s for m in runs)
-        return min(runs, key=lambda m: abs(m.samples_per_s - middle))
-
-    def in_order(config: TrainConfig, smaller: TrainConfig | None) -> bool:
-        mine = figure(config)
-        return ((smaller is None or figure(smaller).samples_per_s < mine.samples_per_s)
-                and mine.samples_per_s < top.measured.samples_per_s)
+    def speed(config: TrainConfig) -> float:
+        return median_run(runs_of[config]).samples_per_s
 
     # The Pareto frontier again, in validated figures: each point faster than every smaller
     # one and smaller and slower than the winner. A point that validated as fast as a larger
     # one would be chosen over it wherever both fit, so the larger one goes; one that
     # validated as fast as the winner is noise (the winner beat it in the search). Every
     # point here was slower than the next larger one in the search, so a validation that
-    # says otherwise is taken again, interleaved with the smaller point it contradicts
-    # (the winner's figure is settled), before it decides: medians, not one noisy run.
+    # says otherwise is taken again, interleaved with the point it contradicts, before it
+    # decides: medians of up to 1 + RECHECK_ROUNDS runs, not one noisy run.
     kept: list[TrainConfig] = []
-    for config in sorted(runs_of, key=lambda c: (total_peak(figure(c)), -figure(c).samples_per_s)):
-        if total_peak(figure(config)) >= top.measured.peak_memory_bytes:
+    points = sorted((c for c in runs_of if c != winner.config),
+                    key=lambda c: (total_peak(median_run(runs_of[c])), -speed(c)))
+    for config in points:
+        if total_peak(median_run(runs_of[config])) >= top_peak:
             logger.info("frontier point {} left out: it validated at the winner's peak or above", config.short())
             continue
         for _ in range(RECHECK_ROUNDS):
-            smaller = kept[-1] if kept else None
-            if in_order(config, smaller) or stopping():
+            rival = kept[-1] if kept and speed(kept[-1]) >= speed(config) else (
+                winner.config if speed(config) >= speed(winner.config) else None)
+            if rival is None or stopping():
                 break
-            if smaller is not None and figure(smaller).samples_per_s < figure(config).samples_per_s:
-                smaller = None  # only the winner was as fast: this point alone is taken again
-            logger.info("frontier point {} validated out of the search's order ({:.4g} samples/s): validating "
-                        "it again{}", config.short(), figure(config).samples_per_s,
-                        "" if smaller is None else f", interleaved with {smaller.short()}")
-            for again in (config,) if smaller is None else (config, smaller):
-                runs_of[again].append(run_validation(records[again]))
-            if smaller is not None and _left_out_failed(smaller, runs_of[smaller][-1], failed):
-                kept.pop()
-            if _left_out_failed(config, runs_of[config][-1], failed):
+            logger.info("frontier point {} validated out of the search's order ({:.4g} samples/s, {} {:.4g}): "
+                        "validating both again, interleaved", config.short(), speed(config),
+                        "the winner" if rival == winner.config else rival.short(), speed(rival))
+            for again in (config, rival):
+                m = run_validation(records[again])
+                if not failed(m):
+                    runs_of[again].append(m)
+                elif again == winner.config:  # it passed before: its figure stays its passing runs'
+                    logger.warning("the winner {} failed a repeated validation ({})", again.short(), _why(m))
+                else:
+                    _left_out_failed(again, m, failed)
+                    runs_of[again].append(m)
+                    if again in kept:
+                        kept.remove(again)
+            if failed(runs_of[config][-1]):
                 break
-        if any(failed(m) for m in runs_of[config]):
+        if failed(runs_of[config][-1]):
             continue
-        if in_order(config, kept[-1] if kept else None):
+        if (not kept or speed(kept[-1]) < speed(config)) and speed(config) < speed(winner.config):
             kept.append(config)
         else:
             logger.info("frontier point {} left out: in validation a smaller point or the winner was as fast "
-                        "({:.4g} samples/s, median of {} runs)", config.short(), figure(config).samples_per_s,
+                        "({:.4g} samples/s, median of {} runs)", config.short(), speed(config),
                         len(runs_of[config]))
-    return (*(FrontierPoint(config=c, measured=measured_of(figure(c), validate_steps)) for c in kept), top)
+    return tuple(FrontierPoint(config=c, measured=measured_of(median_run(runs_of[c]), validate_steps))
+                 for c in (*kept, winner.config))
 
 
 def _left_out_failed(config: TrainConfig, m: Measurement, failed: Callable[[Measurement], bool]) -> bool:
     """True (and says why) when the validation run `m` of a frontier point failed."""
     if not failed(m):
         return False
-    why = (m.reason or m.status) if m.status != "ok" else (
-        "no throughput" if not m.samples_per_s else f"peak {format_bytes(total_peak(m))} over the budget")
-    logger.warning("frontier point {} failed its validation ({}): left out", config.short(), why)
+    logger.warning("frontier point {} failed its validation ({}): left out", config.short(), _why(m))
     return True
+
+
+def _why(m: Measurement) -> str:
+    """Why a validation run failed: its status or reason, no throughput, or its peak."""
+    if m.status != "ok":
+        return m.reason or m.status
+    return "no throughput" if not m.samples_per_s else f"peak {format_bytes(total_peak(m))} over the budget"
 
 
 # --- the choice at start ------------------------------------------------------------------

@@ -21,7 +21,7 @@ from autofit import __version__
 from autofit.device.probe import DeviceInfo, usable_budget_bytes, with_memory_budget
 from autofit.errors import DeviceError, NothingFitsError, ProfileError, SpecError, TrialError, TrialTimeoutError
 from autofit.estimate import EstimateError, estimate_memory
-from autofit.frontier import build_frontier, total_peak
+from autofit.frontier import build_frontier, median_run, total_peak
 from autofit.knobs import block_count, micro_batch_floor
 from autofit.precision import supported_precisions, unsupported_reason
 from autofit.profile import Profile, ProfileModel, SearchSummary, TrainingSetup, device_from_info, utc_now
@@ -264,10 +264,14 @@ def _tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pa
                 f"{result.count('ok')} configs measured): the profile is the baseline")
     if note:
         logger.warning(note)
-    frontier = build_frontier(result, winner, validated, max_points=spec.search.frontier_points,
+    winner_runs = [validated]  # a frontier point that validates as fast as the winner has it validated again
+    frontier = build_frontier(result, winner, winner_runs, max_points=spec.search.frontier_points,
                               validate_steps=spec.search.validate_steps, validations=validations,
                               run_validation=lambda record: _run_validation(spec, record, run_long), demoted=demoted,
                               should_stop=stop_event.is_set if stop_event else None)
+    validated = median_run(winner_runs)
+    if baseline is not None and baseline.config == winner.config and baseline_m is not None:
+        baseline_m = validated  # one config, one figure
     logger.info("frontier: {}", "; ".join(f"{p.config.short()} peak {format_bytes(p.measured.peak_memory_bytes)} "
                                           f"{p.measured.samples_per_s:.4g} samples/s" for p in frontier))
     if host_load is not None and host_load > LOADED_HOST:
@@ -435,8 +439,7 @@ def never_worse(spec: ModelSpec, winner: tuple[TrialRecord, Measurement], baseli
         if round_sps.get(w.config, 0.0) < round_sps.get(b.config, 0.0):
             break  # this round agrees with the validation: the winner is slower
     w_med, b_med = (statistics.median(x.samples_per_s for x in runs[c]) for c in (w.config, b.config))
-    w_best = min(runs[w.config], key=lambda x: abs(x.samples_per_s - w_med))
-    b_best = min(runs[b.config], key=lambda x: abs(x.samples_per_s - b_med))
+    w_best, b_best = median_run(runs[w.config]), median_run(runs[b.config])
     if w_med >= b_med:
         return w, w_best, b_best, ""
     note = (f"the search's winner {w.config.short()} validated at {w_med:.4g} samples/s, below the 32-true "

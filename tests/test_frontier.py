@@ -67,7 +67,7 @@ def _frontier(validate, max_points: int = 4, validations: dict | None = None):
         runs.append(record.config)
         return validate(record.config)
 
-    frontier = build_frontier(result, winner, _m(winner.config, 71, 98), max_points=max_points, validate_steps=3,
+    frontier = build_frontier(result, winner, [_m(winner.config, 71, 98)], max_points=max_points, validate_steps=3,
                               validations=validations or {}, run_validation=run_validation)
     return frontier, runs
 
@@ -99,7 +99,7 @@ def test_a_point_that_fails_validation_or_validates_too_fast_is_left_out():
         if c == _config(1, 2):
             return _m(c, 10, 0.0, status="oom")
         if c == _config(2):
-            return _m(c, 35, 99)  # as fast as the winner's validation at half its peak: noise, not a point
+            return _m(c, 35, 101)  # faster than the winner validates (98, then 100) at half its peak: noise
         return _m(c, *by_config[c])
     frontier, runs = _frontier(validate)
     assert _config(1, 2) in runs and _config(2) in runs
@@ -136,10 +136,27 @@ def test_a_point_validated_out_of_order_once_is_validated_again_interleaved_and_
     assert frontier[2].measured.samples_per_s == 70 * 0.97  # the median run, not the noisy one
 
 
-def test_a_point_validated_as_fast_as_the_winner_once_is_validated_again_alone():
-    frontier, runs = _frontier(_noisy_once({_config(1): 99.0}))
+def test_a_point_validated_as_fast_as_the_winner_once_is_validated_again_with_the_winner():
+    frontier, runs = _frontier(_noisy_once({_config(1): 99.0}))  # the winner's validation: 98
     assert [p.config for p in frontier] == [_config(1, 2), _config(1), _config(2), _config(4)]
     assert runs.count(_config(1)) == 1 + RECHECK_ROUNDS and runs.count(_config(1, 2)) == 1
+    assert runs[-2 * RECHECK_ROUNDS:] == [_config(1), _config(4)] * RECHECK_ROUNDS  # interleaved
+    # The winner's figure is its median run now: 98 once, then 97 twice.
+    assert frontier[-1].measured.samples_per_s == 97.0 and frontier[1].measured.samples_per_s == 50 * 0.97
+
+
+def test_a_winner_that_validated_slow_once_keeps_the_points_the_search_put_below_it():
+    # The winner's one validation ran at a third of its speed (a loaded host): the points
+    # are not dropped for it; the winner is validated again beside them.
+    by_config = {c: (peak, sps) for c, peak, sps in SEARCH}
+    result = _result()
+    winner = next(r for r in result.records if r.config == _config(4))
+    winner_runs = [_m(winner.config, 71, 33)]
+    frontier = build_frontier(result, winner, winner_runs, max_points=4, validate_steps=3, validations={},
+                              run_validation=lambda r: _m(r.config, by_config[r.config][0] + 1,
+                                                          by_config[r.config][1] * 0.97))
+    assert [p.config for p in frontier] == [_config(1, 2), _config(1), _config(2), _config(4)]
+    assert len(winner_runs) == 3 and frontier[-1].measured.samples_per_s == 97.0
 
 
 def test_validations_already_taken_are_reused_and_failed_ones_never_written():
