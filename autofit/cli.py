@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+from autofit import stopping
 from autofit.errors import AutofitError, SpecError
 from autofit.logs import configure as configure_logging
 
@@ -358,30 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C is: every `finally` on the way
-    out runs, so a trial's process group is killed and its folder removed before exit."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def _on_stop_signal(signum, frame) -> None:
-    # Once: a second signal must not cut short the cleanup the first one started.
-    for sig in _STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    raise _Stopped(signum)
-
-
 def _install_stop_handlers(command: str) -> dict:
     """The previous handlers, to put back. `serve` has its own (SIGHUP reloads it)."""
     if command == "serve" or threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, _on_stop_signal) for sig in _STOP_SIGNALS}
+    return stopping.install()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from autofit import stopping
 from autofit.errors import DeviceError, InputError
 from autofit.knobs import TrainConfig, check_global_batch
 from autofit.spec import ModelSpec
@@ -120,16 +121,19 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
             command = [sys.executable, "-m", "autofit._trial_child", str(request_path), str(result_path)]
             if config.world_size > 1:
                 command[1:3] = _torchrun_args(config.world_size)
-            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                    env=_child_env(device), start_new_session=True)
-            if guard is not None:
-                guard.trial_started(proc.pid, Path(tmp))
+            proc = None
             try:
+                with stopping.spawning():  # a stop signal now is raised once `proc` is known
+                    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file,
+                                            stderr=subprocess.STDOUT, env=_child_env(device), start_new_session=True)
+                if guard is not None:
+                    guard.trial_started(proc.pid, Path(tmp))
                 ended = _wait(proc, timeout_s, stop_event)
             finally:
-                _kill_group(proc)  # on every path, so nothing the child started outlives the trial
-                if guard is not None:
-                    guard.trial_ended(proc.pid)
+                if proc is not None:
+                    _kill_group(proc)  # on every path, so nothing the child started outlives the trial
+                    if guard is not None:
+                        guard.trial_ended(proc.pid)
         log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         wall_s = time.perf_counter() - started
         result = _read_result(result_path, config.world_size) if ended == "exited" else None

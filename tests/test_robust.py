@@ -354,6 +354,48 @@ def test_a_signal_stops_the_trial_child_and_removes_its_folder(tmp_path, command
     assert list(tmp.glob("autofit-trial-*")) == []
 
 
+@pytest.mark.parametrize("where", ["trial", "doctor"])
+def test_a_signal_while_the_child_is_being_started_still_kills_it(tmp_path, monkeypatch, where):
+    """A stop signal inside `subprocess.Popen`, after the fork: the exception must not lose
+    the child's handle (it would run on, in a session of its own). Sent here, deterministically,
+    from within Popen just after the child exists."""
+    import tempfile
+
+    from autofit import stopping
+    from autofit.doctor import run as doctor_run
+    from autofit.trial import measure
+
+    module = doctor_run if where == "doctor" else autofit.trial
+    started, real_popen = [], subprocess.Popen
+
+    def popen_then_signal(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode: still inside Popen
+        return proc
+
+    monkeypatch.setattr(module.subprocess, "Popen", popen_then_signal)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    previous = stopping.install()
+    try:
+        with pytest.raises(stopping.Stopped) as stopped:
+            if where == "doctor":
+                doctor_run.run_one("probe", "cpu", timeout_s=60)
+            else:
+                measure(parse_spec(tiny_gpt_dict(), source_dir=REPO), TrainConfig(micro_batch_size=8), device="cpu")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for proc in started:  # what the code under test failed to kill, so the session stays clean
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                pytest.fail("the child outlived the signal")
+    assert stopped.value.signum == signal.SIGTERM and len(started) == 1
+    assert started[0].returncode is not None  # killed and reaped by the code under test
+    assert list(tmp_path.iterdir()) == []  # its folder removed
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from autofit import stopping
 from autofit.doctor._base import skip
 from autofit.doctor.checks import CHECK_NAMES, CPU_SKIPS
 from autofit.doctor.report import format_header, format_line
@@ -79,13 +80,16 @@ def run_one(name: str, device: str, *, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="autofit-doctor-") as tmp:
         result_path, log_path = Path(tmp, "result.json"), Path(tmp, "log")
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "autofit.doctor._child", name, device, str(result_path)],
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            proc = None
             try:
+                with stopping.spawning():  # a stop signal now is raised once `proc` is known
+                    proc = subprocess.Popen([sys.executable, "-m", "autofit.doctor._child", name, device,
+                                             str(result_path)], stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
                 ended = _wait(proc, timeout_s, None)
             finally:
-                _kill_group(proc)
+                if proc is not None:
+                    _kill_group(proc)
         log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         if ended == "exited" and result_path.exists():
             # The process's time, start-up (torch's import) included: what the check costs the user.
