@@ -25,6 +25,7 @@ without a budget) the winner.
 # .apply(model)` stays light. Building the frontier takes the search's records.
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable
@@ -119,12 +120,12 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[
     run. Once `should_stop()` is true no further run is taken: the points validated so far
     are kept."""
     if max_points <= 1:
-        return (FrontierPoint(config=winner.config, measured=measured_of(median_run(winner_runs), validate_steps)),)
+        return (_point(winner.config, winner_runs, validate_steps),)
 
     def failed(m: Measurement) -> bool:
         return m.status != "ok" or not m.samples_per_s or total_peak(m) > result.budget_bytes
 
-    top_peak = total_peak(median_run(winner_runs))
+    top_peak = max(total_peak(m) for m in winner_runs)
     ranked_top = next((p for p in pareto(result, demoted) if p[0].config == winner.config), None)
     top_speed = ranked_top[2] if ranked_top else math.inf
     # Below the winner on both axes: smaller and slower (a smaller config measured faster
@@ -151,6 +152,9 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[
     def speed(config: TrainConfig) -> float:
         return median_run(runs_of[config]).samples_per_s
 
+    def peak(config: TrainConfig) -> int:
+        return max(total_peak(m) for m in runs_of[config])
+
     # The Pareto frontier again, in validated figures: each point faster than every smaller
     # one and smaller and slower than the winner. A point that validated as fast as a larger
     # one would be chosen over it wherever both fit, so the larger one goes; one that
@@ -160,9 +164,9 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[
     # decides: medians of up to 1 + RECHECK_ROUNDS runs, not one noisy run.
     kept: list[TrainConfig] = []
     points = sorted((c for c in runs_of if c != winner.config),
-                    key=lambda c: (total_peak(median_run(runs_of[c])), -speed(c)))
+                    key=lambda c: (peak(c), -speed(c)))
     for config in points:
-        if total_peak(median_run(runs_of[config])) >= top_peak:
+        if peak(config) >= peak(winner.config):
             logger.info("frontier point {} left out: it validated at the winner's peak or above", config.short())
             continue
         for _ in range(RECHECK_ROUNDS):
@@ -188,14 +192,23 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[
                 break
         if failed(runs_of[config][-1]):
             continue
-        if (not kept or speed(kept[-1]) < speed(config)) and speed(config) < speed(winner.config):
+        smaller = kept[-1] if kept else None
+        if ((smaller is None or (speed(smaller) < speed(config) and peak(smaller) < peak(config)))
+                and speed(config) < speed(winner.config) and peak(config) < peak(winner.config)):
             kept.append(config)
         else:
             logger.info("frontier point {} left out: in validation a smaller point or the winner was as fast "
                         "({:.4g} samples/s, median of {} runs)", config.short(), speed(config),
                         len(runs_of[config]))
-    return tuple(FrontierPoint(config=c, measured=measured_of(median_run(runs_of[c]), validate_steps))
-                 for c in (*kept, winner.config))
+    return tuple(_point(c, runs_of[c], validate_steps) for c in (*kept, winner.config))
+
+
+def _point(config: TrainConfig, runs: list[Measurement], validate_steps: int) -> FrontierPoint:
+    """A frontier point from its validation runs (all passed): the median run's figures, and
+    the largest peak of any run, which is what must fit at start."""
+    measured = measured_of(median_run(runs), validate_steps)
+    return FrontierPoint(config=config, measured=dataclasses.replace(
+        measured, peak_memory_bytes=max(total_peak(m) for m in runs)))
 
 
 def _left_out_failed(config: TrainConfig, m: Measurement, failed: Callable[[Measurement], bool]) -> bool:

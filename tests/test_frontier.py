@@ -116,28 +116,31 @@ def test_a_larger_point_that_validates_slower_than_a_smaller_one_is_left_out():
 
 
 def _noisy_once(first: dict):
-    """Validation at 97% of the search's speed, except each config's first run in `first`."""
+    """Validation at 97% of the search's speed, except each config's first run in `first`
+    ((peak MiB, samples/s))."""
     by_config = {c: (peak, sps) for c, peak, sps in SEARCH}
     taken: dict = {}
 
     def validate(c):
         taken[c] = taken.get(c, 0) + 1
-        sps = first[c] if taken[c] == 1 and c in first else by_config[c][1] * 0.97
-        return _m(c, by_config[c][0] + 1, sps)
+        if taken[c] == 1 and c in first:
+            return _m(c, *first[c])
+        return _m(c, by_config[c][0] + 1, by_config[c][1] * 0.97)
     return validate
 
 
 def test_a_point_validated_out_of_order_once_is_validated_again_interleaved_and_kept():
     # mb=2 ran once below mb=1 (48.5 samples/s), against the search's order: noise, not a verdict.
-    frontier, runs = _frontier(_noisy_once({_config(2): 45.0}))
+    frontier, runs = _frontier(_noisy_once({_config(2): (37, 45.0)}))
     assert [p.config for p in frontier] == [_config(1, 2), _config(1), _config(2), _config(4)]
     first = runs.index(_config(2))
     assert runs[first:] == [_config(2)] + [_config(2), _config(1)] * RECHECK_ROUNDS
     assert frontier[2].measured.samples_per_s == 70 * 0.97  # the median run, not the noisy one
+    assert frontier[2].measured.peak_memory_bytes == 37 * MiB  # the largest of its runs' peaks
 
 
 def test_a_point_validated_as_fast_as_the_winner_once_is_validated_again_with_the_winner():
-    frontier, runs = _frontier(_noisy_once({_config(1): 99.0}))  # the winner's validation: 98
+    frontier, runs = _frontier(_noisy_once({_config(1): (21, 99.0)}))  # the winner's validation: 98
     assert [p.config for p in frontier] == [_config(1, 2), _config(1), _config(2), _config(4)]
     assert runs.count(_config(1)) == 1 + RECHECK_ROUNDS and runs.count(_config(1, 2)) == 1
     assert runs[-2 * RECHECK_ROUNDS:] == [_config(1), _config(4)] * RECHECK_ROUNDS  # interleaved
