@@ -135,12 +135,12 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[
                   and not any(failed(m) for m in validations.get(p[0].config, []))]
     free = [p for p in candidates if validations.get(p[0].config)]
     to_run = spread([p for p in candidates if p not in free], top_peak, max_points - 1)
-    stopping = should_stop if should_stop is not None else (lambda: False)
+    stop_now = should_stop if should_stop is not None else (lambda: False)
     runs_of = {winner.config: winner_runs}  # each config's validation runs, taken before or here
     records = {winner.config: winner}
     for record, _peak, _speed in sorted(free + to_run, key=lambda p: p[1]):
         runs = list(validations.get(record.config, []))
-        if not runs and stopping():
+        if not runs and stop_now():
             continue
         if not runs:
             logger.info("validating frontier point {} over {} steps", record.config.short(), validate_steps)
@@ -163,17 +163,15 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[
     # says otherwise is taken again, interleaved with the point it contradicts, before it
     # decides: medians of up to 1 + RECHECK_ROUNDS runs, not one noisy run.
     kept: list[TrainConfig] = []
-    points = sorted((c for c in runs_of if c != winner.config),
-                    key=lambda c: (peak(c), -speed(c)))
-    for config in points:
-        if peak(config) >= peak(winner.config):
-            logger.info("frontier point {} left out: it validated at the winner's peak or above", config.short())
-            continue
+
+    def settle(config: TrainConfig) -> bool:
+        """Validate `config` again beside the point it contradicts, while it does (at most
+        RECHECK_ROUNDS rounds). False when a run of it failed: no point."""
         for _ in range(RECHECK_ROUNDS):
             rival = kept[-1] if kept and speed(kept[-1]) >= speed(config) else (
                 winner.config if speed(config) >= speed(winner.config) else None)
-            if rival is None or stopping():
-                break
+            if rival is None or stop_now():
+                return True
             logger.info("frontier point {} validated out of the search's order ({:.4g} samples/s, {} {:.4g}): "
                         "validating both again, interleaved", config.short(), speed(config),
                         "the winner" if rival == winner.config else rival.short(), speed(rival))
@@ -183,14 +181,19 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[
                     runs_of[again].append(m)
                 elif again == winner.config:  # it passed before: its figure stays its passing runs'
                     logger.warning("the winner {} failed a repeated validation ({})", again.short(), _why(m))
-                else:
+                elif again == config:
+                    _left_out_failed(config, m, failed)
+                    return False
+                else:  # the smaller point it contradicted is no point either
                     _left_out_failed(again, m, failed)
-                    runs_of[again].append(m)
-                    if again in kept:
-                        kept.remove(again)
-            if failed(runs_of[config][-1]):
-                break
-        if failed(runs_of[config][-1]):
+                    kept.remove(again)
+        return True
+
+    for config in sorted((c for c in runs_of if c != winner.config), key=lambda c: (peak(c), -speed(c))):
+        if peak(config) >= peak(winner.config):
+            logger.info("frontier point {} left out: it validated at the winner's peak or above", config.short())
+            continue
+        if not settle(config):
             continue
         smaller = kept[-1] if kept else None
         if ((smaller is None or (speed(smaller) < speed(config) and peak(smaller) < peak(config)))
