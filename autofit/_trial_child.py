@@ -430,4 +430,4 @@ def _exit_with_parent(trial_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    distributed.exit_process(main(*sys.argv[1:3]))

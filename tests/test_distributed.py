@@ -7,8 +7,10 @@ the multi-process tests are few, marked slow, and each checks as much as it hone
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import textwrap
 import uuid
 from pathlib import Path
 
@@ -145,6 +147,69 @@ def _profile_file(folder: Path, spec, config: TrainConfig) -> Path:
                              sampler="TPESampler", storage="in-memory"),
         created="2026-11-22T00:00:00Z", autofit="test")
     return profile.save(folder / "profile.yaml")
+
+
+# ---- how a rank's process ends ------------------------------------------------------------
+
+
+def _two_ranks(script: Path, *args, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Two ranks of a gloo group started directly (not by torchrun), so each rank's own exit
+    status is seen."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        rank_env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+                    **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], env=rank_env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return results
+
+
+@pytest.mark.slow
+def test_a_rank_exits_cleanly_while_a_gloo_worker_still_holds_a_tensor(tmp_path):
+    """gloo's worker threads outlive destroy_process_group. One that releases a tensor as the
+    interpreter starts finalizing aborts the process (SIGABRT, "terminate called without an
+    active exception"): CI met it once in about ten FSDP train runs. The fixture makes the
+    release come exactly then; the same rank ending with sys.exit aborts every time."""
+    rank0, _rank1 = _two_ranks(FIXTURES / "exit_mid_release.py", tmp_path, "autofit")
+    assert rank0.returncode == 0, rank0.stderr[-2000:]
+    assert "terminate called" not in rank0.stderr
+
+
+def test_a_rank_s_exit_still_joins_threads_runs_atexit_and_flushes(tmp_path):
+    """exit_process skips only the interpreter's finalization: a rank's non-daemon threads
+    finish, its atexit handlers run (temp folders, logs) and unflushed output is written."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys, threading, time
+        from pathlib import Path
+        import torch
+        from autofit import distributed
+
+        folder = Path({str(tmp_path)!r})
+        distributed.init_process_group(torch.device("cpu"), timeout_s=30)
+        atexit.register(lambda: (folder / "atexit-rank{{}}".format(distributed.current_rank())).touch())
+        threading.Thread(target=lambda: (time.sleep(0.3), (folder / "thread").touch())).start()
+        sys.stdout.write("no newline, unflushed")
+        distributed.exit_process(5)
+    """))
+    for result in _two_ranks(script):
+        assert result.returncode == 5, result.stderr[-2000:]
+        assert result.stdout == "no newline, unflushed"
+    assert {p.name for p in tmp_path.iterdir()} >= {"atexit-rank0", "atexit-rank1", "thread"}
 
 
 # ---- trials on N ranks --------------------------------------------------------------------

@@ -52,4 +52,4 @@ def main(requested: str, out_dir: str, n_bytes: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    distributed.exit_process(main(*sys.argv[1:4]))
