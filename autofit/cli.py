@@ -406,5 +406,14 @@ def _print_traceback(exc: AutofitError) -> None:
         traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
 
 
+def run() -> None:
+    """The `autofit` command and `python -m autofit`: main, then the end of the process. A rank
+    of a torchrun job ends through the distributed module (its exit skips a finalization
+    that gloo's threads can abort); a command that never imported it started no group."""
+    code = main()
+    distributed = sys.modules.get("autofit.distributed")
+    (distributed.exit_process if distributed is not None else sys.exit)(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
