@@ -27,10 +27,14 @@ from conftest import FIXTURES, REPO, tiny_gpt_dict, write_spec
 STEPS = 20
 
 
+def _rank_env(**extra: str) -> dict:
+    """A rank's environment: one OpenMP thread each (two ranks share the host), this checkout first."""
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), **extra}
+
+
 def torchrun(*args, nproc: int = 2, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-                **(env or {})}
+    full_env = _rank_env(CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **(env or {}))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                *map(str, args)]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
@@ -152,7 +156,7 @@ def _profile_file(folder: Path, spec, config: TrainConfig) -> Path:
 # ---- how a rank's process ends ------------------------------------------------------------
 
 
-def _two_ranks(script: Path, *args, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+def _two_ranks(script: Path, *args) -> list[subprocess.CompletedProcess]:
     """Two ranks of a gloo group started directly (not by torchrun), so each rank's own exit
     status is seen."""
     with socket.socket() as s:
@@ -160,10 +164,8 @@ def _two_ranks(script: Path, *args, env: dict | None = None) -> list[subprocess.
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        rank_env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-                    **(env or {})}
+        rank_env = _rank_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], env=rank_env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
