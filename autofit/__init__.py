@@ -1,17 +1,47 @@
-"""autofit: find the fastest training configuration that fits the GPU, and train with it."""
+"""autofit: find the fastest training configuration that fits the GPU, and train with it.
 
-__version__ = "0.1.0"
+    import autofit
+    profile = autofit.load_profile("gpt-small")      # tuned by `autofit tune model.yaml`
+    with profile.apply(model) as plan:
+        ...
 
-from autofit.errors import AutofitError, DeviceError, NothingFitsError, ProfileError, SpecError, TrialError
-from autofit.knobs import TrainConfig
-from autofit.plan import TrainingPlan
-from autofit.profile import Profile
-from autofit.spec import ModelSpec, load_spec
-from autofit.store import ProfileStore, load_profile
-from autofit.workload.chunked import chunked_lm_loss
+The public API is the names in `__all__`; each is imported from its module the first time
+it is used (as optuna does), so `import autofit` and the `autofit` command start without
+loading torch. Everything else is internal and may move.
+"""
 
-__all__ = [
-    "AutofitError", "DeviceError", "ModelSpec", "NothingFitsError", "Profile", "ProfileError", "ProfileStore",
-    "SpecError", "TrainConfig", "TrainingPlan", "TrialError", "__version__", "chunked_lm_loss", "load_profile",
-    "load_spec",
-]
+import importlib
+
+from autofit.base.version import VERSION as __version__
+
+# name -> the module that defines it
+_PUBLIC = {
+    "AutofitError": "autofit.base.errors",
+    "DeviceError": "autofit.base.errors",
+    "NothingFitsError": "autofit.base.errors",
+    "ProfileError": "autofit.base.errors",
+    "SpecError": "autofit.base.errors",
+    "TrialError": "autofit.base.errors",
+    "ModelSpec": "autofit.config.spec",
+    "load_spec": "autofit.config.spec",
+    "TrainConfig": "autofit.config.train_config",
+    "TrainingPlan": "autofit.train.plan",
+    "Profile": "autofit.profiles.profile",
+    "ProfileStore": "autofit.profiles.store",
+    "load_profile": "autofit.profiles.store",
+    "chunked_lm_loss": "autofit.workload.chunked",
+}
+
+__all__ = sorted([*_PUBLIC, "__version__"])
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'autofit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

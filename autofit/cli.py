@@ -1,23 +1,39 @@
-"""Command line: argument parsing only. Each subcommand calls one plain function.
+"""Command line: parsing and dispatch only. Each subcommand runs one module's `main(args)`.
 
     autofit train examples/tiny-gpt.yaml --steps 60
-    autofit tune examples/tiny-gpt.yaml --memory-budget 64MiB
+    autofit tune examples/tiny-gpt.yaml --memory-budget 16MiB
 
-Exit codes: 0 success, 2 bad input, 3 nothing fits / no usable result, 1 anything unexpected.
+Exit codes: 0 success, 2 bad input, 3 nothing fits / no usable result, 1 anything unexpected,
+128+N stopped by signal N. Nothing here imports torch or optuna: `autofit --help` and an
+argument error answer at once; a command's module is imported when it runs.
 """
 
 import argparse
-import json
-import math
+import importlib
 import os
 import signal
 import sys
 import threading
-from pathlib import Path
+import traceback
 
-from autofit import stopping
-from autofit.errors import AutofitError, SpecError
-from autofit.logs import configure as configure_logging
+from autofit.base import stopping
+from autofit.base.errors import AutofitError
+from autofit.base.logs import configure as configure_logging
+from autofit.base.version import VERSION
+from autofit.doctor.names import CHECK_NAMES
+
+# Each command's module, imported only when that command runs (most import torch: seconds).
+HANDLERS = {
+    "train": "autofit.commands.train",
+    "tune": "autofit.commands.tune",
+    "probe": "autofit.commands.probe",
+    "trial": "autofit.commands.trial",
+    "estimate": "autofit.commands.estimate",
+    "doctor": "autofit.doctor.run",
+    "profiles": "autofit.commands.profiles",
+    "serve": "autofit.service.daemon",
+    "status": "autofit.service.status",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,62 +42,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _parse_sets(pairs: list[str] | None) -> dict[str, str]:
-    out = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key or not value:
-            raise SpecError(f"--set: expected KEY=VALUE, got {pair!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def _write_json(path: str | None, payload: dict) -> None:
-    if path is None:
-        return
-    from autofit._io import atomic_write_text
-
-    atomic_write_text(Path(path), json.dumps(payload, indent=2, default=str) + "\n")
-
-
-# --- subcommands: each parses nothing, calls one plain function -------------------------
-
-def cmd_train(args) -> int:
-    from autofit.commands import train_command
-
-    if args.metrics_out is not None:  # checked before the run, not after it
-        _check_output_file(args.metrics_out, "--metrics-out")
-    metrics = train_command(args.spec, profile=args.profile, steps=args.steps, resume=args.resume,
-                            overwrite=args.overwrite, device=args.device, checkpoint_dir=args.checkpoint_dir,
-                            memory_budget=args.memory_budget, progress=not args.no_progress)
-    if metrics.get("rank", 0) != 0:
-        return 0  # under torchrun the metrics are rank 0's to report
-    metrics = _finite(metrics)  # JSON has no NaN: a diverged loss is written as null
-    _write_json(args.metrics_out, metrics)
-    summary = {k: metrics[k] for k in ("steps", "first_loss", "final_loss", "samples_per_s", "compile_s",
-                                       "peak_memory_bytes") if k in metrics}
-    print(json.dumps(summary))
-    if metrics["final_loss"] is None and metrics["steps"]:
-        print(f"autofit: error: the loss diverged at step {metrics['steps'] - 1} (NaN/inf); "
-              f"lower optimizer.lr or use a profile with a healthy precision", file=sys.stderr)
-        return 3
-    return 0
-
-
-def _check_output_file(path: str, what: str) -> None:
-    if Path(path).is_dir():
-        raise SpecError(f"{what}: {path} is a folder; give a file name")
-
-
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
+# --- the subcommands' arguments ----------------------------------------------------------
 
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model.yaml with the built-in AMP runner")
@@ -100,20 +61,6 @@ def _add_train(sub) -> None:
                                            "one; the fastest frontier point whose peak fits it "
                                            "(default: the GPU's free memory now)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_train)
-
-
-def cmd_tune(args) -> int:
-    from autofit.tune import tune_command
-
-    outcome = tune_command(args.spec, device=args.device, memory_budget=args.memory_budget, trials=args.trials,
-                           timeout_s=args.timeout, storage=args.storage, out_dir=args.out,
-                           state_dir=args.state_dir, report=not args.no_report, nproc=args.nproc)
-    if args.json:
-        print(json.dumps(outcome.summary(), default=str))
-    else:
-        print(outcome.profile_path)  # the last line of stdout, for scripts
-    return 0
 
 
 def _add_tune(sub) -> None:
@@ -131,57 +78,11 @@ def _add_tune(sub) -> None:
     p.add_argument("--out", help="profile store folder (default: $AUTOFIT_STORE or ./profiles)")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the profile path")
-    p.set_defaults(func=cmd_tune)
-
-
-_COMMANDS = [_add_train, _add_tune]
-
-
-# --- profiler: probe, trial, estimate ----------------------------------------------------
-
-def cmd_probe(args) -> int:
-    from autofit.device.probe import probe_devices
-    from autofit.sizes import format_bytes
-
-    devices = probe_devices()
-    if args.json:
-        print(json.dumps({"devices": [d.to_dict() for d in devices]}, indent=2))
-        return 0
-    for d in devices:
-        where = "cpu" if d.index is None else f"cuda:{d.index}"
-        cc = "" if d.compute_capability is None else f"  sm_{d.compute_capability[0]}{d.compute_capability[1]}"
-        precisions = ",".join(k for k, ok in d.supports.items() if ok)
-        print(f"{where:<7} {d.name}  {format_bytes(d.memory_total_bytes)} total, {format_bytes(d.memory_free_bytes)} "
-              f"free, {format_bytes(d.memory_used_by_others_bytes)} used by others{cc}  [{precisions}]")
-        print(f"        fingerprint {d.fingerprint}")
-    return 0
 
 
 def _add_probe(sub) -> None:
     p = sub.add_parser("probe", help="list the GPUs (through NVML, no CUDA context) and the CPU")
     p.add_argument("--json", action="store_true", help='print {"devices": [...]} as JSON')
-    p.set_defaults(func=cmd_probe)
-
-
-def cmd_trial(args) -> int:
-    from autofit.sizes import format_bytes
-    from autofit.trial import trial_command
-
-    measurement, device = trial_command(args.spec, overrides=_parse_sets(args.set), device=args.device,
-                                        memory_budget=args.memory_budget, timeout_s=args.timeout,
-                                        warmup_steps=args.warmup_steps, measure_steps=args.measure_steps)
-    m = measurement
-    if args.json:
-        print(json.dumps({**m.to_dict(), "device": device["name"]}, indent=2))
-    else:
-        line = f"{m.status}  {m.config.short()}  peak {format_bytes(m.peak_memory_bytes)}"
-        if m.samples_per_s is not None:
-            line += f"  {m.samples_per_s:.1f} samples/s  step {m.step_time_s * 1000:.1f} ms"
-        if m.compile_s is not None:  # apart from the step time it never enters
-            line += f"  compile {m.compile_s:.1f} s"
-        print(line + (f"  ({m.reason})" if m.reason else ""))
-    # Not ok is a usable answer printed in full, but no usable measurement: exit 3.
-    return 0 if m.ok else 3
 
 
 def _add_trial(sub) -> None:
@@ -196,29 +97,6 @@ def _add_trial(sub) -> None:
     p.add_argument("--warmup-steps", type=int, help="default: search.warmup_steps")
     p.add_argument("--measure-steps", type=int, help="timed optimizer steps (default: search.measure_steps)")
     p.add_argument("--json", action="store_true", help="print the measurement as JSON")
-    p.set_defaults(func=cmd_trial)
-
-
-def cmd_estimate(args) -> int:
-    from autofit.estimate import estimate_command
-    from autofit.sizes import format_bytes
-
-    out = estimate_command(args.spec, overrides=_parse_sets(args.set), memory_budget=args.memory_budget,
-                           device=args.device)
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        per_rank = f", per rank of {out['world_size']}" if out.get("per_rank") else ""
-        print(f"{out['parameters']:,} parameters ({out['trainable_parameters']:,} trainable), "
-              f"{out['device_kind']} estimate{per_rank}")
-        for part, n_bytes in out["bytes"].items():
-            print(f"  {part:<12} {format_bytes(n_bytes):>12}")
-        print(f"model state {format_bytes(out['model_state_bytes'])}: {out['model_state_bytes_per_param']:.2f} "
-              f"bytes per parameter (weights, gradients, optimizer state)")
-        if "max_micro_batch_size" in out:
-            print(f"budget {format_bytes(out['budget_bytes'])}: fits={out['fits']}, "
-                  f"largest micro batch that fits: {out['max_micro_batch_size']}")
-    return 3 if out.get("max_micro_batch_size", 1) is None else 0
 
 
 def _add_estimate(sub) -> None:
@@ -229,22 +107,9 @@ def _add_estimate(sub) -> None:
     p.add_argument("--device", help="GPU index or cpu: the kind of device predicted for, and the total a "
                                     "fractional budget refers to (default: the first GPU, else cpu)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    p.set_defaults(func=cmd_estimate)
-
-
-def cmd_doctor(args) -> int:
-    from autofit.doctor import run_doctor
-    from autofit.doctor.report import format_summary
-
-    progress = None if args.json else lambda line: print(line, flush=True)
-    report = run_doctor(device=args.device, checks=args.check, timeout_s=args.timeout, progress=progress)
-    print(json.dumps(report, indent=2) if args.json else format_summary(report))
-    return 0 if report["ok"] else 1
 
 
 def _add_doctor(sub) -> None:
-    from autofit.doctor import CHECK_NAMES
-
     p = sub.add_parser("doctor", help="check that autofit's device paths hold on this device (run it first on a "
                                       "new GPU): exit 0 when every check holds, 1 when one fails")
     p.add_argument("--device", help="GPU index or cpu (default: the first GPU, else the CPU)")
@@ -252,26 +117,6 @@ def _add_doctor(sub) -> None:
                    help=f"run only this check (repeatable): {', '.join(CHECK_NAMES)}")
     p.add_argument("--timeout", type=float, help="seconds before one check's process is killed (default: 300)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
-    p.set_defaults(func=cmd_doctor)
-
-
-_COMMANDS += [_add_probe, _add_trial, _add_estimate, _add_doctor]
-
-
-# --- profiles: the store -------------------------------------------------------------------
-
-def cmd_profiles(args) -> int:
-    from autofit.store import export_command, list_command, show_command
-
-    if args.profiles_command == "list":
-        text = list_command(store=args.store, spec_paths=tuple(args.spec or ()), as_json=args.json)
-    elif args.profiles_command == "show":
-        text = show_command(args.profile, store=args.store, device=args.device, memory_budget=args.memory_budget)
-    else:
-        text = export_command(args.profile, args.format, store=args.store, device=args.device,
-                              n_blocks=args.n_blocks, memory_budget=args.memory_budget)
-    sys.stdout.write(text)
-    return 0
 
 
 def _add_profiles(sub) -> None:
@@ -302,18 +147,6 @@ def _add_profiles(sub) -> None:
                                                 "(24GiB, 0.8, bytes; default: the GPU's free memory now)")
     export.add_argument("--n-blocks", type=int, help="hf: the model's layer count, so partial checkpointing "
                                                      "can be exported as every_n_layers")
-    p.set_defaults(func=cmd_profiles)
-
-
-_COMMANDS += [_add_profiles]
-
-
-# --- the service: serve, status ----------------------------------------------------------
-
-def cmd_serve(args) -> int:
-    from autofit.service.daemon import serve_command
-
-    return serve_command(args.config, inventory_path=args.inventory)
 
 
 def _add_serve(sub) -> None:
@@ -323,31 +156,21 @@ def _add_serve(sub) -> None:
                    help="emulation: read GPU kinds from this YAML/JSON file ({\"gpus\": [{\"name\": ..., "
                         "\"memory_total_bytes\": ...}]}) instead of NVML; trials run on the CPU under each "
                         "card's memory")
-    p.set_defaults(func=cmd_serve)
-
-
-def cmd_status(args) -> int:
-    from autofit.service.state import status_command
-
-    sys.stdout.write(status_command(args.config, as_json=args.json))
-    return 0
 
 
 def _add_status(sub) -> None:
     p = sub.add_parser("status", help="what `autofit serve` sees, queues, runs and has tuned")
     p.add_argument("--config", help="service config (default: $AUTOFIT_CONFIG, else /etc/autofit/autofit.yaml)")
     p.add_argument("--json", action="store_true", help="print the service's state file as JSON")
-    p.set_defaults(func=cmd_status)
 
 
-_COMMANDS += [_add_serve, _add_status]
+_COMMANDS = [_add_train, _add_tune, _add_probe, _add_trial, _add_estimate, _add_doctor, _add_profiles, _add_serve,
+             _add_status]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from autofit import __version__
-
     parser = _Parser(prog="autofit", description="Make PyTorch training fit the GPU and run as fast as it allows.")
-    parser.add_argument("--version", action="version", version=f"autofit {__version__}")
+    parser.add_argument("--version", action="version", version=f"autofit {VERSION}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     parser.add_argument("--debug", action="store_true",
@@ -374,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(level, debug=args.debug, one_line=args.command == "serve")
     previous = _install_stop_handlers(args.command)
     try:
-        return args.func(args)
+        return importlib.import_module(HANDLERS[args.command]).main(args)
     except AutofitError as exc:
         if args.debug:
             _print_traceback(exc)
@@ -397,8 +220,6 @@ def main(argv: list[str] | None = None) -> int:
 def _print_traceback(exc: AutofitError) -> None:
     """The user's own traceback where there is one (from a trial child, or the exception
     their code raised), else ours."""
-    import traceback
-
     child = getattr(exc, "traceback_text", None)
     if child:
         sys.stderr.write(child.rstrip("\n") + "\n")
@@ -411,7 +232,7 @@ def run() -> None:
     of a torchrun job ends through the distributed module (its exit skips a finalization
     that gloo's threads can abort); a command that never imported it started no group."""
     code = main()
-    distributed = sys.modules.get("autofit.distributed")
+    distributed = sys.modules.get("autofit.train.distributed")
     (distributed.exit_process if distributed is not None else sys.exit)(code)
 
 

@@ -9,7 +9,7 @@ Trains the same model from the same initial weights on the same batches with:
 - `bf16-plain`: bf16 weights, PyTorch AdamW (the old bf16-true update);
 - `bf16-kahan`: bf16 weights, torch-optimi AdamW with Kahan summation (its own decay, which
   rounds away on bf16 weights);
-- `bf16-true`: what autofit builds for bf16-true (`autofit.optim.build_optimizer`): the same,
+- `bf16-true`: what autofit builds for bf16-true (`autofit.train.optim.build_optimizer`): the same,
   with the decoupled weight decay added to the compensation buffer;
 - `bf16-sr`: bf16 weights, torchao's AdamW with bf16 stochastic rounding.
 
@@ -31,10 +31,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from autofit.knobs import TrainConfig  # noqa: E402
+from autofit.config.train_config import TrainConfig  # noqa: E402
 from metrics import emit_json  # noqa: E402
-from autofit.runner import Runner  # noqa: E402
-from autofit.spec import load_spec  # noqa: E402
+from autofit.train.runner import Runner  # noqa: E402
+from autofit.config.spec import load_spec  # noqa: E402
 from autofit.workload import build_workload  # noqa: E402
 
 VARIANTS = ("32-true", "bf16-plain", "bf16-kahan", "bf16-true", "bf16-sr")
@@ -42,7 +42,7 @@ VARIANTS = ("32-true", "bf16-plain", "bf16-kahan", "bf16-true", "bf16-sr")
 
 def _optimizer(variant: str, runner: Runner) -> torch.optim.Optimizer:
     """The variant's optimizer over the runner's parameter groups (decay on matrices only)."""
-    from autofit.optim import param_groups
+    from autofit.train.optim import param_groups
 
     spec = runner.spec.optimizer
     groups = param_groups(spec, runner.params)

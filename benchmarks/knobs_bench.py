@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 
 from autofit import __version__
-from autofit.errors import AutofitError
-from autofit.spec import ModelSpec, SearchSpec
-from autofit.knobs import TrainConfig
-from autofit.sizes import format_bytes
-from autofit.trial import measure
-from autofit.tune import search_space, tune
+from autofit.base.errors import AutofitError
+from autofit.config.spec import ModelSpec, SearchSpec
+from autofit.config.train_config import TrainConfig
+from autofit.base.sizes import format_bytes
+from autofit.measure.trial import measure
+from autofit.tuning.space import search_space
+from autofit.tuning.tune import tune
 
 HEAD_TO_HEAD_ROUNDS = 3
 # The opt-in `search` keys and the values `with` searches. Keys this autofit's SearchSpec

@@ -23,13 +23,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import autofit.runner as runner_module  # noqa: E402
-from autofit._trial_child import run_request  # noqa: E402
-from autofit.knobs import TrainConfig  # noqa: E402
-from autofit.optim import build_optimizer  # noqa: E402
+import autofit.train.runner as runner_module  # noqa: E402
+from autofit.measure.child import run_request  # noqa: E402
+from autofit.config.train_config import TrainConfig  # noqa: E402
+from autofit.train.optim import build_optimizer  # noqa: E402
 from autofit.search.health import LOSS_CURVE_WINDOW_STEPS, loss_curve_gap  # noqa: E402
-from autofit.spec import load_spec  # noqa: E402
-from autofit.trial import trial_request  # noqa: E402
+from autofit.config.spec import load_spec  # noqa: E402
+from autofit.measure.trial import trial_request  # noqa: E402
 
 
 def _plain_bf16(spec, params, *, config, device):

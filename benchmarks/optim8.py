@@ -28,11 +28,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from autofit.knobs import TrainConfig  # noqa: E402
+from autofit.config.train_config import TrainConfig  # noqa: E402
 from metrics import emit_json  # noqa: E402
-from autofit.optim import param_groups  # noqa: E402
-from autofit.runner import Runner  # noqa: E402
-from autofit.spec import load_spec  # noqa: E402
+from autofit.train.optim import param_groups  # noqa: E402
+from autofit.train.runner import Runner  # noqa: E402
+from autofit.config.spec import load_spec  # noqa: E402
 from autofit.workload import build_workload  # noqa: E402
 
 VARIANTS = ("adamw-32", "bnb-8bit", "torchao-8bit")

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from autofit.knobs import TrainConfig, apply_config
-from autofit.runner import Runner, resolve_device
-from autofit.spec import load_spec
+from autofit.config.train_config import TrainConfig
+from autofit.train.knobs import apply_config
+from autofit.train.runner import resolve_device, Runner
+from autofit.config.spec import load_spec
 from autofit.workload import build_workload
 
 _AUTOCAST = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from autofit.knobs import TrainConfig
-from autofit.runner import Runner, resolve_device
-from autofit.spec import load_spec
+from autofit.config.train_config import TrainConfig
+from autofit.train.runner import resolve_device, Runner
+from autofit.config.spec import load_spec
 from autofit.workload import build_workload
 
 VARIANTS = {  # name: (data.padding, length_bucketing)

@@ -7,8 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from autofit._io import atomic_write_text
-from autofit.errors import AutofitError
+from autofit.base.atomic import atomic_write_text
+from autofit.base.errors import AutofitError
 
 _started = time.monotonic()
 

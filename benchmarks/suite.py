@@ -38,15 +38,17 @@ from loguru import logger
 
 from autofit import __version__
 from autofit.device.probe import DeviceInfo, select_device, usable_budget_bytes
-from autofit.errors import AutofitError
-from autofit.estimate import EstimateError, estimate_memory
-from autofit.knobs import TrainConfig
-from autofit.precision import unsupported_reason
+from autofit.base.errors import AutofitError
+from autofit.measure.estimate import estimate_memory, EstimateError
+from autofit.config.train_config import TrainConfig
+from autofit.device.support import unsupported_reason
 from autofit.search import FIRST_LOSS_RTOL, REFERENCE_PRECISIONS
-from autofit.sizes import format_bytes, parse_size
-from autofit.spec import ModelSpec, load_spec
-from autofit.trial import measure
-from autofit.tune import default_state_dir, search_space, tune
+from autofit.base.sizes import format_bytes, parse_size
+from autofit.config.spec import load_spec, ModelSpec
+from autofit.measure.trial import measure
+from autofit.base.paths import default_state_dir
+from autofit.tuning.space import search_space
+from autofit.tuning.tune import tune
 from autofit.workload import build_workload
 
 import knobs_bench  # benchmarks/, beside this file

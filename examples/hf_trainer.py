@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 import autofit
-from autofit.export import hf_notes, to_hf_training_args
-from autofit.knobs import apply_freezing
+from autofit.profiles.export import hf_notes, to_hf_training_args
+from autofit.train.knobs import apply_freezing
 
 try:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments

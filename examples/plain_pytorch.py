@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import autofit
-from autofit.plan import TrainingPlan
+from autofit.train.plan import TrainingPlan
 from autofit.workload.zoo import gpt
 
 HERE = Path(__file__).resolve().parent

@@ -84,7 +84,7 @@ def journal():
 
     from loguru import logger
 
-    from autofit import logs
+    from autofit.base import logs
 
     buffer = io.StringIO()
 

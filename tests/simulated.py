@@ -29,9 +29,9 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 
-from autofit.knobs import TrainConfig
+from autofit.config.train_config import TrainConfig
 from autofit.search import SearchSpace
-from autofit.trial import Measurement
+from autofit.measure.measurement import Measurement
 
 GiB = 2**30
 HALF = ("16-mixed", "bf16-mixed", "bf16-true")

@@ -190,7 +190,7 @@ def _knobs_bench():
 
 def test_knobs_bench_adds_what_the_model_can_use_and_says_why_not_the_rest():
     from autofit.device.probe import cpu_device
-    from autofit.spec import parse_spec
+    from autofit.config.spec import parse_spec
     from conftest import REPO, tiny_gpt_dict
 
     knobs_bench = _knobs_bench()

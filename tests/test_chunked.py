@@ -4,11 +4,11 @@ gradients against the plain loss's, and the peak it removes as the estimator pre
 import pytest
 import torch
 
-from autofit.errors import SpecError
-from autofit.estimate import estimate_memory
-from autofit.knobs import TrainConfig
-from autofit.runner import Runner
-from autofit.spec import load_spec, parse_spec
+from autofit.base.errors import SpecError
+from autofit.measure.estimate import estimate_memory
+from autofit.config.train_config import TrainConfig
+from autofit.train.runner import Runner
+from autofit.config.spec import load_spec, parse_spec
 from autofit.workload import build_workload
 from autofit.workload.chunked import chunked_lm_loss, chunked_text_lm_loss, hf_chunkable
 from autofit.workload.text import IGNORE_INDEX, text_lm_loss
@@ -87,7 +87,7 @@ def test_hf_causal_lm_and_text_losses_match_their_plain_forms(one_thread):
 
 def test_offered_only_where_the_workload_is_a_language_model(tmp_path):
     from autofit.device.probe import cpu_device
-    from autofit.tune import search_space
+    from autofit.tuning.space import search_space
 
     mlp = tiny_gpt_dict(model={"builtin": "mlp", "args": {"in_features": 8, "hidden": 16, "n_layer": 2,
                                                           "n_classes": 4}},
@@ -115,7 +115,7 @@ def test_a_budget_only_the_chunked_loss_meets_is_tuned_trained_and_applied(tmp_p
 
     import autofit
     from autofit.device.memory import LiveBytesTracker
-    from autofit.profile import Profile
+    from autofit.profiles.profile import Profile
     from conftest import run_cli
 
     args = {"n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": 4096, "seq_len": 64}

@@ -26,7 +26,7 @@ import yaml
 from autofit.cli import main
 from autofit.service.daemon import Service
 from autofit.device.probe import emulated_device
-from autofit.errors import DeviceError, SpecError
+from autofit.base.errors import DeviceError, SpecError
 from autofit.service.inventory import Activity, FileInventory, Gpu, NvmlInventory, descendant_pids
 from autofit.service.notify import notify, watchdog_interval_s
 from autofit.service.config import load_service_config
@@ -277,7 +277,7 @@ def test_sigterm_mid_tune_exits_cleanly_and_a_restart_resumes_the_study(tmp_path
 
 _CRASHING_WRITER = textwrap.dedent("""
     import os, sys, time
-    from autofit._io import atomic_write
+    from autofit.base.atomic import atomic_write
 
     def write(f):
         f.write(b"schema: 1\\nmodel: {name: half")
@@ -456,7 +456,7 @@ class TwoGpus(FakeNvml):
 def test_two_gpus_of_a_kind_get_a_two_rank_profile_tuned_on_both(tmp_path, monkeypatch):
     """Besides the one-GPU profile, a pair over both GPUs (`…-x2`): it waits until both are
     idle, tunes on both (torchrun ranks on CUDA 0 and 1), and another job on either stops it."""
-    from autofit.errors import NothingFitsError
+    from autofit.base.errors import NothingFitsError
 
     config = write_config(tmp_path)
     write_spec(tmp_path / "models", model("alpha"), "alpha.yaml")
@@ -543,7 +543,7 @@ def test_a_missing_config_names_the_file():
 
 
 def _status_row(service, model_name: str) -> str:
-    from autofit.service.state import render_status
+    from autofit.service.status import render_status
 
     text = render_status({**service._state(), "service": {"alive": True, "healthy": True}})
     return next(line for line in text.splitlines() if line.strip().startswith(model_name))
@@ -551,7 +551,7 @@ def _status_row(service, model_name: str) -> str:
 
 def test_timeouts_and_crashes_are_retried_with_back_off_then_given_up(tmp_path, monkeypatch):
     from autofit.service import job as service_job
-    from autofit.errors import TrialTimeoutError
+    from autofit.base.errors import TrialTimeoutError
 
     now = [1_000_000.0]
     monkeypatch.setattr("autofit.service.daemon.time.time", lambda: now[0])
@@ -593,7 +593,7 @@ def test_timeouts_and_crashes_are_retried_with_back_off_then_given_up(tmp_path, 
 
 
 def test_a_measured_nothing_fits_is_final_and_an_interruption_backs_off(tmp_path, monkeypatch):
-    from autofit.errors import NothingFitsError
+    from autofit.base.errors import NothingFitsError
 
     service, started = _service_with_a_fake_gpu(tmp_path, monkeypatch)
     service._poll()
@@ -622,7 +622,7 @@ def test_a_measured_nothing_fits_is_final_and_an_interruption_backs_off(tmp_path
 def test_a_spec_error_in_the_models_folder_is_one_log_line(tmp_path, monkeypatch, journal):
     """Found when the folder is read (once, however many polls), or only when the model is
     built in a tune: either way one line naming the file and the key, no traceback."""
-    from autofit.errors import SpecError
+    from autofit.base.errors import SpecError
 
     out = journal()
     config = write_config(tmp_path)

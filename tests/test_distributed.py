@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from autofit.errors import ProfileError, SpecError
-from autofit.knobs import TrainConfig, with_overrides
-from autofit.runner import Runner, train
-from autofit.spec import load_spec
+from autofit.base.errors import ProfileError, SpecError
+from autofit.config.train_config import TrainConfig, with_overrides
+from autofit.train.runner import Runner
+from autofit.train.loop import train
+from autofit.config.spec import load_spec
 from autofit.workload import build_workload
 from conftest import FIXTURES, REPO, tiny_gpt_dict, write_spec
 
@@ -76,7 +77,7 @@ def test_a_distributed_profile_outside_torchrun_names_the_launch_command(tmp_pat
     config = TrainConfig(micro_batch_size=4, parallelism="fsdp", world_size=2)
     with pytest.raises(ProfileError, match="torchrun --nproc-per-node 2"):
         Runner(spec, build_workload(spec), config, device=torch.device("cpu"))
-    from autofit.plan import TrainingPlan
+    from autofit.train.plan import TrainingPlan
 
     with pytest.raises(ProfileError, match="needs a process group"):
         TrainingPlan(build_workload(spec).build_model(), config)
@@ -138,7 +139,7 @@ def test_torchrun_autofit_train_fsdp_resumes_from_a_sharded_checkpoint(tmp_path)
 
 
 def _profile_file(folder: Path, spec, config: TrainConfig) -> Path:
-    from autofit.profile import Measured, Profile, ProfileDevice, ProfileModel, SearchSummary
+    from autofit.profiles.profile import Measured, Profile, ProfileDevice, ProfileModel, SearchSummary
 
     profile = Profile(
         model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
@@ -199,7 +200,7 @@ def test_a_rank_s_exit_still_joins_threads_runs_atexit_and_flushes(tmp_path):
         import atexit, sys, threading, time
         from pathlib import Path
         import torch
-        from autofit import distributed
+        from autofit.train import distributed
 
         folder = Path({str(tmp_path)!r})
         distributed.init_process_group(torch.device("cpu"), timeout_s=30)
@@ -233,7 +234,7 @@ def _ours(marker: str) -> list[int]:
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_trial_fails_that_trial_only_and_leaves_no_process(tmp_path, monkeypatch):
-    from autofit.trial import measure
+    from autofit.measure.trial import measure
 
     marker = f"AUTOFIT_TEST_{uuid.uuid4().hex}"
     monkeypatch.setenv(marker, "1")
@@ -261,7 +262,7 @@ GPT_7B = {"builtin": "gpt", "args": {"n_layer": 32, "n_head": 32, "n_embd": 4096
 def test_estimate_7b_fsdp_over_8_ranks_is_16_bytes_per_param_over_8(tmp_path):
     """bf16-mixed AdamW keeps fp32 weights (4 B), fp32 gradients (4 B) and two fp32 moments
     (8 B) per parameter; FSDP2 over 8 ranks holds an eighth of each. No GPU, no weights."""
-    from autofit.estimate import estimate_memory
+    from autofit.measure.estimate import estimate_memory
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(name="gpt-7b", model=GPT_7B, train={"global_batch_size": 8})))
     config = TrainConfig(precision="bf16-mixed", micro_batch_size=1, parallelism="fsdp", world_size=8)
@@ -278,7 +279,7 @@ def test_estimate_7b_fsdp_over_8_ranks_is_16_bytes_per_param_over_8(tmp_path):
 
 
 def test_estimate_orders_the_strategies_by_what_they_keep(tmp_path):
-    from autofit.estimate import estimate_memory
+    from autofit.measure.estimate import estimate_memory
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(model={"builtin": "gpt", "args": {
         "n_layer": 4, "n_head": 2, "n_embd": 64, "vocab_size": 256, "seq_len": 8}})))
@@ -319,7 +320,7 @@ def test_nproc_adds_the_strategies_and_their_memory_knobs_to_the_space():
 
 
 def test_exports_carry_the_strategy_and_the_launch_command(tmp_path):
-    from autofit.export import render, to_hf_training_args, to_lightning
+    from autofit.profiles.export import render, to_hf_training_args, to_lightning
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
     fsdp = TrainConfig(micro_batch_size=2, grad_accum_steps=2, parallelism="fsdp", world_size=2,
@@ -332,7 +333,7 @@ def test_exports_carry_the_strategy_and_the_launch_command(tmp_path):
     assert to_hf_training_args(TrainConfig(micro_batch_size=4, parallelism="ddp", world_size=2))["ddp_bucket_cap_mb"] == 25
     assert "strategy" not in to_lightning(TrainConfig(micro_batch_size=8))
     profile = _profile_file(tmp_path, spec, fsdp)
-    from autofit.profile import Profile
+    from autofit.profiles.profile import Profile
 
     env = render(Profile.load(profile), "env")
     assert "# run: torchrun --standalone --nproc-per-node 2 -m autofit train MODEL_YAML --profile tiny--cpu.yaml" in env
@@ -340,7 +341,7 @@ def test_exports_carry_the_strategy_and_the_launch_command(tmp_path):
 
 
 def test_the_store_lists_each_profile_s_world_size(tmp_path):
-    from autofit.store import list_rows, render_table
+    from autofit.profiles.store import list_rows, render_table
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
     store = tmp_path / "profiles"
@@ -379,7 +380,7 @@ def test_tune_nproc_2_picks_a_strategy_by_measurement_and_torchrun_trains_inside
     at_8 = {(t["config"]["parallelism"], t["status"]) for t in trials if t["config"]["micro_batch_size"] == 8}
     assert ("fsdp", "ok") in at_8 and ("ddp", "ok") not in at_8, at_8
     assert any(t["config"]["parallelism"] == "ddp" and t["status"] == "ok" for t in trials), trials
-    from autofit.profile import Profile
+    from autofit.profiles.profile import Profile
 
     profile = Profile.load(summary["profile_path"])
     assert profile.file_name.endswith("-x2.yaml")
@@ -399,7 +400,7 @@ def test_fsdp_fp16_skips_steps_on_every_rank_together():
     ranks, so the scaler is torch's ShardedGradScaler (it all-reduces found-inf)."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from autofit.distributed import grad_scaler
+    from autofit.train.distributed import grad_scaler
 
     fp16 = torch.amp.GradScaler("cpu", enabled=True)
     fsdp = TrainConfig(micro_batch_size=1, parallelism="fsdp", world_size=2, precision="16-mixed")

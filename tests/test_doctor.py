@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from autofit.doctor import CHECK_NAMES, FAULT_ENV, run_doctor
+from autofit.doctor._base import FAULT_ENV
+from autofit.doctor.names import CHECK_NAMES
+from autofit.doctor.run import run_doctor
 from autofit.doctor._base import Context, fault_mode, run_check
 from autofit.doctor.checks import CHECKS, compare_inventories
 from autofit.doctor.training import adamw_step_difference, attention_backend, estimate_errors
@@ -154,7 +156,7 @@ def test_the_fault_variable_names_checks_and_modes():
 def test_a_fused_optimizer_step_is_compared_with_torchs_per_parameter_adamw():
     # The fused kernel exists on the CPU too, so the comparison the GPU check makes runs here.
     from autofit.doctor._base import example_spec
-    from autofit.optim import param_groups
+    from autofit.train.optim import param_groups
 
     spec = example_spec().optimizer
     torch.manual_seed(0)

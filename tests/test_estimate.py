@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from autofit._trial_child import run_request
-from autofit.estimate import EstimateError, estimate_memory, max_micro_batch_size
-from autofit.knobs import TrainConfig
-from autofit.spec import load_spec
+from autofit.measure.child import run_request
+from autofit.measure.estimate import estimate_memory, EstimateError, max_micro_batch_size
+from autofit.config.train_config import TrainConfig
+from autofit.config.spec import load_spec
 from autofit.workload import build_workload
-from autofit.sizes import format_bytes
+from autofit.base.sizes import format_bytes
 from conftest import faulty_spec, run_cli, run_cli_json, tiny_gpt_dict, write_spec
 
 GPT_7B = {"n_layer": 32, "n_head": 32, "n_embd": 4096, "vocab_size": 32000, "seq_len": 2048}

@@ -6,11 +6,12 @@ import shlex
 import pytest
 import yaml
 
-from autofit.errors import ProfileError
-from autofit.export import hf_notes, lightning_notes, to_env, to_hf_training_args
-from autofit.knobs import TrainConfig
-from autofit.spec import parse_spec
-from autofit.store import ProfileStore, export_command
+from autofit.base.errors import ProfileError
+from autofit.profiles.export import hf_notes, lightning_notes, to_env, to_hf_training_args
+from autofit.config.train_config import TrainConfig
+from autofit.config.spec import parse_spec
+from autofit.profiles.store import ProfileStore
+from autofit.commands.profiles import export_command
 from conftest import REPO, run_cli, tiny_gpt_dict
 from test_profile import make_profile
 
@@ -160,7 +161,7 @@ def test_text_profile_names_its_length_grouping_and_padding(tmp_path, bucketing)
 
 
 def _roundtrip(profile):
-    from autofit.profile import Profile
+    from autofit.profiles.profile import Profile
 
     return Profile.from_dict(yaml.safe_load(profile.to_yaml()))
 

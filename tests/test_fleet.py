@@ -16,7 +16,7 @@ import pytest
 import yaml
 from loguru import logger
 
-from autofit.profile import Profile
+from autofit.profiles.profile import Profile
 from conftest import FIXTURES, REPO, run_main, tiny_gpt_dict, write_spec
 from postgres import postgres_server, postgres_url, wait_until  # noqa: F401  (fixtures)
 
@@ -184,15 +184,15 @@ def test_two_services_sharing_postgres_and_a_store_make_one_profile_per_model(po
     tunes of a model share one study, and one profile per model lands in the shared store;
     `autofit status` of either service says which hosts measured its trials."""
     from autofit.service.daemon import Service
-    from autofit.service.state import status_command
+    from autofit.service.status import status_command
     from test_daemon import H100, model, write_inventory
 
     _simulated(monkeypatch, tmp_path / "trials.jsonl")
     # Each service's first trial of a model waits for the other's: both tunes of a model are
     # then searching the shared study at once, however the two threads' start-up interleaves.
-    import autofit.tune
+    import autofit.tuning.tune
 
-    simulated, started, meet = autofit.tune.measure, set(), {"alpha": threading.Barrier(2), "beta": threading.Barrier(2)}
+    simulated, started, meet = autofit.tuning.tune.measure, set(), {"alpha": threading.Barrier(2), "beta": threading.Barrier(2)}
 
     def measure(spec, config, **kwargs):
         if (threading.get_ident(), spec.name) not in started:
@@ -200,7 +200,7 @@ def test_two_services_sharing_postgres_and_a_store_make_one_profile_per_model(po
             meet[spec.name].wait(timeout=60)
         return simulated(spec, config, **kwargs)
 
-    monkeypatch.setattr(autofit.tune, "measure", measure)
+    monkeypatch.setattr(autofit.tuning.tune, "measure", measure)
     models = tmp_path / "models"
     models.mkdir()
     for name in ("alpha", "beta"):
@@ -299,7 +299,7 @@ def test_a_measurement_whose_trial_was_taken_over_is_kept():
 def test_the_reference_another_worker_is_measuring_is_waited_for_not_measured_again(monkeypatch):
     """The finisher's 32-true reference is the config another worker may be measuring at
     that moment: it waits for that result instead of measuring the config a second time."""
-    from autofit.search import Tuner, loop, make_study, read_records
+    from autofit.search import Tuner, finish, make_study, read_records
     from autofit.search.study import ask
     from simulated import LANDSCAPES
 
@@ -323,7 +323,7 @@ def test_the_reference_another_worker_is_measuring_is_waited_for_not_measured_ag
         if len(waits) == 1:
             other._tell(trial, other._evaluate(trial, config, []))
 
-    monkeypatch.setattr(loop.time, "sleep", wait)
+    monkeypatch.setattr(finish.time, "sleep", wait)
     finisher.ensure_reference()
-    assert waits == [loop.BUSY_WAIT_S]
+    assert waits == [finish.BUSY_WAIT_S]
     assert finisher_calls == [] and [r.config for r in read_records(study)] == [config]

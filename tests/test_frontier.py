@@ -11,14 +11,16 @@ import pytest
 import torch
 import yaml
 
-from autofit.errors import NothingFitsError, ProfileError
-from autofit.frontier import RECHECK_ROUNDS, build_frontier, choose, pareto
-from autofit.knobs import TrainConfig
-from autofit.profile import FrontierPoint, Measured, Profile
+from autofit.base.errors import NothingFitsError, ProfileError
+from autofit.tuning.frontier import build_frontier, pareto, RECHECK_ROUNDS
+from autofit.profiles.fitting import choose
+from autofit.config.train_config import TrainConfig
+from autofit.profiles.profile import FrontierPoint, Measured, Profile
 from autofit.search.study import SearchResult, TrialRecord
-from autofit.spec import parse_spec
-from autofit.store import ProfileStore, show_command
-from autofit.trial import Measurement
+from autofit.config.spec import parse_spec
+from autofit.profiles.store import ProfileStore
+from autofit.commands.profiles import show_command
+from autofit.measure.measurement import Measurement
 from autofit.workload import build_workload
 from conftest import REPO, run_main, tiny_gpt_dict, write_spec
 from test_probe import _fake_nvml, _gpu
@@ -304,7 +306,7 @@ def _simulated_peak_bytes(config) -> int:
 
 
 def _simulated_measure(calls: list):
-    """`autofit.tune.measure` without a child: a peak that grows with the micro batch and
+    """`autofit.tuning.tune.measure` without a child: a peak that grows with the micro batch and
     falls with checkpointing, a throughput that grows with the micro batch and falls with
     checkpointing. Records (config, measure_steps)."""
     def measure(spec, config, *, measure_steps=None, budget_bytes=None, **_):
@@ -322,13 +324,13 @@ def test_the_service_retunes_a_profile_whose_driver_changed_and_validates_its_fr
     re-tunes the pair, and the new profile's frontier is validated on the new driver."""
     from autofit.service.daemon import Service
     from autofit.service.inventory import Gpu
-    from autofit.profile import device_from_info
-    from autofit.spec import load_spec
+    from autofit.profiles.profile import device_from_info
+    from autofit.config.spec import load_spec
     from test_daemon import FakeNvml, model, write_config
 
     calls = []
-    monkeypatch.setattr("autofit.tune.measure", _simulated_measure(calls))
-    monkeypatch.setattr("autofit.tune.estimate_memory",
+    monkeypatch.setattr("autofit.tuning.tune.measure", _simulated_measure(calls))
+    monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
                         lambda spec, config, **_: types.SimpleNamespace(peak_bytes=_simulated_peak_bytes(config)))
     config = write_config(tmp_path)
     spec = load_spec(write_spec(tmp_path / "models", model("alpha", trials=6, patience=6, frontier_points=3),

@@ -4,13 +4,14 @@ trial, and fp16's GradScaler finds its scale before the clock starts."""
 import pytest
 import torch
 
-import autofit._trial_child as trial_child
-import autofit.runner as runner_module
-from autofit.knobs import TrainConfig
-from autofit.precision import PrecisionPolicy
+import autofit.measure.child as trial_child
+import autofit.train.runner as runner_module
+from autofit.config.train_config import TrainConfig
+from autofit.device.precision import PrecisionPolicy
 from autofit.search import TrialRecord, health_problem
-from autofit.spec import load_spec
-from autofit.trial import Measurement, trial_request
+from autofit.config.spec import load_spec
+from autofit.measure.measurement import Measurement
+from autofit.measure.trial import trial_request
 from conftest import tiny_gpt_dict, write_spec
 
 
@@ -94,7 +95,7 @@ def test_persistent_fp16_skipping_is_unhealthy(spec, monkeypatch):
 # --- validation: the winner's loss curve against the reference's --------------------------
 
 def _simulated(validate_steps: int, drift: float):
-    """`autofit.tune.measure` without a child: bf16-mixed is twice as fast as 32-true and its
+    """`autofit.tuning.tune.measure` without a child: bf16-mixed is twice as fast as 32-true and its
     search trials track 32-true's losses; over the validation steps its loss drifts away by
     `drift` (relative, growing linearly), with a spike at step 3 that no healthy curve minds."""
     def measure(spec, config, *, measure_steps=None, budget_bytes=None, **_):
@@ -116,13 +117,13 @@ def test_validation_compares_the_winner_s_loss_curve_with_the_reference_s(tmp_pa
     import types
 
     from autofit.device.probe import cpu_device
-    from autofit.tune import tune
+    from autofit.tuning.tune import tune
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={
         "precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 4, "patience": 4,
         "validate_steps": 20, "frontier_points": 1})))
-    monkeypatch.setattr("autofit.tune.measure", _simulated(20, drift))
-    monkeypatch.setattr("autofit.tune.estimate_memory",
+    monkeypatch.setattr("autofit.tuning.tune.measure", _simulated(20, drift))
+    monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
                         lambda spec, config, **_: types.SimpleNamespace(peak_bytes=1000 * config.micro_batch_size))
     outcome = tune(spec, device=cpu_device(), budget_bytes=10**6, out_dir=tmp_path / "profiles", storage=None,
                    report=False)
@@ -152,8 +153,8 @@ def test_loss_curve_gap_is_the_largest_gap_of_windowed_medians():
 def test_bf16_true_adamw_applies_weight_decay_through_the_kahan_buffer():
     """optimi decays a weight by `p *= 1 - lr*wd`, which rounds back to a bf16 weight; autofit
     adds the decay to the compensation buffer instead, so bf16-true decays as fp32 AdamW does."""
-    from autofit.optim import build_optimizer
-    from autofit.spec import OptimizerSpec
+    from autofit.train.optim import build_optimizer
+    from autofit.config.spec import OptimizerSpec
 
     spec = OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1)
     w0 = torch.randn(10, 100, generator=torch.Generator().manual_seed(0)) * 0.02

@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from autofit.errors import SpecError
-from autofit.estimate import estimate_memory
-from autofit.knobs import TrainConfig, with_overrides
-from autofit.optim import OptimizerMissingError, build_optimizer
-from autofit.runner import Runner
-from autofit.spec import load_spec
+from autofit.base.errors import SpecError
+from autofit.measure.estimate import estimate_memory
+from autofit.config.train_config import TrainConfig, with_overrides
+from autofit.train.optim import build_optimizer, OptimizerMissingError
+from autofit.train.runner import Runner
+from autofit.config.spec import load_spec
 from autofit.workload import build_workload
 from conftest import tiny_gpt_dict, write_spec
 from test_estimate import GPT_7B, _tracked_peak
@@ -84,7 +84,7 @@ def test_state_bytes_are_predicted_exactly_and_the_peak_drops_as_predicted(wide_
 
 
 def test_7b_model_states_with_8bit_adamw(tmp_path):
-    from autofit.estimate import estimate_command  # `autofit estimate`'s function, without a process
+    from autofit.commands.estimate import estimate_command  # `autofit estimate`'s function, without a process
 
     spec_path = write_spec(tmp_path, tiny_gpt_dict(model={"builtin": "gpt", "args": GPT_7B},
                                                    train={"global_batch_size": 1}))

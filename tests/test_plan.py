@@ -6,12 +6,13 @@ import pytest
 import torch
 
 import autofit
-from autofit.errors import ProfileError
-from autofit.knobs import TrainConfig
-from autofit.optim import build_optimizer, implementation
-from autofit.runner import step_generator, train
-from autofit.spec import load_spec, parse_spec
-from autofit.store import ProfileStore
+from autofit.base.errors import ProfileError
+from autofit.config.train_config import TrainConfig
+from autofit.train.optim import build_optimizer, implementation
+from autofit.train.runner import step_generator
+from autofit.train.loop import train
+from autofit.config.spec import load_spec, parse_spec
+from autofit.profiles.store import ProfileStore
 from autofit.workload import build_workload, split_batch
 from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
 from test_profile import make_profile
@@ -174,7 +175,7 @@ def test_apply_warns_when_the_optimizer_is_not_the_one_measured():
 
 
 def test_flags_changed_by_apply_are_restored_when_the_plan_is_closed():
-    from autofit.precision import process_flags
+    from autofit.device.precision import process_flags
 
     spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
     before = process_flags()

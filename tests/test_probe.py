@@ -16,7 +16,7 @@ from autofit.device.probe import (
     select_device,
     usable_budget_bytes,
 )
-from autofit.errors import DeviceError
+from autofit.base.errors import DeviceError
 from conftest import run_cli
 
 GiB = 2**30

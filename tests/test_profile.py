@@ -7,12 +7,12 @@ import torch
 import yaml
 
 from autofit.device.probe import cpu_device
-from autofit.errors import ProfileError
-from autofit.knobs import TrainConfig
-from autofit.optim import build_optimizer, implementation
-from autofit.precision import get_policy
-from autofit.profile import Measured, Profile, ProfileModel, SearchSummary, TrainingSetup, device_from_info, utc_now
-from autofit.spec import parse_spec
+from autofit.base.errors import ProfileError
+from autofit.config.train_config import TrainConfig
+from autofit.train.optim import build_optimizer, implementation
+from autofit.device.precision import get_policy
+from autofit.profiles.profile import device_from_info, Measured, Profile, ProfileModel, SearchSummary, TrainingSetup, utc_now
+from autofit.config.spec import parse_spec
 from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
 
 

@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-import autofit.workload
-from autofit.commands import train_command
-from autofit.knobs import TrainConfig
-from autofit.recover import Demotion, halved
-from autofit.optim import build_optimizer
-from autofit.runner import train
-from autofit.spec import load_spec
-from autofit.store import read_demotions, record_demotion
+import autofit.commands.train
+from autofit.commands.train import train_command
+from autofit.config.train_config import TrainConfig
+from autofit.train.recover import Demotion, halved
+from autofit.train.optim import build_optimizer
+from autofit.train.loop import train
+from autofit.config.spec import load_spec
+from autofit.profiles.demotions import read_demotions, record_demotion
 from autofit.workload import build_workload
 from conftest import write_spec
 from test_profile import make_profile
@@ -68,11 +68,11 @@ def test_train_survives_an_oom_and_matches_a_run_at_the_halved_micro_batch(tmp_p
 
     # The second micro batch of step OOM_STEP runs out of memory: the first one's gradients
     # are already accumulated, so the step must clear them to be done again exactly.
-    real_build = autofit.workload.build_workload
-    monkeypatch.setattr(autofit.workload, "build_workload", lambda s: dataclasses.replace(
+    real_build = autofit.commands.train.build_workload
+    monkeypatch.setattr(autofit.commands.train, "build_workload", lambda s: dataclasses.replace(
         real_build(s), loss_fn=OutOfMemoryAt(real_build(s).loss_fn, at=2 * OOM_STEP + 2)))
     metrics = train_command(spec_path, profile=profile_path, checkpoint_dir=tmp_path / "recovered", progress=False)
-    monkeypatch.setattr(autofit.workload, "build_workload", real_build)
+    monkeypatch.setattr(autofit.commands.train, "build_workload", real_build)
 
     assert metrics["steps"] == STEPS and metrics["config"] == SMALL.to_dict()
     assert [(d["step"], d["from_config"], d["to_config"]) for d in metrics["demotions"]] == [
@@ -149,7 +149,7 @@ def test_unreadable_demotions_are_kept_aside(tmp_path):
 def test_train_under_a_tight_budget_demotes_and_stays_within_it(tmp_path, capsys):
     """A real out-of-memory error on the CPU: the tracker refuses the allocation that would
     cross --memory-budget, the step is done again at mb=4, and the peak stays within it."""
-    from autofit.estimate import estimate_memory
+    from autofit.measure.estimate import estimate_memory
     from conftest import run_main
 
     spec_path = write_spec(tmp_path, text_spec_dict(train={"global_batch_size": 8, "steps": 2}))
@@ -168,8 +168,8 @@ def test_train_under_a_tight_budget_demotes_and_stays_within_it(tmp_path, capsys
 def test_a_plan_does_not_demote_below_the_profile_s_micro_batch_floor(tmp_path):
     """A BatchNorm model's profile records its floor; below it the step would train on other
     statistics, so an out-of-memory step there ends the loop instead."""
-    from autofit.recover import StepOutOfMemory
-    from autofit.runner import step_generator
+    from autofit.train.recover import StepOutOfMemory
+    from autofit.train.runner import step_generator
     from conftest import tiny_gpt_dict
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))

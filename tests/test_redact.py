@@ -2,7 +2,7 @@
 
 import pytest
 
-from autofit.redact import redact_text, redact_url
+from autofit.base.redact import redact_text, redact_url
 
 SECRETS = ("s3cret", "p@ss", "p:ss", "p/ss", "a%40b%3Ac%2F", "x?y", "hunter2")
 

@@ -21,11 +21,11 @@ import yaml
 
 import autofit
 from autofit.device.probe import cpu_device, emulated_device, with_memory_budget
-from autofit.errors import ProfileError
-from autofit.knobs import TrainConfig
-from autofit.sizes import parse_size
-from autofit.spec import divisors, parse_spec
-from autofit.store import ProfileStore
+from autofit.base.errors import ProfileError
+from autofit.config.train_config import TrainConfig
+from autofit.base.sizes import parse_size
+from autofit.config.spec import divisors, parse_spec
+from autofit.profiles.store import ProfileStore
 from conftest import FIXTURES, REPO, left_behind, run_main, tiny_gpt_dict, write_spec
 from test_profile import make_profile
 
@@ -231,12 +231,12 @@ def test_sizes_that_are_not_sizes_are_errors(text):
 @pytest.mark.parametrize("name,ok", [("gpt-small.v2", True), ("evil\n", False), ("a" * 96, True), ("a" * 97, False),
                                      ("-leading-dash", False), ("a/b", False)])
 def test_spec_names_fit_a_file_name(name, ok, tmp_path):
-    from autofit.errors import SpecError
+    from autofit.base.errors import SpecError
 
     if ok:
-        from autofit._io import atomic_write_text
+        from autofit.base.atomic import atomic_write_text
         from autofit.device.probe import MAX_DEVICE_NAME_CHARS, slugify
-        from autofit.store import demotions_path
+        from autofit.profiles.demotions import demotions_path
 
         spec = parse_spec(tiny_gpt_dict(name=name), source_dir=tmp_path)
         # The longest file the store writes: the demotions record of a profile tuned under a
@@ -249,8 +249,8 @@ def test_spec_names_fit_a_file_name(name, ok, tmp_path):
 
 
 def test_estimate_keeps_the_specs_memory_headroom_free(tmp_path, capsys):
-    from autofit.estimate import estimate_memory
-    from autofit.spec import load_spec
+    from autofit.measure.estimate import estimate_memory
+    from autofit.config.spec import load_spec
 
     path = _spec(tmp_path, train={"global_batch_size": 2}, search={"memory_headroom": 0.2})
     peak = estimate_memory(load_spec(path), TrainConfig(micro_batch_size=2)).peak_bytes
@@ -276,11 +276,12 @@ def test_debug_shows_the_users_traceback(tmp_path, capsys):
 def test_a_trial_childs_user_error_keeps_its_traceback_for_debug(tmp_path, capsys):
     """The child's side in this process (the table runs a real child): the user's error is
     marked as input, with their traceback, and the parent prints it under --debug."""
-    from autofit._trial_child import run_request
+    from autofit.measure.child import run_request
     from autofit.cli import _print_traceback
-    from autofit.errors import InputError
-    from autofit.spec import load_spec
-    from autofit.trial import Measurement, raise_input_error
+    from autofit.base.errors import InputError
+    from autofit.config.spec import load_spec
+    from autofit.measure.measurement import Measurement
+    from autofit.measure.trial import raise_input_error
 
     spec = load_spec(_user_code_spec(tmp_path, model="faulty:raise_"))
     out = run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "device": "cpu",
@@ -306,7 +307,7 @@ def _trial_children(folder: Path) -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if "autofit._trial_child" in cmdline and str(folder) in cmdline and state != "Z":
+        if "autofit.measure.child" in cmdline and str(folder) in cmdline and state != "Z":
             pids.append(int(proc.name))
     return pids
 
@@ -361,11 +362,11 @@ def test_a_signal_while_the_child_is_being_started_still_kills_it(tmp_path, monk
     from within Popen just after the child exists."""
     import tempfile
 
-    from autofit import stopping
+    from autofit.base import stopping
     from autofit.doctor import run as doctor_run
-    from autofit.trial import measure
+    from autofit.measure.trial import measure
 
-    module = doctor_run if where == "doctor" else autofit.trial
+    module = doctor_run if where == "doctor" else autofit.measure.trial
     started, real_popen = [], subprocess.Popen
 
     def popen_then_signal(*args, **kwargs):

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from autofit.knobs import TrainConfig
-from autofit.runner import train
-from autofit.spec import parse_spec
+from autofit.config.train_config import TrainConfig
+from autofit.train.loop import train
+from autofit.config.spec import parse_spec
 from autofit.workload import build_workload
 from conftest import EXAMPLES, REPO, run_cli, tiny_gpt_dict, write_spec
 

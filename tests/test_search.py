@@ -4,11 +4,11 @@ resume from a stored study."""
 import optuna
 import pytest
 
-from autofit.knobs import TrainConfig
+from autofit.config.train_config import TrainConfig
 from autofit.search import MemoryModel, SearchSpace, TrialRecord, Tuner, make_study
 from autofit.search.memory import fit_points
-from autofit.spec import SearchSpec
-from autofit.trial import Measurement
+from autofit.config.spec import SearchSpec
+from autofit.measure.measurement import Measurement
 from simulated import GiB, LANDSCAPES, Landscape
 
 DEFAULTS = SearchSpec()  # the budget a user gets: 40 trials, patience 12
@@ -210,8 +210,8 @@ def test_a_model_that_fails_to_compile_is_searched_eagerly_from_then_on():
 def test_search_space_for_python_data(tmp_path):
     """The block count is read from a meta-device model; a python dataset still samples real data."""
     from autofit.device.probe import cpu_device
-    from autofit.spec import load_spec
-    from autofit.tune import search_space
+    from autofit.config.spec import load_spec
+    from autofit.tuning.space import search_space
     from conftest import FIXTURES, tiny_gpt_dict, write_spec
 
     spec_dict = tiny_gpt_dict(data={"kind": "python", "factory": "faulty:dataset", "seq_len": 16})
@@ -251,9 +251,9 @@ def test_a_batchnorm_model_never_searches_below_its_micro_batch_floor():
     import torch
 
     from autofit.device.probe import cpu_device
-    from autofit.runner import Runner
-    from autofit.spec import parse_spec
-    from autofit.tune import search_space
+    from autofit.train.runner import Runner
+    from autofit.config.spec import parse_spec
+    from autofit.tuning.space import search_space
     from autofit.workload import build_workload, split_batch
     from conftest import REPO, tiny_gpt_dict
 
@@ -349,8 +349,8 @@ def test_a_batchnorm_model_s_profile_says_which_floor_and_why(tmp_path, monkeypa
     import types
 
     from autofit.device.probe import cpu_device
-    from autofit.spec import load_spec
-    from autofit.tune import tune
+    from autofit.config.spec import load_spec
+    from autofit.tuning.tune import tune
     from conftest import tiny_gpt_dict, write_spec
     from test_health import _simulated
 
@@ -364,8 +364,8 @@ def test_a_batchnorm_model_s_profile_says_which_floor_and_why(tmp_path, monkeypa
         measured.append(config)
         return simulated(spec, config, **kwargs)
 
-    monkeypatch.setattr("autofit.tune.measure", measure)
-    monkeypatch.setattr("autofit.tune.estimate_memory",
+    monkeypatch.setattr("autofit.tuning.tune.measure", measure)
+    monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
                         lambda spec, config, **_: types.SimpleNamespace(peak_bytes=1000 * config.micro_batch_size))
     profile = tune(spec, device=cpu_device(), budget_bytes=10**6, out_dir=tmp_path / "profiles", storage=None,
                    report=False).profile

@@ -17,12 +17,13 @@ import time
 import pytest
 
 from autofit.device.probe import emulated_device
-from autofit.errors import DeviceError
+from autofit.base.errors import DeviceError
 from autofit.service.inventory import Activity, FileInventory, Gpu
-from autofit.knobs import TrainConfig
-from autofit.service.guard import CLAIM_GRACE_S, PidRule, TrialGuard, claim_cuda_context
-from autofit.spec import load_spec
-from autofit.trial import measure
+from autofit.config.train_config import TrainConfig
+from autofit.service.guard import CLAIM_GRACE_S, PidRule, TrialGuard
+from autofit.measure.claims import claim_cuda_context
+from autofit.config.spec import load_spec
+from autofit.measure.trial import measure
 from conftest import faulty_spec
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": "80GiB"}

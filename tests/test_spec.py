@@ -2,8 +2,8 @@
 
 import pytest
 
-from autofit.errors import SpecError
-from autofit.spec import load_spec, parse_spec
+from autofit.base.errors import SpecError
+from autofit.config.spec import load_spec, parse_spec
 from conftest import REPO, run_cli, run_main, tiny_gpt_dict, write_spec
 
 def _with(key: str, value) -> dict:

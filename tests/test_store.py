@@ -9,10 +9,10 @@ from loguru import logger
 
 import autofit
 from autofit.device.probe import cpu_device
-from autofit.errors import ProfileError
-from autofit.knobs import TrainConfig
-from autofit.spec import load_spec, parse_spec
-from autofit.store import ProfileStore
+from autofit.base.errors import ProfileError
+from autofit.config.train_config import TrainConfig
+from autofit.config.spec import load_spec, parse_spec
+from autofit.profiles.store import ProfileStore
 from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
 from test_profile import make_profile
 
@@ -64,7 +64,7 @@ def test_lookup_picks_this_devices_profile(store, warnings):
 
 def test_store_root_defaults_to_env_then_profiles(monkeypatch, tmp_path, spec):
     monkeypatch.delenv("AUTOFIT_STORE", raising=False)
-    assert ProfileStore().root == autofit.store.Path("profiles")
+    assert ProfileStore().root == autofit.profiles.store.Path("profiles")
     monkeypatch.setenv("AUTOFIT_STORE", str(tmp_path / "elsewhere"))
     path = ProfileStore().save(make_profile(spec, TrainConfig(micro_batch_size=8)))
     assert path == tmp_path / "elsewhere" / "tiny--cpu.yaml"

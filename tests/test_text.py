@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from autofit.spec import parse_spec
+from autofit.config.spec import parse_spec
 from autofit.workload import build_workload, text
 from conftest import EXAMPLES, run_main, tiny_gpt_dict, write_spec
 
@@ -149,12 +149,12 @@ def test_tune_fits_the_longest_batch_and_an_epoch_stays_within_budget(tmp_path):
     A demotion recorded beside the profile is where the tune starts, and the config it left
     is not chosen again."""
     from autofit.device.probe import select_device
-    from autofit.estimate import estimate_memory
-    from autofit.knobs import TrainConfig
-    from autofit.recover import Demotion
-    from autofit.runner import train
-    from autofit.store import record_demotion
-    from autofit.tune import tune
+    from autofit.measure.estimate import estimate_memory
+    from autofit.config.train_config import TrainConfig
+    from autofit.train.recover import Demotion
+    from autofit.train.loop import train
+    from autofit.profiles.demotions import record_demotion
+    from autofit.tuning.tune import tune
 
     spec = parse_spec(text_spec_dict(train={"global_batch_size": 16}, search={
         "precisions": ["32-true", "bf16-mixed"], "trials": 4, "patience": 3, "warmup_steps": 0,
@@ -184,7 +184,7 @@ def test_tune_fits_the_longest_batch_and_an_epoch_stays_within_budget(tmp_path):
 
 def test_bucketing_is_searched_only_where_it_can_help(tmp_path):
     from autofit.device.probe import select_device
-    from autofit.tune import search_space
+    from autofit.tuning.space import search_space
 
     cpu = select_device("cpu")
     for data, searched in (({}, True), ({"padding": "max_length"}, False), ({"packing": True}, False)):

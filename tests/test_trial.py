@@ -7,9 +7,10 @@ import threading
 import pytest
 import yaml
 
-from autofit.knobs import TrainConfig
-from autofit.spec import load_spec
-from autofit.trial import Measurement, measure
+from autofit.config.train_config import TrainConfig
+from autofit.config.spec import load_spec
+from autofit.measure.measurement import Measurement
+from autofit.measure.trial import measure
 from conftest import faulty_spec, run_cli, tiny_gpt_dict, write_spec
 
 CLI_KEYS = {"status", "peak_memory_bytes", "peak_allocated_bytes", "budget_bytes", "samples_per_s",
@@ -60,7 +61,7 @@ def test_compiled_trial_reports_compile_time_apart_and_times_no_recompile(tiny_s
 def test_a_compile_failure_is_a_trial_status(tmp_path):
     import torch
 
-    from autofit._trial_child import run_request
+    from autofit.measure.child import run_request
 
     # The model reads a value in forward (.item()): a graph break, which fullgraph refuses.
     spec = load_spec(faulty_spec(tmp_path, "item"))
@@ -149,7 +150,7 @@ def test_cli_trial_bad_input_is_one_line(tiny_spec_path):
 
 def test_spec_round_trips_through_the_request(tmp_path):
     # The child rebuilds the spec from to_dict() and its folder: it must be the same spec.
-    from autofit.spec import parse_spec
+    from autofit.config.spec import parse_spec
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
     again = parse_spec(yaml.safe_load(yaml.safe_dump(spec.to_dict())), source_dir=spec.source_dir)
@@ -168,8 +169,8 @@ def test_a_killed_parent_takes_its_trial_child_and_folder_with_it(tmp_path):
     spec = faulty_spec(tmp_path, "hang")
     temp = tmp_path / "tmp"
     temp.mkdir()
-    script = ("from autofit.spec import load_spec; from autofit.knobs import TrainConfig; "
-              "from autofit.trial import measure; "
+    script = ("from autofit.config.spec import load_spec; from autofit.config.train_config import TrainConfig; "
+              "from autofit.measure.trial import measure; "
               f"measure(load_spec({str(spec)!r}), TrainConfig(micro_batch_size=8), device='cpu', timeout_s=300)")
     parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(temp)})
 
@@ -180,7 +181,7 @@ def test_a_killed_parent_takes_its_trial_child_and_folder_with_it(tmp_path):
                 cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
             except OSError:
                 continue
-            if "autofit._trial_child" in cmdline and str(temp) in cmdline:
+            if "autofit.measure.child" in cmdline and str(temp) in cmdline:
                 pids.append(int(entry))
         return pids
 

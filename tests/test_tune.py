@@ -10,10 +10,10 @@ import time
 import optuna
 import pytest
 
-from autofit.estimate import estimate_memory
-from autofit.knobs import TrainConfig
-from autofit.profile import Profile
-from autofit.spec import load_spec
+from autofit.measure.estimate import estimate_memory
+from autofit.config.train_config import TrainConfig
+from autofit.profiles.profile import Profile
+from autofit.config.spec import load_spec
 from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
 
 SEARCH = {"precisions": ["32-true", "bf16-mixed"], "trials": 5, "patience": 3, "warmup_steps": 0,
@@ -122,7 +122,7 @@ def test_tune_out_of_time_writes_the_baseline_and_says_why(tmp_path, tune_spec):
 
 def _record(config: TrainConfig, step_time_s: float, wall_s: float):
     from autofit.search import TrialRecord
-    from autofit.trial import Measurement
+    from autofit.measure.measurement import Measurement
 
     m = Measurement(status="ok", config=config, samples_per_s=config.global_batch_size / step_time_s,
                     step_time_s=step_time_s, peak_memory_bytes=1, wall_s=wall_s)
@@ -131,7 +131,7 @@ def _record(config: TrainConfig, step_time_s: float, wall_s: float):
 
 def _slow_run(step_time_s: float, calls: list, speeds: dict | None = None):
     """A run that takes `step_time_s` per step and times out when its limit is shorter."""
-    from autofit.trial import Measurement
+    from autofit.measure.measurement import Measurement
 
     def run_long(config, steps, timeout_s):
         calls.append((config, timeout_s))
@@ -145,7 +145,7 @@ def _slow_run(step_time_s: float, calls: list, speeds: dict | None = None):
 
 def test_a_validation_longer_than_one_trial_timeout_completes(tmp_path):
     from autofit.search import SearchResult
-    from autofit.tune import validate
+    from autofit.tuning.validation import validate
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={**SEARCH, "validate_steps": 50,
                                                                 "trial_timeout_s": 10})))
@@ -160,9 +160,9 @@ def test_a_validation_longer_than_one_trial_timeout_completes(tmp_path):
 
 
 def test_validation_that_only_times_out_is_not_nothing_fits(tmp_path):
-    from autofit.errors import NothingFitsError, TrialError
+    from autofit.base.errors import NothingFitsError, TrialError
     from autofit.search import SearchResult
-    from autofit.tune import validate
+    from autofit.tuning.validation import validate
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={**SEARCH, "trial_timeout_s": 10})))
     config = TrainConfig(micro_batch_size=spec.train.global_batch_size)
@@ -182,10 +182,10 @@ def test_validation_that_only_times_out_is_not_nothing_fits(tmp_path):
     (["oom", "unhealthy"], "NothingFitsError", r"the best 2 all failed their longer run \(oom, unhealthy\)"),
 ])
 def test_only_measured_validation_failures_are_nothing_fits(tmp_path, outcomes, error, match):
-    import autofit.errors
+    import autofit.base.errors
     from autofit.search import SearchResult
-    from autofit.trial import Measurement
-    from autofit.tune import validate
+    from autofit.measure.measurement import Measurement
+    from autofit.tuning.validation import validate
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={**SEARCH, "trial_timeout_s": 10})))
     records = [_record(TrainConfig(micro_batch_size=mb, grad_accum_steps=spec.train.global_batch_size // mb),
@@ -196,13 +196,13 @@ def test_only_measured_validation_failures_are_nothing_fits(tmp_path, outcomes, 
     def run_long(config, steps, timeout_s):
         return Measurement(status=by_config[config], config=config, reason=f"simulated {by_config[config]}")
 
-    with pytest.raises(getattr(autofit.errors, error), match=match) as err:
+    with pytest.raises(getattr(autofit.base.errors, error), match=match) as err:
         validate(spec, result, run_long)
     assert type(err.value).__name__ == error
 
 
 def test_a_winner_slower_than_the_baseline_is_never_the_profile(tmp_path):
-    from autofit.tune import never_worse
+    from autofit.tuning.validation import never_worse
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
     n = spec.train.global_batch_size

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autofit.errors import SpecError
-from autofit.spec import parse_spec
+from autofit.base.errors import SpecError
+from autofit.config.spec import parse_spec
 from autofit.workload import BUILTIN_MODELS, batch_size_of, batch_to, build_workload, split_batch
 from autofit.workload.data import MASKED_FRACTION
 

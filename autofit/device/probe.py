@@ -10,18 +10,31 @@ which die after each measurement, create CUDA contexts.
 """
 
 import dataclasses
+import functools
+import importlib.metadata
 import os
 import platform
 import re
 from dataclasses import dataclass
 
-import torch
+from autofit.base.errors import DeviceError
+from autofit.base.sizes import format_bytes
+from autofit.device.support import unsupported_reason
 
-from autofit.errors import DeviceError
-from autofit.precision import unsupported_reason
-from autofit.sizes import format_bytes
 
-_TORCH_VERSION = str(torch.__version__)  # TorchVersion is a str subclass YAML cannot dump
+@functools.cache
+def torch_version() -> str:
+    """The installed torch's version, read from its package metadata: probing and reading
+    profiles never import torch (seconds) just for its version string."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        import torch  # a torch without metadata (a source build on sys.path)
+
+        return str(torch.__version__)
+
+
+_TORCH_VERSION = torch_version()
 MAX_DEVICE_NAME_CHARS = 96  # NVML_DEVICE_NAME_V2_BUFFER_SIZE
 EMULATED_SUFFIX = "-emulated"  # ends an inventory-emulated card's fingerprint and slug
 

@@ -6,12 +6,7 @@
 
 Each check runs in a child process of its own with a timeout (`run.py`), so a check that
 crashes, hangs or breaks its CUDA context cannot take the others down. The checks are in
-`checks.py` (one function each), the table and JSON in `report.py`; docs/doctor.md says what
-each one measures, its tolerance and what to do when it fails.
+`checks.py` and `training.py` (one function each), their names in `names.py`, the table and
+JSON in `report.py`; docs/doctor.md says what each one measures, its tolerance and what to
+do when it fails.
 """
-
-from autofit.doctor._base import FAULT_ENV
-from autofit.doctor.checks import CHECK_NAMES
-from autofit.doctor.run import run_doctor
-
-__all__ = ["CHECK_NAMES", "FAULT_ENV", "run_doctor"]

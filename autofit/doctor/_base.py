@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from autofit.config.spec import parse_spec
+
 FAULT_ENV = "AUTOFIT_DOCTOR_FAULT"
 # examples/tiny-gpt.yaml's model and optimizer on synthetic tokens: the doctor checks the device,
 # not learning, and must run from a plain `pip install` where examples/ is not shipped.
@@ -50,7 +52,6 @@ def skip(reason: str, values: dict | None = None) -> dict:
 
 def example_spec():
     """The example GPT (EXAMPLE_SPEC): the model every training check runs (seconds on a CPU)."""
-    from autofit.spec import parse_spec
 
     return parse_spec(EXAMPLE_SPEC, source_dir=Path.cwd())
 

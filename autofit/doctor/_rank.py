@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autofit import distributed
-from autofit._io import atomic_write_text
-from autofit._trial_child import _die_with_parent
+from autofit.base.atomic import atomic_write_text
+from autofit.train import distributed
+from autofit.measure.process import die_with_parent as _die_with_parent
 
 RANK_FAULT_ENV = "AUTOFIT_DOCTOR_RANK_FAULT"  # set by the distributed check when its fault is injected
 

@@ -21,8 +21,16 @@ from pathlib import Path
 
 import torch
 
-from autofit.doctor._base import MIB, Context, example_spec, fail, ok, skip
-from autofit.sizes import format_bytes
+from autofit.base.sizes import format_bytes
+from autofit.config.train_config import TrainConfig
+from autofit.device.memory import cap_cuda_memory, LiveBytesTracker
+from autofit.device.oom import is_oom
+from autofit.device.probe import cpu_device, probe_devices
+from autofit.train.recover import release_memory
+from autofit.measure import child, cuda_overhead
+from autofit.doctor import training
+from autofit.doctor._base import Context, example_spec, fail, MIB, ok, skip
+from autofit.doctor.names import CHECK_NAMES, CPU_SKIPS
 
 # ---- probe -------------------------------------------------------------------------------------
 
@@ -116,7 +124,6 @@ def _cgroup_memory_limit_bytes() -> int | None:
 
 def check_probe(ctx: Context) -> dict:
     """NVML and torch.cuda agree on each GPU (name, total memory, order, UUID, MIG); versions."""
-    from autofit.device.probe import cpu_device, probe_devices
 
     nvml_ok, nvml_reason = _nvml_state()
     nvml_gpus = [d for d in probe_devices() if d.kind == "cuda"]
@@ -175,16 +182,14 @@ def check_overhead(ctx: Context) -> dict:
     and after a training step of the example model."""
     if ctx.device.type != "cuda":
         return skip(CPU_SKIPS["overhead"])
-    from autofit import _trial_child
-    from autofit.knobs import TrainConfig
 
     if ctx.fault:  # NVML cannot see this GPU (a container without the device's NVML view)
-        _trial_child._nvml_before = lambda cuda_index: None
+        child.nvml_before = lambda cuda_index: None
     spec = example_spec()
-    trial = _trial_child._Trial(_request(spec, TrainConfig.default_for(spec), ctx.device))
+    trial = child._Trial(_request(spec, TrainConfig.default_for(spec), ctx.device))
     result = trial.run()
     start = trial.overhead_bytes
-    end = _trial_child._nvml_overhead(trial._nvml_before, torch.cuda.memory_reserved(ctx.device))
+    end = cuda_overhead.nvml_overhead(trial._nvml_before, torch.cuda.memory_reserved(ctx.device))
     total = torch.cuda.get_device_properties(ctx.device).total_memory
     values = {"overhead_at_start_bytes": start, "overhead_after_step_bytes": end,
               "growth_bytes": None if start is None or end is None else end - start,
@@ -228,7 +233,7 @@ def _nvml_lists_me(before: dict | None) -> bool | None:
 
 
 def _request(spec, config, device: torch.device) -> dict:
-    """A trial child's request, as `autofit.trial.measure` writes it."""
+    """A trial child's request, as `autofit.measure.trial.measure` writes it."""
     return {"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
             "device": "cpu" if device.type == "cpu" else str(device.index), "budget_bytes": None,
             "warmup_steps": 1, "measure_steps": 1, "timeout_s": 120}
@@ -244,8 +249,6 @@ def check_memory_cap(ctx: Context) -> dict:
     """Under a cap of X an allocation above X fails, is typed `oom` as trials type it, and the
     process recovers: it allocates again and computes. On CUDA the cap is the allocator's
     (`cap_cuda_memory`, as `--memory-budget` sets it); on a CPU the budget tracker's."""
-    from autofit.device.memory import LiveBytesTracker, cap_cuda_memory
-    from autofit.recover import is_oom, release_memory
 
     device, cap = ctx.device, CAP_BYTES[ctx.device.type]
     if device.type == "cuda":
@@ -307,16 +310,8 @@ _CAP_ADVICE = {
 }
 
 
-def _registry() -> dict:
-    from autofit.doctor import training
-
-    # In the order they run: facts about the device first, then what trains on it.
-    return {"probe": check_probe, "overhead": check_overhead, "memory-cap": check_memory_cap,
-            "precisions": training.check_precisions, "kernels": training.check_kernels,
-            "estimator": training.check_estimator, "distributed": training.check_distributed}
-
-
-CHECKS = _registry()
-CHECK_NAMES = tuple(CHECKS)
-# Checks that cannot apply on a CPU, and why: the parent skips them without starting a child.
-CPU_SKIPS = {"overhead": "a CPU has no CUDA context or library workspaces: trials count 0 bytes of overhead"}
+# In the order they run (CHECK_NAMES): facts about the device first, then what trains on it.
+CHECKS = {"probe": check_probe, "overhead": check_overhead, "memory-cap": check_memory_cap,
+          "precisions": training.check_precisions, "kernels": training.check_kernels,
+          "estimator": training.check_estimator, "distributed": training.check_distributed}
+assert tuple(CHECKS) == CHECK_NAMES, (tuple(CHECKS), CHECK_NAMES)

@@ -1,6 +1,6 @@
 """The doctor's table: a header, one line per check as it ends, a closing count."""
 
-from autofit.sizes import format_bytes
+from autofit.base.sizes import format_bytes
 
 _MARK = {"ok": "ok", "fail": "FAIL", "skip": "skip"}
 

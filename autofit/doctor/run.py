@@ -16,10 +16,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from autofit import stopping
+from autofit.base import stopping
+from autofit.base.errors import SpecError
+from autofit.base.version import VERSION
+from autofit.device.probe import select_device
+from autofit.measure.process import child_env, failure_reason, kill_group, wait_for_child
+from autofit.commands.args import check_seconds
 from autofit.doctor._base import skip
-from autofit.doctor.checks import CHECK_NAMES, CPU_SKIPS
-from autofit.doctor.report import format_header, format_line
+from autofit.doctor.names import CHECK_NAMES, CPU_SKIPS
+from autofit.doctor.report import format_header, format_line, format_summary
 
 CHECK_TIMEOUT_S = 300.0  # one check; on a GPU the slowest (the estimator's two trials) takes seconds
 _LOG_TAIL_CHARS = 4000
@@ -30,10 +35,6 @@ def run_doctor(*, device: str | int | None = None, checks: list[str] | tuple[str
     """Run `checks` (default: all, in order) on `device` (a GPU index, "cpu", or None: the
     first GPU, else the CPU). `progress` gets the header and each check's line as it ends.
     Returns the report: the device, every check's result, and `ok` (no check failed)."""
-    from autofit import __version__
-    from autofit.commands import check_seconds
-    from autofit.device.probe import select_device
-    from autofit.errors import SpecError
 
     names = list(checks or CHECK_NAMES)
     unknown = [n for n in names if n not in CHECK_NAMES]
@@ -44,7 +45,7 @@ def run_doctor(*, device: str | int | None = None, checks: list[str] | tuple[str
     info = select_device(device)
     device_arg = "cpu" if info.kind == "cpu" else str(info.index)
     started = time.perf_counter()
-    report = {"autofit": __version__, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    report = {"autofit": VERSION, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "host": socket.gethostname(), "device": info.to_dict(), "checks": []}
     if progress is not None:
         progress(format_header(report))
@@ -61,12 +62,11 @@ def run_doctor(*, device: str | int | None = None, checks: list[str] | tuple[str
 
 def run_one(name: str, device: str, *, timeout_s: float) -> dict:
     """One check in its own child; never raises for what happens inside it."""
-    from autofit.trial import _child_env, _failure, _kill_group, _wait
 
     if device == "cpu" and name in CPU_SKIPS:
         return {"name": name, **skip(CPU_SKIPS[name]), "wall_s": 0.0}
     started = time.perf_counter()
-    env = _child_env(device)
+    env = child_env(device)
     if name == "probe":
         # The probe compares NVML with torch.cuda even for a CPU run: a GPU that NVML sees and
         # this torch cannot (a CPU-only build) is what it is there to catch.
@@ -86,15 +86,23 @@ def run_one(name: str, device: str, *, timeout_s: float) -> dict:
                     proc = subprocess.Popen([sys.executable, "-m", "autofit.doctor._child", name, device,
                                              str(result_path)], stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                ended = _wait(proc, timeout_s, None)
+                ended = wait_for_child(proc, timeout_s, None)
             finally:
                 if proc is not None:
-                    _kill_group(proc)
+                    kill_group(proc)
         log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         if ended == "exited" and result_path.exists():
             # The process's time, start-up (torch's import) included: what the check costs the user.
             return json.loads(result_path.read_text()) | {"wall_s": round(time.perf_counter() - started, 3)}
-    _, reason = _failure(ended, proc.returncode, timeout_s, log_tail)
+    _, reason = failure_reason(ended, proc.returncode, timeout_s, log_tail)
     return {"name": name, "status": "fail", "reason": f"the check's process died: {reason}", "values": {},
             "advice": f"see the log tail in --json (`log_tail`); rerun it alone: autofit doctor --check {name}",
             "summary": reason, "log_tail": log_tail, "wall_s": round(time.perf_counter() - started, 3)}
+
+
+def main(args) -> int:
+    """The CLI's `doctor`: a line per check as it ends (or `--json`); exit 1 when one fails."""
+    progress = None if args.json else lambda line: print(line, flush=True)
+    report = run_doctor(device=args.device, checks=args.check, timeout_s=args.timeout, progress=progress)
+    print(json.dumps(report, indent=2) if args.json else format_summary(report))
+    return 0 if report["ok"] else 1

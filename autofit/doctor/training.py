@@ -9,8 +9,22 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autofit.base.sizes import format_bytes
+from autofit.config.spec import PRECISIONS
+from autofit.config.train_config import TrainConfig
+from autofit.device.precision import get_policy
+from autofit.device.support import unsupported_reason
+from autofit.workload import build_workload
+from autofit.train.optim import implementation
+from autofit.train.runner import optimizer_step, Runner
+from autofit.measure import child
+from autofit.measure.estimate import estimate_memory
+from autofit.measure.measurement import Measurement
+from autofit.measure.process import child_env
+from autofit.measure.trial import measure
+from autofit.search.health import FIRST_LOSS_RTOL
+from autofit.search.memory import UNCALIBRATED_MARGIN
 from autofit.doctor._base import Context, example_spec, fail, ok, skip
-from autofit.sizes import format_bytes
 
 # ---- precisions ----------------------------------------------------------------------------------
 
@@ -23,12 +37,6 @@ def check_precisions(ctx: Context) -> dict:
     losses, the first loss within the search's health limit of 32-true's, the TF32 flags as the
     policy sets them, and for fp16 a GradScaler that steps normally and skips a step whose
     gradients hold an inf."""
-    from autofit.knobs import TrainConfig
-    from autofit.precision import unsupported_reason
-    from autofit.runner import Runner
-    from autofit.search.health import FIRST_LOSS_RTOL
-    from autofit.spec import PRECISIONS
-    from autofit.workload import build_workload
 
     device = ctx.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -99,7 +107,6 @@ def _tf32_flags() -> dict:
 def _scaler_behaviour(runner, spec, skipped_steps: int) -> dict:
     """The GradScaler skips a step whose gradients hold an inf, leaves the weights alone and
     halves its scale; and it did not skip most normal steps (the trials' health rule)."""
-    from autofit.runner import optimizer_step
 
     scaler, problems = runner.scaler, []
     if skipped_steps * 2 > PRECISION_STEPS:
@@ -157,10 +164,6 @@ def check_kernels(ctx: Context) -> dict:
     runs, and on CUDA the fused AdamW the runner builds, stepped against the per-parameter one."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from autofit.knobs import TrainConfig
-    from autofit.precision import get_policy, unsupported_reason
-    from autofit.runner import Runner
-    from autofit.workload import build_workload
 
     device = ctx.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -205,7 +208,6 @@ def check_kernels(ctx: Context) -> dict:
 def _fused_adamw(runner, problems: list[str]) -> dict:
     """The optimizer the runner builds here; on CUDA, one fused AdamW step agrees with the
     per-parameter loop's on the same gradients."""
-    from autofit.optim import implementation
 
     device, optimizer = runner.device, runner.optimizer
     name = implementation(optimizer)
@@ -259,9 +261,6 @@ def check_estimator(ctx: Context) -> dict:
     """The estimator's prediction for the example model at two micro batches against the peak a
     trial child measures. The limit is the margin the search gives the estimator before any
     trial has calibrated it: beyond it, the first seeds run out of memory or waste memory."""
-    from autofit.estimate import estimate_memory
-    from autofit.knobs import TrainConfig
-    from autofit.search.memory import UNCALIBRATED_MARGIN
 
     device = ctx.device
     spec = example_spec()
@@ -332,12 +331,10 @@ def _measure(spec, config, device: torch.device):
     peak and the context overhead are that trial's alone. On a CPU the child's measurement is a
     function of its request (the tracker counts tensors, nothing carries over), so this check's
     own process runs it, as tests/test_estimate.py does."""
-    from autofit import _trial_child
-    from autofit.trial import Measurement, measure
 
     if device.type == "cuda":
         return measure(spec, config, device=str(device.index), warmup_steps=0, measure_steps=1, timeout_s=180)
-    result = _trial_child.run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir),
+    result = child.run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir),
                                        "config": config.to_dict(), "device": "cpu", "budget_bytes": None,
                                        "warmup_steps": 0, "measure_steps": 1})
     return Measurement.from_dict(result)
@@ -360,7 +357,6 @@ def check_distributed(ctx: Context) -> dict:
     import sys
     import tempfile
 
-    from autofit.trial import _child_env
 
     device = ctx.device
     values = {"backend": "nccl" if device.type == "cuda" else "gloo",
@@ -380,7 +376,7 @@ def check_distributed(ctx: Context) -> dict:
     with tempfile.TemporaryDirectory(prefix="autofit-doctor-ranks-") as tmp:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                    "--max-restarts=0", "-m", "autofit.doctor._rank", ranks_device, tmp, str(ALL_REDUCE_BYTES)]
-        env = _child_env(ranks_device) | {"AUTOFIT_DOCTOR_RANK_FAULT": "1" if ctx.fault else ""}
+        env = child_env(ranks_device) | {"AUTOFIT_DOCTOR_RANK_FAULT": "1" if ctx.fault else ""}
         started = time.perf_counter()
         try:
             proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=DISTRIBUTED_TIMEOUT_S)

@@ -9,11 +9,11 @@
 - `loop`: the ask/tell loop (`Tuner`).
 """
 
-from autofit.search.health import FIRST_LOSS_RTOL, MEAN_LOSS_RTOL, REFERENCE_PRECISIONS, health_problem, reference_for
+from autofit.search.health import FIRST_LOSS_RTOL, health_problem, MEAN_LOSS_RTOL, reference_for, REFERENCE_PRECISIONS
 from autofit.search.loop import Tuner
 from autofit.search.memory import MemoryModel
 from autofit.search.space import Knob, SearchSpace
-from autofit.search.study import SearchResult, TrialRecord, make_study, read_records
+from autofit.search.study import make_study, read_records, SearchResult, TrialRecord
 
 __all__ = ["FIRST_LOSS_RTOL", "MEAN_LOSS_RTOL", "REFERENCE_PRECISIONS", "Knob", "MemoryModel", "SearchResult",
            "SearchSpace", "TrialRecord", "Tuner", "health_problem", "make_study", "read_records",

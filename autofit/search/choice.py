@@ -9,7 +9,7 @@ that of each other are a coin toss until both are measured again side by side.
 import statistics
 from dataclasses import dataclass
 
-from autofit.knobs import TrainConfig
+from autofit.config.train_config import TrainConfig
 from autofit.search.health import health_problem
 from autofit.search.study import TrialRecord
 

@@ -5,9 +5,9 @@ reference's move (none lost to 16-bit rounding)."""
 import dataclasses
 import statistics
 
-from autofit.knobs import TrainConfig
+from autofit.config.train_config import TrainConfig
+from autofit.measure.measurement import Measurement
 from autofit.search.study import TrialRecord
-from autofit.trial import Measurement
 
 # A precision is trusted when its loss tracks 32-true's over the same batches: the first
 # loss (before any update) within FIRST_LOSS_RTOL, the mean over the trial within MEAN_LOSS_RTOL.

@@ -14,23 +14,35 @@ workers; a dead worker's trial comes back as a WAITING trial that the next ask t
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import optuna
 from loguru import logger
 
-from autofit.knobs import TrainConfig
-from autofit.search import choice, seeding
-from autofit.search.health import REFERENCE_PRECISIONS, health_problem, reference_for
+from autofit.config.train_config import TrainConfig
+from autofit.measure.measurement import Measurement
+from autofit.search import choice, finish
+from autofit.search.health import health_problem
 from autofit.search.memory import MemoryModel, record_budget
+from autofit.search.plan import Plan
 from autofit.search.shared import StudyLocks
 from autofit.search.space import SearchSpace
-from autofit.search.study import _ATTR, SearchResult, TrialRecord, ask, fail_stale_trials, heartbeat, read_records
-from autofit.trial import Measurement
+from autofit.search.study import ask, fail_stale_trials, heartbeat, read_records, RECORD_ATTR, SearchResult, TrialRecord
 
 WAITING = (optuna.trial.TrialState.WAITING,)
 RUNNING = (optuna.trial.TrialState.RUNNING,)
 BUDGET_RTOL = 0.02  # budgets this close are the same budget
-BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
+
+
+@dataclass
+class _Progress:
+    """Where a search stands: the best so far, trials since it improved, proposals in a row
+    that measured nothing new, and when it started."""
+
+    best: TrialRecord | None
+    since_best: int
+    start: float
+    skipped: dict = field(default_factory=lambda: {"known": 0, "pruned": 0})
 
 
 class Tuner:
@@ -68,63 +80,72 @@ class Tuner:
         if records:
             logger.info("resuming study {}: {} finished trials are not run again ({} measured under this budget)",
                         self.study.study_name, len(records), resumed)
-        skipped, stop_reason = {"known": 0, "pruned": 0}, None
         best = _best(records, self.budget_bytes)
         # Patience carries over a resume: a study that had stopped improving stays stopped.
         since_best = sum(1 for r in records if self._holds(r) and (best is None or r.number > best.number))
+        progress = _Progress(best=best, since_best=since_best, start=start)
         # Given starts (e.g. where training was demoted to) are measured first, before the seeds.
-        self._queue, self._seeds = list(self.starts), set(self.starts)
+        self.plan = Plan(self.space, self.starts, known=self.known, fits_of=self.fits)
+        stop_reason = None
         while stop_reason is None:
-            with self.locks.claim():  # decide and claim as one step among the study's workers
-                fail_stale_trials(self.study)
-                records = self.records()  # other workers' trials too
-                stop_reason = self._stop_reason(records, since_best, skipped, start)
-                if stop_reason is not None:
-                    break
-                planned = self._next(records, best)
-                if planned is not None:
-                    self.study.enqueue_trial(self.space.params(planned))
-                trial = ask(self.study)
-                queued = self._was_queued(trial)
-                config = self.space.suggest(trial)
-                known = self.known(config, records)
-                busy = known is None and self._busy(config, trial)
-                if known is not None or busy or not self.memory.fits(config, records):
-                    skipped["known" if known is not None or busy else "pruned"] += 1
-                    self._skip(trial, config, known, stale=busy or (queued and config != planned), best=best,
-                               records=records)
-                    continue
-            skipped = {"known": 0, "pruned": 0}
-            try:
-                record = self._evaluate(trial, config, records)
-            except BaseException:  # the user's code failed the trial (exit 2), or a signal stops the tune
-                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING in the study
-                raise
-            if self.should_stop() and record.status not in ("ok", "oom"):
-                # Cut short by a stop request: not a result. Failing the trial leaves the
-                # config unmeasured, so a resumed study measures it.
-                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                stop_reason = "stopped"
-                break
-            self._tell(trial, record)
-            records = self.records()  # other workers sharing the study may have finished trials too
-            if record.status == "oom":
-                self._queue[:0] = self._after_oom(config, records)
-            new_best = _best(records, self.budget_bytes)
-            improved = new_best is not None and (best is None or new_best.samples_per_s > best.samples_per_s)
-            since_best = 0 if improved else since_best + 1
-            if improved and (best is None or new_best.config != best.config):
-                # The wave of seeds under way first (one per precision and strategy: which
-                # is fastest is not known until each is measured), then around the new best; the
-                # refinements of the old best are stale.
-                self._queue = ([c for c in self._queue if c in self._seeds] + self._unseeded(records)
-                               + seeding.refinements(self.space, self._fits(records), new_best.config))
-            best = new_best
-            self.on_trial(record, best, self.spent(records))
-
+            claimed, stop_reason = self._claim_next(progress)
+            if claimed is not None:
+                stop_reason = self._measure_claimed(*claimed, progress)
         with self.locks.claim():
             self._drop_queue()
         return stop_reason, resumed, start
+
+    def _claim_next(self, progress: "_Progress") -> tuple[tuple | None, str | None]:
+        """Decide the next config and claim it as a RUNNING trial, as one step among the
+        study's workers: ((trial, config, records) or None when nothing new was asked, a stop
+        reason or None)."""
+        with self.locks.claim():
+            fail_stale_trials(self.study)
+            records = self.records()  # other workers' trials too
+            stop_reason = self._stop_reason(records, progress.since_best, progress.skipped, progress.start)
+            if stop_reason is not None:
+                return None, stop_reason
+            planned = self.plan.next(records, progress.best, self._running())
+            if planned is not None:
+                self.study.enqueue_trial(self.space.params(planned))
+            trial = ask(self.study)
+            queued = self._was_queued(trial)
+            config = self.space.suggest(trial)
+            known = self.known(config, records)
+            busy = known is None and self._busy(config, trial)
+            if known is not None or busy or not self.memory.fits(config, records):
+                progress.skipped["known" if known is not None or busy else "pruned"] += 1
+                self._skip(trial, config, known, stale=busy or (queued and config != planned), best=progress.best,
+                           records=records)
+                return None, None
+        progress.skipped = {"known": 0, "pruned": 0}
+        return (trial, config, records), None
+
+    def _measure_claimed(self, trial: optuna.Trial, config: TrainConfig, records: list[TrialRecord],
+                         progress: "_Progress") -> str | None:
+        """Measure a claimed trial and tell the study; a stop reason when a stop cut it short."""
+        try:
+            record = self._evaluate(trial, config, records)
+        except BaseException:  # the user's code failed the trial (exit 2), or a signal stops the tune
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING in the study
+            raise
+        if self.should_stop() and record.status not in ("ok", "oom"):
+            # Cut short by a stop request: not a result. Failing the trial leaves the config
+            # unmeasured, so a resumed study measures it.
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return "stopped"
+        self._tell(trial, record)
+        records = self.records()  # other workers sharing the study may have finished trials too
+        if record.status == "oom":
+            self.plan.after_oom(config, records)
+        best, new_best = progress.best, _best(records, self.budget_bytes)
+        improved = new_best is not None and (best is None or new_best.samples_per_s > best.samples_per_s)
+        progress.since_best = 0 if improved else progress.since_best + 1
+        if improved and (best is None or new_best.config != best.config):
+            self.plan.new_best(new_best.config, records)
+        progress.best = new_best
+        self.on_trial(record, new_best, self.spent(records))
+        return None
 
     def finish(self, searched: tuple[str, int, float]) -> SearchResult:
         """After `search()`: a full-precision reference if the study has none, and the
@@ -203,66 +224,15 @@ class Tuner:
     def _timed_out(self, start: float) -> bool:
         return self.timeout_s is not None and time.monotonic() - start >= self.timeout_s
 
-    # --- after the search ----------------------------------------------------------------
+    # --- after the search (search/finish.py) ---------------------------------------------
 
     def ensure_reference(self) -> None:
-        """Measure a full-precision reference if the study has none, so low-precision winners
-        can be checked: the fastest 32-true (else tf32) config predicted to fit, i.e. the
-        largest micro batch with the fewest checkpointed blocks, nothing frozen."""
-        precision = next((p for p in REFERENCE_PRECISIONS if p in self.space.precisions), None)
-        if 32 not in self.space.optimizer_bits:  # every config of the space has 8-bit state
-            precision = None
-        attempts = 0
-        while attempts < 3:  # an OOM refits the model; the next frontier point is smaller
-            records = self.records()
-            if precision is None or reference_for(None, records, same_freeze=False) is not None:
-                return
-            line = [c for c in seeding.frontier(self.space, self._fits(records), precision, 0, limit=3,
-                                                strategy={"optimizer_bits": 32})
-                    if self.known(c, records) is None]
-            if not line:
-                break
-            if self._measure_now(line[0], records, unless_busy=True) is None:
-                # Another worker sharing the study is measuring it: its result is the reference
-                # (or, if that worker dies, the trial comes back to be measured here).
-                if self.should_stop():
-                    return
-                time.sleep(BUSY_WAIT_S)
-                continue
-            attempts += 1
-        logger.warning("no {} reference (fp32 optimizer state) fits: numeric health of 16-bit precisions and "
-                       "8-bit optimizer state is checked for finite losses and scaler skips only (no stagnation "
-                       "or loss-curve comparison)", precision)
+        finish.ensure_reference(self)
 
     def remeasure_contenders(self) -> tuple[float | None, int]:
-        """Re-measure the configs within noise of the best, interleaved, until the leader's
-        lead exceeds the noise seen (MIN_ROUNDS to MAX_ROUNDS rounds). Repeats are stored,
-        so a resumed study does not take them again. Returns (noise seen, rounds)."""
-        records = self.records()
-        # The field is drawn from the search's own measurements, so a resumed study draws
-        # the same one and finds its repeats already taken.
-        first = choice.rank(records, self.budget_bytes, repeats=False)
-        field = choice.contenders(first, choice.prior_noise(first))
-        if len(field) < 2:
-            return choice.observed_noise(records), 0
-        taken = {r.record.config: r.measurements for r in choice.rank(records, self.budget_bytes)}
-        rounds = min(taken.get(f.record.config, 1) for f in field) - 1
-        while rounds < choice.MAX_ROUNDS:
-            if rounds >= choice.MIN_ROUNDS:
-                ranked = choice.rank(records, self.budget_bytes)
-                observed = choice.observed_noise(records)
-                noise = choice.NOISE_PRIOR if observed is None else observed
-                if choice.settled([r for r in ranked if r.record.config in {f.record.config for f in field}], noise):
-                    break
-            for contender in field:
-                if self.should_stop():
-                    return choice.observed_noise(records), rounds
-                self._measure_now(contender.record.config, records, repeat=True)
-            records = self.records()
-            rounds += 1
-        return choice.observed_noise(records), rounds
+        return finish.remeasure_contenders(self)
 
-    def _measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False,
+    def measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False,
                      unless_busy: bool = False) -> TrialRecord | None:
         """Measure one config outside the sampler's choice, as a trial of the study. With
         `unless_busy`, None (and nothing measured) while another worker is measuring it."""
@@ -287,7 +257,7 @@ class Tuner:
 
     # --- one trial -------------------------------------------------------------------------
 
-    def _fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
+    def fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
         return lambda config: self.memory.fits(config, records)
 
     def _pruned(self, number: int, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord:
@@ -307,7 +277,7 @@ class Tuner:
             # The sampler proposed a measured config: tell it the same result again, and
             # look next door to the best instead.
             self._tell(trial, known, store=False)
-            self._queue[:0] = self.space.neighbours((best or known).config)
+            self.plan.neighbours_first((best or known).config)
         else:
             self._tell(trial, self._pruned(trial.number, config, records))
 
@@ -337,7 +307,7 @@ class Tuner:
         try:
             trial.set_constraint("memory", float(violation))
             if store:
-                trial.set_user_attr(_ATTR, record.to_attr())
+                trial.set_user_attr(RECORD_ATTR, record.to_attr())
             self.study.tell(trial, value)
         except optuna.exceptions.UpdateFinishedTrialError:
             # No heartbeat for longer than the grace period (a frozen process, the database out
@@ -348,37 +318,7 @@ class Tuner:
             if store:
                 self.study.add_trial(optuna.trial.create_trial(
                     params=trial.params, distributions=trial.distributions, value=value,
-                    user_attrs={_ATTR: record.to_attr()}, constraints={"memory": float(violation)}))
-
-    def _unseeded(self, records: list[TrialRecord]) -> list[TrainConfig]:
-        """For each seed group (precision, strategy, lean memory knobs or not) with nothing
-        measured yet (its seed ran out of memory, or was dropped as no longer fitting), the
-        largest config predicted to fit now: each is measured before refining around
-        another's best."""
-        fits = self._fits(records)
-        measured = {self.space.seed_group(r.config) for r in records if r.measurement is not None and r.status != "oom"}
-        queued = {self.space.seed_group(c) for c in self._queue if c in self._seeds}
-        out = []
-        for seed in seeding.starting_points(self.space, fits):
-            group = self.space.seed_group(seed)
-            if group in measured or group in queued:
-                continue
-            instead = seeding.replacement(self.space, fits, seed)
-            if instead is not None and self.known(instead, records) is None:
-                out.append(instead)
-                queued.add(group)
-        self._seeds.update(out)
-        return out
-
-    def _after_oom(self, config: TrainConfig, records: list[TrialRecord]) -> list[TrainConfig]:
-        """A checkpointed config that ran out of memory: its micro batch with the fewest blocks
-        (same policy) that fit under the fit that has just learned from the OOM. Without it a
-        frontier point mispredicted by one block would be lost with its micro batch."""
-        if config.checkpoint_blocks == 0:
-            return []
-        again = seeding.fewest_checkpointed(self.space, self._fits(records), config.precision, config.micro_batch_size,
-                                            config.freeze_blocks, self.space.kept(config), config.checkpoint_policy)
-        return [again] if again is not None and again != config and self.known(again, records) is None else []
+                    user_attrs={RECORD_ATTR: record.to_attr()}, constraints={"memory": float(violation)}))
 
     def _busy(self, config: TrainConfig, trial: optuna.Trial | None = None) -> bool:
         """`config` is being measured in another trial than `trial`: another worker's, or a
@@ -387,42 +327,14 @@ class Tuner:
         return any((trial is None or t.number != trial.number) and t.params == params
                    for t in self.study.get_trials(deepcopy=False, states=RUNNING))
 
+    def _running(self) -> set:
+        """The params (sorted tuples) of the trials being measured now, by any worker."""
+        return {tuple(sorted(t.params.items())) for t in self.study.get_trials(deepcopy=False, states=RUNNING)}
+
     def _was_queued(self, trial: optuna.Trial) -> bool:
         """Asked from the queue (a seed, refinement or neighbour), not proposed by the sampler."""
         frozen = self.study.get_trials(deepcopy=False)
         return trial.number < len(frozen) and "fixed_params" in frozen[trial.number].system_attrs
-
-    def _next(self, records: list[TrialRecord], best: TrialRecord | None) -> TrainConfig | None:
-        """The next config this tuner plans to measure, re-checked now: not known, predicted
-        to fit, not being measured by another worker. When the plan runs out: the next wave
-        of seeds (placed under the current fit), then the refinements of the best again (the
-        fit may have moved the frontier next to it). None: let the sampler propose."""
-        running = {tuple(sorted(t.params.items()))
-                   for t in self.study.get_trials(deepcopy=False, states=RUNNING)}
-        for refill in range(3):
-            while self._queue:
-                config = self._queue.pop(0)
-                if (self.known(config, records) is None and self.memory.fits(config, records)
-                        and tuple(sorted(self.space.params(config).items())) not in running):
-                    return config
-                if config in self._seeds and self.known(config, records) is None:
-                    # A seed that no longer fits (the fit moved since it was planned): its
-                    # precision and strategy's largest config that fits now, in its place.
-                    instead = seeding.replacement(self.space, self._fits(records), config)
-                    if instead is not None and instead != config and self.known(instead, records) is None:
-                        self._queue.insert(0, instead)
-                        self._seeds.add(instead)
-            fits = self._fits(records)
-            if refill == 0:
-                fresh = [c for c in seeding.starting_points(self.space, fits) if self.known(c, records) is None]
-                # One wave: a seed per precision and strategy, since which is fastest is
-                # only known once each is measured.
-                wave = len(self.space.precisions) * len(self.space.strategies())
-                self._queue = [c for c in fresh if fits(c)][:wave]
-                self._seeds.update(self._queue)
-            elif refill == 1 and best is not None:
-                self._queue = seeding.refinements(self.space, fits, best.config)[:3]
-        return None
 
 
 def _best(records: list[TrialRecord], budget_bytes: int) -> TrialRecord | None:

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autofit.knobs import TrainConfig
+from autofit.config.train_config import TrainConfig
 from autofit.search.study import TrialRecord
 
 # Margin on the budget: wide while nothing is measured (the estimator's own error), narrow

@@ -3,7 +3,7 @@ refinements around a new best. Each function takes the space and a `fits(config)
 
 from collections.abc import Callable
 
-from autofit.knobs import TrainConfig
+from autofit.config.train_config import TrainConfig
 from autofit.search.space import SearchSpace
 
 Fits = Callable[[TrainConfig], bool]

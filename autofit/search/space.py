@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import optuna
 
-from autofit.knobs import MicroBatchFloor, TrainConfig
+from autofit.config.train_config import MicroBatchFloor, TrainConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

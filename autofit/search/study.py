@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 import optuna
 
-from autofit.errors import SpecError
-from autofit.knobs import TrainConfig
-from autofit.redact import redact_text, redact_url
+from autofit.base.errors import SpecError
+from autofit.base.redact import redact_text, redact_url
+from autofit.config.train_config import TrainConfig
+from autofit.measure.measurement import Measurement
 from autofit.search.shared import creation_lock
-from autofit.trial import Measurement
 
-_ATTR = "autofit"  # user attr holding a trial's record
+RECORD_ATTR = "autofit"  # user attr holding a trial's record
 # A measuring worker records a heartbeat this often; a RUNNING trial whose heartbeat is
 # older than the grace period belongs to a dead worker: it is failed and queued again
 # (Optuna's RetryHeartbeatStaleTrialCallback) for a live worker to measure. Trial length
@@ -98,8 +98,8 @@ def read_records(study: optuna.Study) -> list[TrialRecord]:
     """Finished trials in the study: this worker's, earlier runs', and other workers'."""
     out = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        if _ATTR in t.user_attrs:
-            out.append(TrialRecord.from_attr(t.number, t.user_attrs[_ATTR]))
+        if RECORD_ATTR in t.user_attrs:
+            out.append(TrialRecord.from_attr(t.number, t.user_attrs[RECORD_ATTR]))
     return out
 
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import yaml
 
-from autofit.errors import SpecError
-from autofit.redact import redact_text, redact_url
-from autofit.spec import MAX_TIMEOUT_S, MAX_TRIALS, _Reader
+from autofit.base.errors import SpecError
+from autofit.base.redact import redact_text, redact_url
+from autofit.config.reader import Reader
+from autofit.config.spec import MAX_TIMEOUT_S, MAX_TRIALS
 
 DEFAULT_CONFIG = Path("/etc/autofit/autofit.yaml")
 CONFIG_ENV = "AUTOFIT_CONFIG"
@@ -95,7 +96,7 @@ def load_service_config(path: str | Path | None) -> ServiceConfig:
 
 
 def _parse(raw, path: Path) -> ServiceConfig:
-    top = _Reader(raw, "")
+    top = Reader(raw, "")
     base = path.parent
 
     def folder(key: str, default: str) -> Path:

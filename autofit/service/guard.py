@@ -37,12 +37,12 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit._io import atomic_write_text
+from autofit.base.errors import AutofitError
+from autofit.measure.claims import CLAIM_GLOB
+from autofit.service.inventory import descendant_pids
 
 GUARD_TICK_S = 0.25  # NVML is read this often for each GPU being tuned; the kill follows within 0.1 s
 CLAIM_GRACE_S = 1.5  # a trial child's context creation, between its two lists of NVML's pids
-_SETTLE_S = 1.0  # how long a child waits for NVML to list its new context
-_CLAIM_GLOB = "claim.*.json"
 _READ_FAILURES_S = 2.0  # unreadable process lists for this long stop the tune: we cannot see
 
 
@@ -64,7 +64,6 @@ class PidRule:
 
     def base_pids(self) -> set[int]:
         """Ours without a claim: the service, and its process tree where NVML's pids are ours."""
-        from autofit.service.inventory import descendant_pids
 
         pids = {os.getpid()}
         if self.shared_namespace is not False:
@@ -74,7 +73,7 @@ class PidRule:
 
 class TrialGuard:
     """The watch over one tune's GPUs. `trial_started`/`trial_ended` are called by
-    `autofit.trial.measure` for each child it launches; `run` is the guard's own thread,
+    `autofit.measure.trial.measure` for each child it launches; `run` is the guard's own thread,
     which calls `stop(reason)` once when another job appears."""
 
     def __init__(self, inventory, gpus, stop: Callable[[str], None], *, rule: PidRule | None = None,
@@ -104,7 +103,7 @@ class TrialGuard:
             folders = list(self._trials.values())
         out = []
         for folder in folders:
-            for path in folder.glob(_CLAIM_GLOB):
+            for path in folder.glob(CLAIM_GLOB):
                 with contextlib.suppress(OSError, ValueError):  # the trial ended while we read
                     out.append(json.loads(path.read_text()))
         return out
@@ -116,7 +115,6 @@ class TrialGuard:
 
     def check(self, now_unix_s: float | None = None) -> str | None:
         """Why the tune must stop now (another process on one of its GPUs), or None."""
-        from autofit.errors import AutofitError
 
         now_unix_s = time.time() if now_unix_s is None else now_unix_s
         claims = self.claims()
@@ -156,35 +154,3 @@ class TrialGuard:
             if reason is not None:
                 self._stop(reason)
                 return
-
-
-# --- the trial child's side --------------------------------------------------------------
-
-
-def claim_cuda_context(claim_dir: str | Path | None, nvml_pids: Callable[[], set[int] | None],
-                       create_context: Callable[[], None]) -> set[int]:
-    """In a trial child: create the CUDA context (`create_context`) and claim the pid NVML
-    lists for it, in a note the service's guard reads. Returns the claimed pids (empty
-    when NVML lists none, or when more than one pid appeared and ours cannot be told)."""
-    if claim_dir is None:
-        create_context()
-        return set()
-    path = Path(claim_dir) / f"claim.{os.getpid()}.json"
-    note = {"pid": os.getpid(), "phase": "claiming", "since_unix_s": time.time(), "nvml_pids": [], "ambiguous": []}
-    before = nvml_pids()
-    atomic_write_text(path, json.dumps(note))
-    create_context()
-    after, deadline = before, time.monotonic() + _SETTLE_S
-    while before is not None:
-        after = nvml_pids()
-        if after is None or (after - before) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    new = (after or set()) - (before or set())
-    if after and os.getpid() in after:  # NVML lists pids as we see them: no guessing
-        mine = {os.getpid()}
-    else:
-        mine = new if len(new) == 1 else set()
-    note |= {"phase": "claimed", "nvml_pids": sorted(mine), "ambiguous": sorted(new - mine) if not mine else []}
-    atomic_write_text(path, json.dumps(note))
-    return mine

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import yaml
 
-from autofit.device.probe import MAX_DEVICE_NAME_CHARS, DeviceInfo, emulated_device, probe_devices
-from autofit.errors import DeviceError
+from autofit.base.errors import DeviceError
+from autofit.base.sizes import parse_size
+from autofit.device.probe import DeviceInfo, emulated_device, MAX_DEVICE_NAME_CHARS, probe_devices
 from autofit.service.config import IdleRule
-from autofit.sizes import parse_size
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

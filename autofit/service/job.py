@@ -22,15 +22,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import optuna
 from loguru import logger
 
-from autofit.errors import AutofitError, NothingFitsError, TrialTimeoutError
-from autofit.service.inventory import Gpu
-from autofit.profile import utc_now
+from autofit.base.errors import AutofitError, NothingFitsError, TrialTimeoutError
+from autofit.config.spec import ModelSpec
+from autofit.search.shared import creation_lock
+from autofit.profiles.profile import utc_now
+from autofit.tuning.space import device_for_ranks, study_name
+from autofit.tuning.tune import tune, TuneOutcome
 from autofit.service.guard import TrialGuard
-from autofit.service.state import PairState, iso_utc
-from autofit.spec import ModelSpec
-from autofit.tune import TuneOutcome, device_for_ranks, study_name, tune
+from autofit.service.inventory import Gpu
+from autofit.service.state import iso_utc, PairState
 
 RETRY_FIRST_S, RETRY_MAX_S = 60.0, 3600.0  # back-off after a tune that timed out, crashed or was interrupted
 # Timeouts and crashes in a row before a pair is given up on (`failed`, final until its spec
@@ -209,10 +212,6 @@ def retry_text(failure: dict) -> str:
 
 def finished_trials(storage: str, name: str) -> int:
     """Finished trials already in a study (0 when there is none yet): where a resumed tune starts."""
-    import optuna
-
-    from autofit.search.shared import creation_lock
-
     try:
         with creation_lock(storage):  # opening it may create Optuna's tables, as other services do
             study = optuna.load_study(study_name=name, storage=storage)

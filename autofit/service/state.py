@@ -18,10 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from autofit._io import atomic_write_text
-from autofit.errors import AutofitError
-from autofit.service.config import load_service_config
-from autofit.sizes import format_bytes
+from autofit.base.atomic import atomic_write_text
+from autofit.base.errors import AutofitError
 
 STATE_SCHEMA = 1
 STATE_FILE = "state.json"
@@ -136,89 +134,3 @@ class StateLock:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
-
-
-def _alive(pid) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a process of another user (the service's): it exists
-        return True
-    return True
-
-
-def status_command(config_path: str | Path | None, *, as_json: bool = False) -> str:
-    """`autofit status`: the state file of the service that uses this config."""
-    config = load_service_config(config_path)
-    state = read_state(config.state_dir)
-    if state is None:
-        raise AutofitError(f"no service state in {config.state_dir}: `autofit serve --config {config.path}` "
-                           f"has not run with this config yet")
-    service = state.setdefault("service", {})
-    # "running" is what the service last wrote; a kill -9 leaves it true with a dead pid.
-    service["alive"] = bool(service.get("running")) and _alive(service.get("pid"))
-    if as_json:
-        return json.dumps(state, indent=2) + "\n"
-    return render_status(state)
-
-
-def render_status(state: dict) -> str:
-    service = state.get("service", {})
-    if service.get("alive"):
-        health = "healthy" if service.get("healthy") else "UNHEALTHY (no watchdog pings)"
-        head = f"autofit serve: running, pid {service.get('pid')}, {health}"
-    else:
-        head = f"autofit serve: not running (last pid {service.get('pid')})"
-    lines = [f"{head}; state updated {service.get('updated')}", f"  {service.get('status', '')}"]
-    inventory = state.get("inventory", {})
-    lines.append(f"GPUs ({inventory.get('source')}):")
-    if inventory.get("error"):
-        lines.append(f"  inventory error: {inventory['error']}")
-    for gpu in inventory.get("gpus", []):
-        lines.append(f"  {gpu['slot']:<6} {gpu['name']:<28} {format_bytes(gpu['memory_total_bytes']):>10}  "
-                     f"{gpu['state']}")
-    if not inventory.get("gpus"):
-        lines.append("  none")
-    queue = state.get("queue", [])
-    lines.append("queue: " + (", ".join(f"{q['model']} on {q['device']}" for q in queue) or "empty"))
-    for tune in state.get("running", []):
-        stopping = f" (stopping: {tune['stopping']})" if tune.get("stopping") else ""
-        lines.append(f"running: {tune['gpu']}: {tune['model']}, trial {tune['trial']}/{tune['trials']}, "
-                     f"since {tune['started']}{stopping}")
-    lines.append("profiles per (model, GPU kind):")
-    rows = [("MODEL", "GPU KIND", "STATUS", "TUNES", "PROFILE")]
-    for pair in state.get("pairs", []):
-        rows.append((pair["model"], pair["device"], _status_text(pair), str(pair["tunes"]), _profile_text(pair)))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
-    errors = state.get("spec_errors", [])
-    if errors:
-        lines.append("spec errors (skipped):")
-        lines += [f"  {e['error']}" for e in errors]
-    return "\n".join(lines) + "\n"
-
-
-def _status_text(pair: dict) -> str:
-    """`retrying 2/5`, `failed (final)`, `nothing fits (final)`: what happens next, at a glance."""
-    status, failure = pair["status"], pair.get("failure") or {}
-    if status == "retrying" and failure.get("kind") != "interrupted":
-        return f"retrying {failure.get('attempts', 1)}/{failure.get('max_attempts', '?')}"
-    if status in ("failed", "nothing fits"):
-        return f"{status} (final)"
-    return status
-
-
-def _profile_text(pair: dict) -> str:
-    profile = pair.get("profile")
-    detail = f" [{pair['detail']}]" if pair.get("detail") else ""
-    if not profile:
-        return "-" + detail
-    stale = f", stale: {'; '.join(profile['stale'])}" if profile.get("stale") else ""
-    workers = profile.get("workers") or {}
-    by = (f", trials by {', '.join(f'{w} {n}' for w, n in workers.items())}; validated by {profile.get('validated_by')}"
-          if len(workers) > 1 else "")  # a study shared by several hosts
-    return (f"{Path(profile['path']).name} ({profile['config']}, {profile['samples_per_s']:.1f} samples/s{by}{stale})"
-            f"{detail}")

@@ -1,6 +1,6 @@
 """What is trained: a model factory, a batch source and a loss, built from a ModelSpec.
 
-    from autofit.spec import load_spec
+    from autofit.config.spec import load_spec
     from autofit.workload import build_workload
     workload = build_workload(load_spec("model.yaml"))
     model = workload.build_model()
@@ -19,25 +19,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autofit.errors import SpecError
+from autofit.base.errors import SpecError
 from autofit.workload import chunked, hf, text
-from autofit.workload.data import (
-    Batch,
-    DataSource,
-    DatasetData,
-    InputSpec,
-    SyntheticData,
-    TokenFileData,
-    batch_size_of,
-    batch_to,
-    check_kwargs,
-    dataset_source,
-    load_callable,
-    split_batch,
-    user_code,
-)
-from autofit.workload.text import TextData, text_lm_loss
-from autofit.workload.zoo import BUILTIN_MODELS, builtin_inputs
+from autofit.workload.data import (Batch, batch_size_of, batch_to, check_kwargs, dataset_source, DatasetData,
+                                   DataSource, InputSpec, load_callable, split_batch, SyntheticData, TokenFileData,
+                                   user_code)
+from autofit.workload.text import text_lm_loss, TextData
+from autofit.workload.zoo import builtin_inputs, BUILTIN_MODELS
 
 __all__ = [
     "BUILTIN_MODELS", "Batch", "DataSource", "InputSpec", "TextData", "Workload",
@@ -56,6 +44,11 @@ class Workload:
     # The same loss with the LM head and cross-entropy chunked (`chunked_loss`); None where
     # the model has no LM head autofit can chunk.
     chunked_loss_fn: Callable[[nn.Module, Batch], torch.Tensor] | None = None
+
+    def data_assumptions(self) -> dict:
+        """What a profile's peak and speed assume of varying-length data (empty otherwise):
+        the longest sample, padding, packing."""
+        return self.data.describe() if isinstance(self.data, TextData) else {}
 
 
 def build_workload(spec) -> Workload:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.errors import SpecError
+from autofit.base.errors import SpecError
 from autofit.workload.text import IGNORE_INDEX
 
 # HF config attributes that transform the logits after the head (soft-capping, scaling):

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from autofit.recover import is_oom
-from autofit.errors import AutofitError, SpecError, UserCodeError
+from autofit.base.errors import AutofitError, SpecError, UserCodeError
+from autofit.device.oom import is_oom
 
 Batch = dict[str, torch.Tensor] | tuple[torch.Tensor, ...]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autofit.errors import SpecError
+from autofit.base.errors import SpecError
 from autofit.workload.data import InputSpec
 
 _TASK_SUFFIXES = {"LMHeadModel": "causal_lm", "ForCausalLM": "causal_lm",

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
-from autofit._io import atomic_write
-from autofit.errors import SpecError
+from autofit.base.atomic import atomic_write
+from autofit.base.errors import SpecError
 
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index: pad positions carry no target
 PADDINGS = ("dynamic", "max_length")

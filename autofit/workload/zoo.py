@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autofit.errors import SpecError
+from autofit.base.errors import SpecError
 from autofit.workload.data import InputSpec
 
 _ARGS = "model.args"

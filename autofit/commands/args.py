@@ -1,0 +1,71 @@
+"""Checks of command-line arguments, in one place: every command (and the doctor) checks its
+counts, durations, folders and output files here, before any work, with one clear line.
+`--memory-budget` has its parser in `autofit.base.sizes.parse_budget`."""
+
+import math
+import os
+from pathlib import Path
+
+from autofit.base.errors import SpecError
+from autofit.config.spec import MAX_TIMEOUT_S
+
+
+def parse_sets(pairs: list[str] | None) -> dict[str, str]:
+    """`--set KEY=VALUE` pairs as a mapping."""
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not value:
+            raise SpecError(f"--set: expected KEY=VALUE, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def check_count(name: str, value: int | None, *, minimum: int = 1, maximum: int | None = None) -> None:
+    """A command-line count (--steps, --trials): an integer in [minimum, maximum]."""
+    if value is None:
+        return
+    if value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise SpecError(f"{name}: must be {what}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(f"{name}: at most {maximum:,}, got {value:,}")
+
+
+def check_seconds(name: str, value: float | None) -> None:
+    """A command-line duration: positive, finite (argparse's float() takes "nan" and "inf")."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value <= 0:
+        raise SpecError(f"{name}: must be a positive finite number of seconds, got {value}")
+    if value > MAX_TIMEOUT_S:
+        raise SpecError(f"{name}: at most {MAX_TIMEOUT_S:.0f} s (a week), got {value:g}")
+
+
+def check_output_file(path: str | None, what: str) -> None:
+    """A file the command will write at its end, checked before the work."""
+    if path is not None and Path(path).is_dir():
+        raise SpecError(f"{what}: {path} is a folder; give a file name")
+
+
+def check_run_folder(folder: Path, *, resume: bool, overwrite: bool) -> None:
+    """An earlier run's checkpoint is never replaced silently: --resume continues it,
+    --overwrite replaces it, anything else is refused before any work."""
+    if folder.exists() and not folder.is_dir():
+        raise SpecError(f"--checkpoint-dir: {folder} is a file, not a folder")
+    # checkpoint.pt of one process; `checkpoint` (and its `.old` twin) of several ranks
+    held = [p.name for p in (folder / "checkpoint.pt", folder / "checkpoint", folder / "checkpoint.old") if p.exists()]
+    if held and not (resume or overwrite):
+        raise SpecError(f"{folder} already holds a run ({held[0]}); --resume continues it, --overwrite "
+                        f"replaces it, --checkpoint-dir DIR starts another")
+
+
+def ensure_folder(folder: Path, what: str) -> Path:
+    """Create `folder` now, so a bad path fails before the work rather than after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecError(f"{what}: cannot create {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK):
+        raise SpecError(f"{what}: {folder} is not writable")
+    return folder

@@ -1,0 +1,56 @@
+"""`autofit estimate`: the peak memory of a configuration without running it (fake tensors).
+
+    autofit estimate examples/tiny-gpt.yaml --set precision=bf16-true --memory-budget 24GiB --json
+"""
+
+import json
+
+from autofit.base.sizes import format_bytes, parse_budget
+from autofit.config.spec import load_spec
+from autofit.config.train_config import TrainConfig, with_overrides
+from autofit.device.probe import select_device, usable_budget_bytes
+from autofit.device.support import require_supported
+from autofit.measure.estimate import estimate_memory, max_micro_batch_size
+from autofit.commands.args import parse_sets
+
+
+def estimate_command(spec_path, *, overrides: dict[str, str] | None = None, memory_budget: str | None = None,
+                     device: str | None = None) -> dict:
+    """`autofit estimate`: the predicted peak of the spec's default config with `--set`
+    overrides, and with a budget the largest micro batch that fits it."""
+    spec = load_spec(spec_path)
+    config = with_overrides(TrainConfig.default_for(spec), overrides or {},
+                            global_batch_size=spec.train.global_batch_size)
+    info = select_device(device)
+    require_supported(config.precision, info)
+    requested = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
+    estimate = estimate_memory(spec, config, device_kind=info.kind)
+    out = {"config": config.to_dict(), "device_kind": info.kind, **estimate.to_dict()}
+    if requested is not None:
+        # What `tune` would allow under the same budget: search.memory_headroom is kept free.
+        budget = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=requested)
+        out["requested_budget_bytes"] = requested
+        out["budget_bytes"] = budget
+        out["fits"] = estimate.peak_bytes <= budget
+        out["max_micro_batch_size"] = max_micro_batch_size(spec, config, budget, device_kind=info.kind)
+    return out
+
+
+def main(args) -> int:
+    """The CLI's `estimate`: the parts and the peak; exit 3 when not even a micro batch of 1 fits."""
+    out = estimate_command(args.spec, overrides=parse_sets(args.set), memory_budget=args.memory_budget,
+                           device=args.device)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        per_rank = f", per rank of {out['world_size']}" if out.get("per_rank") else ""
+        print(f"{out['parameters']:,} parameters ({out['trainable_parameters']:,} trainable), "
+              f"{out['device_kind']} estimate{per_rank}")
+        for part, n_bytes in out["bytes"].items():
+            print(f"  {part:<12} {format_bytes(n_bytes):>12}")
+        print(f"model state {format_bytes(out['model_state_bytes'])}: {out['model_state_bytes_per_param']:.2f} "
+              f"bytes per parameter (weights, gradients, optimizer state)")
+        if "max_micro_batch_size" in out:
+            print(f"budget {format_bytes(out['budget_bytes'])}: fits={out['fits']}, "
+                  f"largest micro batch that fits: {out['max_micro_batch_size']}")
+    return 3 if out.get("max_micro_batch_size", 1) is None else 0

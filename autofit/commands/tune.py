@@ -1,0 +1,50 @@
+"""`autofit tune`: probe the device, work out the budget, search, validate and write the profile.
+
+    autofit tune examples/tiny-gpt.yaml --memory-budget 16MiB
+    autofit tune model.yaml --device 0 --trials 60 --storage postgresql://tuner@db/autofit
+"""
+
+import json
+from pathlib import Path
+
+from autofit.base.errors import SpecError
+from autofit.base.paths import default_state_dir, default_store_dir
+from autofit.base.sizes import parse_budget
+from autofit.config.spec import load_spec, MAX_TRIALS
+from autofit.device.probe import select_device, usable_budget_bytes
+from autofit.tuning.tune import tune, TuneOutcome
+from autofit.commands.args import check_count, check_seconds, ensure_folder
+
+
+def tune_command(spec_path: str | Path, *, device: str | None = None, memory_budget: str | None = None,
+                 trials: int | None = None, timeout_s: float | None = None, storage: str | None = None,
+                 out_dir: str | Path | None = None, state_dir: str | Path | None = None,
+                 report: bool = True, nproc: int = 1) -> TuneOutcome:
+    """`autofit tune`: probe, budget, search, validate, save."""
+    spec = load_spec(spec_path)
+    check_count("--trials", trials, maximum=MAX_TRIALS)
+    check_seconds("--timeout", timeout_s)
+    if nproc < 1 or spec.train.global_batch_size % nproc:
+        raise SpecError(f"--nproc: must be a positive divisor of train.global_batch_size "
+                        f"({spec.train.global_batch_size}), got {nproc}")
+    info = select_device(device)
+    emulated = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
+    budget_bytes = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=emulated)
+    if storage is None:
+        folder = ensure_folder(Path(state_dir) if state_dir is not None else default_state_dir(), "--state-dir")
+        storage = f"sqlite:///{folder.resolve() / 'studies.db'}"
+    out_dir = ensure_folder(Path(out_dir) if out_dir is not None else default_store_dir(), "--out")
+    return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
+                trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated, nproc=nproc)
+
+
+def main(args) -> int:
+    """The CLI's `tune`: the profile's path as the last line of stdout, or `--json`'s summary."""
+    outcome = tune_command(args.spec, device=args.device, memory_budget=args.memory_budget, trials=args.trials,
+                           timeout_s=args.timeout, storage=args.storage, out_dir=args.out,
+                           state_dir=args.state_dir, report=not args.no_report, nproc=args.nproc)
+    if args.json:
+        print(json.dumps(outcome.summary(), default=str))
+    else:
+        print(outcome.profile_path)  # the last line of stdout, for scripts
+    return 0

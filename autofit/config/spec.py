@@ -1,0 +1,407 @@
+"""model.yaml (schema 1) -> frozen dataclasses.
+
+Every error names the key path and what is allowed, e.g.
+`train.global_batch_size: must be a positive integer, got -4`. Unknown keys are rejected,
+with a "did you mean" when one is close.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autofit.base.errors import SpecError
+from autofit.config.reader import choice_error, MISSING, Reader, shorten
+
+SCHEMA_VERSION = 1
+PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
+# What a checkpointed block keeps (autofit/knobs.py): its input only, or its matmul and attention outputs too.
+CHECKPOINT_POLICIES = ("full", "selective")
+MODEL_SOURCES = ("builtin", "hf", "python")
+DATA_KINDS = ("synthetic", "tokens", "python", "text")
+TEXT_FORMATS = ("jsonl", "txt")
+TEXT_PADDINGS = ("dynamic", "max_length")
+# Keys only data.kind text reads; left out of other kinds' normalised spec (and hash).
+_TEXT_KEYS = ("format", "field", "tokenizer", "max_length", "padding", "packing", "pad_to_multiple_of")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` would let a trailing newline through
+# The name heads file names the store makes: `.<name>--<slug>.demotions.json.XXXXXXXX.tmp`
+# at the longest (an atomic write's temp file: 31 characters besides name and slug). A GPU
+# name is at most 96 characters (NVML's buffer; an inventory file's names are held to it),
+# so a slug with its `-budget-…`, `-emulated` and `-xN` tags stays under 128. 255 bytes is
+# the file-name limit of ext4, xfs, btrfs and APFS alike: 255 - 31 - 128 = 96.
+MAX_NAME_CHARS = 96
+# Upper bounds where a huge value would hang or allocate before any check could stop it:
+# the global batch is materialised on the host every step, and every trial is a process.
+MAX_GLOBAL_BATCH_SIZE = 1 << 20
+MAX_STEPS = 10**9
+MAX_TRIALS = 10_000
+MAX_TRIAL_STEPS = 100_000
+MAX_SEQ_LEN = 1 << 20
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSource:
+    kind: str  # "builtin" | "hf" | "python"
+    target: str  # builtin name, HF class name, or "module.path:function"
+    args: dict  # builtin args / HF config dict / kwargs for the python function
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSpec:
+    kind: str = "synthetic"  # "synthetic" | "tokens" | "python" | "text"
+    path: Path | None = None  # tokens: flat uint16 token file; text: the corpus (absolute)
+    factory: str | None = None  # python: "module.path:function" returning a Dataset
+    seq_len: int | None = None  # overrides the model's sequence length
+    args: dict = field(default_factory=dict)  # kwargs for the factory
+    # text only:
+    format: str | None = None  # "jsonl" (one JSON object a line) | "txt" (one sample a line)
+    field: str | None = None  # jsonl: the key holding the text
+    tokenizer: Path | None = None  # a `tokenizers` tokenizer.json (absolute)
+    max_length: int | None = None  # tokens per sample after truncation; default: the model's positions
+    padding: str = "dynamic"  # "dynamic" (to each micro batch's longest) | "max_length"
+    packing: bool = False  # documents joined and cut into max_length windows: no padding
+    pad_to_multiple_of: int = 1  # dynamic padding rounds the length up to a multiple of this
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSpec:
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.0  # sgd only
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSpec:
+    global_batch_size: int  # fixed: micro batch x accumulation = this
+    steps: int = 100
+    max_grad_norm: float | None = 1.0  # None: no clipping
+    seed: int = 0
+    checkpoint_every: int = 50  # optimizer steps between checkpoints; 0: final only
+    log_every: int = 10
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchSpec:
+    precisions: tuple[str, ...] = PRECISIONS  # the allowed set; unsupported ones are skipped
+    max_freeze_blocks: int = 0  # freezing changes what is trained: opt-in
+    activation_checkpointing: bool = True
+    # Opt-in knobs (the default searches only the first value): the checkpoint policies of
+    # the checkpointed blocks.
+    checkpoint_policies: tuple[str, ...] = ("full",)
+    compile: tuple[bool, ...] = (False,)  # [false, true]: also torch.compile'd steps
+    memory_headroom: float = 0.05  # fraction of usable memory left free
+    trials: int = 40  # most configurations measured (pruned proposals and repeats do not count)
+    patience: int = 12  # stop after this many measured trials without a better one
+    warmup_steps: int = 2  # optimizer steps before timing, per trial
+    measure_steps: int = 5  # timed optimizer steps per trial
+    validate_steps: int = 50  # optimizer steps of the final validation run
+    frontier_points: int = 4  # most points the profile keeps, winner included; each other costs a validation
+    trial_timeout_s: float = 600.0
+    # The smallest micro batch searched. None: 16 (at most the global batch) for a model with
+    # BatchNorm, whose statistics are the micro batch's, else no floor. A value at or above
+    # the global batch excludes accumulation (the exact math of one batch).
+    min_micro_batch_size: int | None = None
+    # Memory knobs that change the optimizer's numerics or the loss's code path: opt-in.
+    optimizer_bits: tuple[int, ...] = (32,)  # [32, 8]: also bitsandbytes' 8-bit AdamW state
+    chunked_loss: tuple[bool, ...] = (False,)  # [false, true]: also the chunked LM loss (LM heads)
+    # Validation: a low-precision run's loss curve (5-step medians) may leave the 32-true
+    # baseline's over the same batches by this fraction.
+    loss_curve_rtol: float = 0.01
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    name: str
+    model: ModelSource
+    data: DataSpec
+    optimizer: OptimizerSpec
+    train: TrainSpec
+    search: SearchSpec
+    source_dir: Path  # folder of the yaml: relative paths and python: imports resolve here
+    schema: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        """The normalised spec, as plain YAML/JSON types (paths relative to the spec's folder)."""
+        out = {"schema": self.schema, "name": self.name}
+        model = {self.model.kind: self.model.target, "args": dict(self.model.args)}
+        if self.model.kind == "hf":
+            model = {"hf": {"class": self.model.target, "config": dict(self.model.args)}}
+        out["model"] = model
+        data = dataclasses.asdict(self.data)
+        if self.data.kind != "text":
+            data = {k: v for k, v in data.items() if k not in _TEXT_KEYS}
+        for key in ("path", "tokenizer"):
+            if data.get(key) is not None:
+                data[key] = _relative(data[key], self.source_dir)
+        out["data"] = data
+        out["optimizer"] = dataclasses.asdict(self.optimizer) | {"betas": list(self.optimizer.betas)}
+        out["train"] = dataclasses.asdict(self.train)
+        out["search"] = dataclasses.asdict(self.search) | {
+            name: list(getattr(self.search, name))
+            for name in ("precisions", "checkpoint_policies", "optimizer_bits", "chunked_loss", "compile")}
+        return out
+
+    @property
+    def spec_hash(self) -> str:
+        """Hash of what the best configuration depends on. Train length, seed, logging
+        cadence and the search's budget do not change it, so editing them keeps profiles valid."""
+        d = self.to_dict()
+        # The search's space, not how long it runs: trials, patience, step counts and
+        # timeouts change the cost of a tune, not which config wins.
+        space = {k: d["search"][k] for k in ("precisions", "max_freeze_blocks", "activation_checkpointing",
+                                            "memory_headroom")}
+        # Opt-in knobs join the hash only when opted in: specs without them keep their hash
+        # (and their profiles).
+        space |= {k: d["search"][k] for k, default in _OPT_IN_DEFAULTS.items() if d["search"][k] != default}
+        relevant = {
+            "model": d["model"], "data": d["data"], "optimizer": d["optimizer"],
+            "global_batch_size": d["train"]["global_batch_size"],
+            "max_grad_norm": d["train"]["max_grad_norm"], "search": space,
+        }
+        blob = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
+        return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
+
+    def micro_batch_sizes(self) -> list[int]:
+        """Micro batch sizes that divide the global batch: the only candidates."""
+        return divisors(self.train.global_batch_size)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending, in O(sqrt(n)) steps (not n: a global batch of 10**8
+    would take seconds)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Read and validate a model.yaml."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such file" if not path.exists() else
+                        f"{path}: is a folder, not a model.yaml" if path.is_dir() else f"{path}: not a file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{path}: YAML syntax error{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a text file") from None
+    if raw is None:
+        raise SpecError(f"{path}: the file is empty; see examples/tiny-gpt.yaml for a complete spec")
+    try:
+        return parse_spec(raw, source_dir=path.resolve().parent)
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc}") from None
+
+
+def parse_spec(raw: Any, *, source_dir: Path) -> ModelSpec:
+    """Validate an already-parsed mapping."""
+    top = Reader(raw, "")
+    schema = top.get("schema", int, default=SCHEMA_VERSION)
+    if schema != SCHEMA_VERSION:
+        raise SpecError(f"schema: this autofit reads schema {SCHEMA_VERSION}, got {schema}")
+    name = top.get("name", str)
+    if not _NAME.fullmatch(name):
+        raise SpecError(f"name: letters, digits, '.', '_' and '-', starting with a letter or digit "
+                        f"(it names profile files), got {shorten(name)!r}")
+    if len(name) > MAX_NAME_CHARS:
+        raise SpecError(f"name: at most {MAX_NAME_CHARS} characters (it names profile files), "
+                        f"got {len(name)}")
+    spec = ModelSpec(
+        name=name,
+        model=_model(top.section("model")),
+        data=_data(top.section("data", required=False), source_dir),
+        optimizer=_optimizer(top.section("optimizer", required=False)),
+        train=_train(top.section("train")),
+        search=_search(top.section("search", required=False)),
+        source_dir=source_dir,
+        schema=schema,
+    )
+    top.finish()
+    if 8 in spec.search.optimizer_bits and spec.optimizer.name not in ("adamw", "adam"):
+        raise SpecError(f"search.optimizer_bits: 8-bit state is for adam and adamw, got optimizer.name "
+                        f"{spec.optimizer.name}; use [32]")
+    if spec.data.kind == "python" and spec.data.factory is None:
+        raise SpecError("data.factory: required when data.kind is python (\"module.path:function\")")
+    if spec.data.kind == "tokens" and spec.data.path is None:
+        raise SpecError("data.path: required when data.kind is tokens (a flat uint16 token file)")
+    if spec.data.kind == "text":
+        if spec.data.path is None:
+            raise SpecError("data.path: required when data.kind is text (a .jsonl or .txt corpus)")
+        if spec.data.tokenizer is None:
+            raise SpecError("data.tokenizer: required when data.kind is text (a tokenizers tokenizer.json)")
+        if spec.data.seq_len is not None:
+            raise SpecError("data.seq_len: not for data.kind text; data.max_length sets the sample length")
+    return spec
+
+
+def _model(r: "Reader") -> ModelSource:
+    given = [k for k in MODEL_SOURCES if k in r.raw]
+    if len(given) != 1:
+        what = "none" if not given else " and ".join(given)
+        raise SpecError(f"model: exactly one source of {', '.join(MODEL_SOURCES)} is needed, got {what}")
+    kind = given[0]
+    if kind == "hf":
+        hf = r.section("hf")
+        source = ModelSource(kind="hf", target=hf.get("class", str), args=hf.get("config", dict, default={}))
+        hf.finish()
+    else:
+        target = r.get(kind, str)
+        if kind == "python" and not re.match(r"^[\w.]+:\w+$", target):
+            raise SpecError(f"model.python: expected \"module.path:function\", got {target!r}")
+        source = ModelSource(kind=kind, target=target, args=r.get("args", dict, default={}))
+    r.finish()
+    return source
+
+
+def _data(r: "Reader", source_dir: Path) -> DataSpec:
+    kind = r.choice("kind", DATA_KINDS, default="synthetic")
+    path = r.get("path", str, default=None)
+    factory = r.get("factory", str, default=None)
+    if factory is not None and not re.match(r"^[\w.]+:\w+$", factory):
+        raise SpecError(f"data.factory: expected \"module.path:function\", got {factory!r}")
+    data = DataSpec(
+        kind=kind,
+        path=(source_dir / path).resolve() if path is not None else None,
+        factory=factory,
+        seq_len=r.positive_int("seq_len", default=None, maximum=MAX_SEQ_LEN),
+        args=r.get("args", dict, default={}),
+        **_text_options(r, kind, path, source_dir),
+    )
+    r.finish()
+    return data
+
+
+def _text_options(r: "Reader", kind: str, path: str | None, source_dir: Path) -> dict:
+    if kind != "text":
+        given = [k for k in _TEXT_KEYS if r.raw.get(k) is not None]
+        if given:
+            raise SpecError(f"data.{given[0]}: only for data.kind text, not {kind}")
+        r.used.update(_TEXT_KEYS)
+        return {}
+    suffix = Path(path).suffix.lstrip(".") if path else ""
+    fmt = r.choice("format", TEXT_FORMATS, default=suffix if suffix in TEXT_FORMATS else MISSING)
+    tokenizer = r.get("tokenizer", str, default=None)
+    max_length = r.positive_int("max_length", default=None)
+    if max_length is not None and max_length < 2:
+        raise SpecError(f"data.max_length: at least 2 (one input token and its target), got {max_length}")
+    field_name = r.get("field", str, default=None)
+    if fmt == "txt" and field_name is not None:
+        raise SpecError("data.field: only for format jsonl (a txt corpus is one sample a line)")
+    return {
+        "format": fmt,
+        "field": (field_name or "text") if fmt == "jsonl" else None,
+        "tokenizer": (source_dir / tokenizer).resolve() if tokenizer is not None else None,
+        "max_length": max_length,
+        "padding": r.choice("padding", TEXT_PADDINGS, default="dynamic"),
+        "packing": r.get("packing", bool, default=False),
+        "pad_to_multiple_of": r.positive_int("pad_to_multiple_of", default=1),
+    }
+
+
+def _optimizer(r: "Reader") -> OptimizerSpec:
+    betas = r.get("betas", list, default=[0.9, 0.999])
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                  for b in betas):
+        raise SpecError(f"optimizer.betas: two numbers in [0, 1), got {betas!r}")
+    opt = OptimizerSpec(
+        name=r.choice("name", OPTIMIZERS, default="adamw"),
+        lr=r.number("lr", default=3e-4, minimum=0.0, exclusive=True),
+        weight_decay=r.number("weight_decay", default=0.0, minimum=0.0),
+        betas=(float(betas[0]), float(betas[1])),
+        momentum=r.number("momentum", default=0.0, minimum=0.0),
+    )
+    r.finish()
+    return opt
+
+
+def _train(r: "Reader") -> TrainSpec:
+    clip = r.get("max_grad_norm", (int, float), default=1.0, nullable=True)
+    if clip is not None and not (math.isfinite(clip) and clip > 0):
+        raise SpecError(f"train.max_grad_norm: must be a positive finite number or null (no clipping), got {clip}")
+    train = TrainSpec(
+        global_batch_size=r.positive_int("global_batch_size", maximum=MAX_GLOBAL_BATCH_SIZE),
+        steps=r.positive_int("steps", default=100, maximum=MAX_STEPS),
+        max_grad_norm=None if clip is None else float(clip),
+        seed=_seed(r),
+        checkpoint_every=r.nonnegative_int("checkpoint_every", default=50, maximum=MAX_STEPS),
+        log_every=r.positive_int("log_every", default=10, maximum=MAX_STEPS),
+    )
+    r.finish()
+    return train
+
+
+def _seed(r: "Reader") -> int:
+    seed = r.get("seed", int, default=0)
+    if not 0 <= seed < 2**32:  # torch and Optuna's samplers take 32-bit unsigned seeds
+        raise SpecError(f"train.seed: an integer in [0, 2**32), got {seed}")
+    return seed
+
+
+_OPT_IN_DEFAULTS = {"checkpoint_policies": ["full"], "min_micro_batch_size": None, "optimizer_bits": [32],
+                    "chunked_loss": [False], "compile": [False], "loss_curve_rtol": 0.01}
+
+
+def _search(r: "Reader") -> SearchSpec:
+    precisions = r.get("precisions", list, default=list(PRECISIONS))
+    for i, p in enumerate(precisions):
+        if p not in PRECISIONS:
+            raise SpecError(f"search.precisions[{i}]: {choice_error(p, PRECISIONS)}")
+    if not precisions:
+        raise SpecError(f"search.precisions: at least one of {', '.join(PRECISIONS)} is needed")
+    headroom = r.number("memory_headroom", default=0.05, minimum=0.0)
+    if headroom >= 0.5:
+        raise SpecError(f"search.memory_headroom: a fraction below 0.5, got {headroom}")
+    search = SearchSpec(
+        precisions=tuple(dict.fromkeys(precisions)),
+        max_freeze_blocks=r.nonnegative_int("max_freeze_blocks", default=0, maximum=MAX_TRIAL_STEPS),
+        activation_checkpointing=r.get("activation_checkpointing", bool, default=True),
+        checkpoint_policies=_choices(r, "checkpoint_policies", CHECKPOINT_POLICIES, default=("full",)),
+        compile=_choices(r, "compile", (False, True), default=(False,)),
+        memory_headroom=headroom,
+        trials=r.positive_int("trials", default=40, maximum=MAX_TRIALS),
+        patience=r.positive_int("patience", default=12, maximum=MAX_TRIALS),
+        warmup_steps=r.nonnegative_int("warmup_steps", default=2, maximum=MAX_TRIAL_STEPS),
+        measure_steps=r.positive_int("measure_steps", default=5, maximum=MAX_TRIAL_STEPS),
+        validate_steps=r.positive_int("validate_steps", default=50, maximum=MAX_TRIAL_STEPS),
+        frontier_points=r.positive_int("frontier_points", default=4, maximum=MAX_TRIALS),
+        trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True,
+                                 maximum=MAX_TIMEOUT_S),
+        min_micro_batch_size=r.positive_int("min_micro_batch_size", default=None, maximum=MAX_GLOBAL_BATCH_SIZE),
+        optimizer_bits=_choices(r, "optimizer_bits", (32, 8), default=(32,)),
+        chunked_loss=_choices(r, "chunked_loss", (False, True), default=(False,)),
+        loss_curve_rtol=r.number("loss_curve_rtol", default=0.01, minimum=0.0, exclusive=True, maximum=1.0),
+    )
+    r.finish()
+    return search
+
+
+def _choices(r: "Reader", key: str, allowed: tuple, *, default: tuple) -> tuple:
+    """A non-empty list of distinct values from `allowed`, in the given order."""
+    values = r.get(key, list, default=list(default))
+    for i, value in enumerate(values):
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            names = tuple(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed)  # YAML spelling
+            raise SpecError(f"search.{key}[{i}]: {choice_error(value, names)}")
+    if not values:
+        raise SpecError(f"search.{key}: at least one value is needed")
+    return tuple(dict.fromkeys(values))

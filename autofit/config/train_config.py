@@ -1,0 +1,236 @@
+"""`TrainConfig`: one point of the search space, as plain data (no torch). What a profile
+records, a trial measures and a run applies (`autofit.train.knobs` applies it to a model).
+
+    config = TrainConfig(precision="bf16-mixed", micro_batch_size=8, grad_accum_steps=4)
+    config.short()                        # 'bf16-mixed mb=8x4 ckpt=0 freeze=0'
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from autofit.base.errors import SpecError
+from autofit.config.spec import CHECKPOINT_POLICIES, ModelSpec, PRECISIONS
+
+PARALLELISMS = ("none", "ddp", "fsdp")  # one process; DistributedDataParallel; FSDP2 fully_shard
+OPTIMIZER_BITS = (32, 8)  # the optimizer's moments in fp32, or blockwise 8-bit (bitsandbytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """One point of the search space; what a profile records and a run applies."""
+
+    precision: str = "32-true"  # 32-true | tf32 | 16-mixed | bf16-mixed | bf16-true
+    micro_batch_size: int  # samples per forward/backward
+    grad_accum_steps: int = 1  # micro batches per optimizer step
+    checkpoint_blocks: int = 0  # blocks of the block stack with activation checkpointing
+    checkpoint_policy: str = "full"  # full | selective: what each checkpointed block keeps (see CHECKPOINT_POLICIES)
+    freeze_blocks: int = 0  # embeddings + the first k blocks frozen (0: nothing frozen)
+    # Text data: each step's samples sorted by length before the micro batches are cut, so
+    # dynamic padding pads less. The step trains on the same samples: the update is the same.
+    length_bucketing: bool = False
+    # Data parallelism over `world_size` ranks (one process per GPU, launched by torchrun).
+    # The defaults are one process, so profiles written before these fields load unchanged.
+    parallelism: str = "none"  # none | ddp | fsdp
+    world_size: int = 1  # ranks; each runs micro_batch_size x grad_accum_steps samples per step
+    reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
+    bucket_cap_mb: int = 25  # ddp: gradient bucket size, MiB (torch's default)
+    gradient_as_bucket_view: bool = False  # ddp: gradients are views into the buckets (one copy fewer)
+    # Memory knobs that change numerics or the loss's code path; opt-in in `search`. The
+    # defaults are what every run did before them, so older profiles load unchanged.
+    optimizer_bits: int = 32  # 32: the moments in fp32; 8: blockwise 8-bit moments (bitsandbytes AdamW8bit)
+    chunked_loss: bool = False  # LM heads: head + cross-entropy in chunks, the full logits never exist
+    # torch.compile of each block (the whole model without a block stack); compile time is
+    # measured apart from throughput.
+    compile: bool = False
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise SpecError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.parallelism not in PARALLELISMS:
+            raise SpecError(f"parallelism: must be one of {', '.join(PARALLELISMS)}, got {self.parallelism!r}")
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise SpecError(f"checkpoint_policy: must be one of {', '.join(CHECKPOINT_POLICIES)}, "
+                            f"got {self.checkpoint_policy!r}")
+        for name in ("reshard_after_forward", "gradient_as_bucket_view"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "bucket_cap_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("checkpoint_blocks", "freeze_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"{name}: must be an integer >= 0, got {value!r}")
+        for name in ("length_bucketing", "chunked_loss", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.optimizer_bits, bool) or self.optimizer_bits not in OPTIMIZER_BITS:
+            raise SpecError(f"optimizer_bits: must be 32 or 8, got {self.optimizer_bits!r}")
+        if self.optimizer_bits == 8 and self.precision == "bf16-true":
+            # bf16 weights need the Kahan-compensated update (torch-optimi), which has no
+            # 8-bit state; bitsandbytes' update to a bf16 weight rounds small steps away.
+            raise SpecError("optimizer_bits: 8-bit state needs fp32 weights; bf16-true keeps bf16 weights "
+                            "(use optimizer_bits 32 with bf16-true, or another precision)")
+        if self.optimizer_bits == 8 and self.parallelism == "fsdp":
+            raise SpecError("optimizer_bits: 8-bit state does not run under FSDP2 (bitsandbytes' update takes no "
+                            "DTensor shards); use parallelism ddp or optimizer_bits 32")
+        if self.chunked_loss and self.parallelism != "none":
+            # The chunked loss reads the head's weight outside the model's forward, where
+            # DDP's and FSDP2's hooks do not see it.
+            raise SpecError(f"chunked_loss: runs in one process only, got parallelism {self.parallelism}")
+        # Inert knobs are reset to their defaults, so configs that differ only there are one
+        # config (equal, one hash, measured once): the policy of no checkpointed block, and
+        # another strategy's knobs.
+        if self.checkpoint_blocks == 0:
+            object.__setattr__(self, "checkpoint_policy", "full")
+        if self.parallelism != "fsdp":
+            object.__setattr__(self, "reshard_after_forward", True)
+        if self.parallelism != "ddp":
+            object.__setattr__(self, "bucket_cap_mb", 25)
+            object.__setattr__(self, "gradient_as_bucket_view", False)
+        if self.parallelism == "none" and self.world_size != 1:
+            raise SpecError(f"world_size: parallelism none runs one process, got world_size={self.world_size}; "
+                            f"set parallelism to ddp or fsdp")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+
+    @property
+    def rank_batch_size(self) -> int:
+        """Samples one rank processes per optimizer step."""
+        return self.micro_batch_size * self.grad_accum_steps
+
+    @property
+    def distributed(self) -> bool:
+        return self.parallelism != "none"
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        # Knobs at their defaults are left out: a profile mentions what it changes, and the
+        # records of configs that never had these knobs stay as they were.
+        for name, default in (("length_bucketing", False), ("optimizer_bits", 32), ("chunked_loss", False),
+                              ("checkpoint_policy", "full"), ("compile", False)):
+            if out[name] == default:
+                del out[name]
+        # A strategy's own knobs are written only with that strategy: a one-process profile
+        # does not list DDP bucket sizes it never used.
+        if self.parallelism != "fsdp":
+            del out["reshard_after_forward"]
+        if self.parallelism != "ddp":
+            del out["bucket_cap_mb"], out["gradient_as_bucket_view"]
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict, *, where: str = "config") -> "TrainConfig":
+        if not isinstance(raw, dict):
+            raise SpecError(f"{where}: expected a mapping, got {raw!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - fields)
+        if unknown:
+            raise SpecError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}")
+        try:
+            return cls(**raw)
+        except SpecError as exc:
+            raise SpecError(f"{where}.{exc}") from None
+        except TypeError as exc:  # a required field missing
+            raise SpecError(f"{where}: {exc}") from None
+
+    @classmethod
+    def default_for(cls, spec: ModelSpec) -> "TrainConfig":
+        """What a plain PyTorch job does: fp32, the whole global batch in one micro batch."""
+        return cls(precision="32-true", micro_batch_size=spec.train.global_batch_size)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def short(self) -> str:
+        text = (f"{self.precision} mb={self.micro_batch_size}x{self.grad_accum_steps} "
+                f"ckpt={self.checkpoint_blocks}{'sel' if self.checkpoint_policy == 'selective' else ''} "
+                f"freeze={self.freeze_blocks}"
+                + (" bucketed" if self.length_bucketing else "")
+                + (" adam8bit" if self.optimizer_bits == 8 else "")
+                + (" chunked-ce" if self.chunked_loss else "")
+                + (" compiled" if self.compile else ""))
+        if self.parallelism == "fsdp":
+            text += f" fsdp x{self.world_size}" + ("" if self.reshard_after_forward else " keep-gathered")
+        elif self.parallelism == "ddp":
+            text += f" ddp x{self.world_size}" + (" bucket-view" if self.gradient_as_bucket_view else "")
+        return text
+
+
+def with_overrides(config: TrainConfig, overrides: dict[str, str], *, global_batch_size: int) -> TrainConfig:
+    """Apply `--set key=value` pairs; micro batch and accumulation stay consistent with the
+    fixed global batch (giving one derives the other)."""
+    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    values = config.to_dict()
+    for key, text in overrides.items():
+        if key not in fields:
+            raise SpecError(f"--set {key}: unknown key; allowed: {', '.join(fields)}")
+        if fields[key] is str:
+            values[key] = text
+        elif fields[key] is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise SpecError(f"--set {key}: must be true or false, got {text!r}")
+            values[key] = text.lower() in ("true", "1", "yes")
+        else:
+            try:
+                values[key] = int(text)
+            except ValueError:
+                raise SpecError(f"--set {key}: must be an integer, got {text!r}") from None
+    if "world_size" in overrides and "parallelism" not in overrides and values["world_size"] > 1 \
+            and values["parallelism"] == "none":
+        values["parallelism"] = "ddp"  # several ranks and no strategy named: plain data parallel
+    # Each rank's share of the global batch; micro batch x accumulation must fill it.
+    world = values["world_size"] if isinstance(values["world_size"], int) and values["world_size"] > 0 else 1
+    if global_batch_size % world:
+        raise SpecError(f"--set world_size: must divide the global batch size {global_batch_size}, got {world}")
+    rank_batch = global_batch_size // world
+    if "micro_batch_size" in overrides and "grad_accum_steps" not in overrides:
+        micro = values["micro_batch_size"]
+        if micro < 1 or rank_batch % micro:
+            raise SpecError(f"--set micro_batch_size: must divide the per-rank batch size "
+                            f"{rank_batch} (global {global_batch_size} / world size {world}), got {micro}")
+        values["grad_accum_steps"] = rank_batch // micro
+    elif "grad_accum_steps" in overrides and "micro_batch_size" not in overrides:
+        accum = values["grad_accum_steps"]
+        if accum < 1 or rank_batch % accum:
+            raise SpecError(f"--set grad_accum_steps: must divide the per-rank batch size "
+                            f"{rank_batch}, got {accum}")
+        values["micro_batch_size"] = rank_batch // accum
+    elif "world_size" in overrides and "micro_batch_size" not in overrides:
+        # Keep the micro batch where it can; the accumulation makes up the rest.
+        micro = values["micro_batch_size"] if rank_batch % values["micro_batch_size"] == 0 else rank_batch
+        values["micro_batch_size"], values["grad_accum_steps"] = micro, rank_batch // micro
+    new = TrainConfig.from_dict(values)
+    check_global_batch(new, global_batch_size)
+    return new
+
+
+def check_global_batch(config: TrainConfig, global_batch_size: int) -> None:
+    if config.global_batch_size != global_batch_size:
+        if config.world_size > 1:
+            raise SpecError(
+                f"micro_batch_size x grad_accum_steps x world_size must equal train.global_batch_size "
+                f"({global_batch_size}), got {config.micro_batch_size} x {config.grad_accum_steps} x "
+                f"{config.world_size} = {config.global_batch_size}")
+        raise SpecError(
+            f"micro_batch_size x grad_accum_steps must equal train.global_batch_size ({global_batch_size}), "
+            f"got {config.micro_batch_size} x {config.grad_accum_steps} = {config.global_batch_size}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroBatchFloor:
+    """The smallest micro batch a model may run, and why."""
+
+    size: int
+    excludes_accumulation: bool  # the floor is the whole (per-rank) batch: one micro batch per step
+    reason: str
+
+    def describe(self) -> str:
+        rule = "accumulation excluded" if self.excludes_accumulation else f"micro batch >= {self.size}"
+        return f"{rule}: {self.reason}"
+
+    def to_dict(self) -> dict:
+        return {"size": self.size, "excludes_accumulation": self.excludes_accumulation, "reason": self.reason}

@@ -1,0 +1,40 @@
+"""Which precisions a device can run, from plain facts (device kind and compute capability,
+read through NVML or torch): the parent decides without touching CUDA or importing torch."""
+
+from autofit.base.errors import DeviceError
+from autofit.config.spec import PRECISIONS
+
+
+def unsupported_reason(name: str, *, device_kind: str, compute_capability: tuple[int, int] | None) -> str | None:
+    """Why `name` cannot run on this hardware, or None when it can.
+
+    Takes plain facts (from NVML or torch) so the parent can decide without touching CUDA.
+    """
+    if name not in PRECISIONS:
+        raise DeviceError(f"precision: must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    if device_kind == "cpu":
+        # On a CPU "tf32" is the same computation as 32-true; searching it would only
+        # measure noise twice.
+        return "tf32 needs an NVIDIA GPU (compute capability 8.0+); on a CPU it is 32-true" if name == "tf32" else None
+    if compute_capability is None:
+        return None
+    major, minor = compute_capability
+    if name in ("tf32", "bf16-mixed", "bf16-true") and major < 8:
+        return f"{name} needs compute capability 8.0+ (Ampere or newer), this GPU has {major}.{minor}"
+    if name == "16-mixed" and major < 6:
+        return f"16-mixed needs compute capability 6.0+, this GPU has {major}.{minor}"
+    return None
+
+
+def supported_precisions(candidates, *, device_kind: str, compute_capability: tuple[int, int] | None) -> list[str]:
+    return [p for p in candidates
+            if unsupported_reason(p, device_kind=device_kind, compute_capability=compute_capability) is None]
+
+
+def require_supported(name: str, device) -> None:
+    """The command-line check (train, trial, estimate), from a probed `DeviceInfo` without
+    touching CUDA: a DeviceError saying why `name` cannot run there. tf32 on a CPU is
+    refused here as `tune` refuses to search it: it would run as 32-true under another name."""
+    reason = unsupported_reason(name, device_kind=device.kind, compute_capability=device.compute_capability)
+    if reason is not None:
+        raise DeviceError(f"precision: {reason}")

@@ -1,0 +1,297 @@
+"""Peak memory of a `TrainConfig` without running it and without a GPU.
+
+    autofit estimate examples/tiny-gpt.yaml --set precision=bf16-true --memory-budget 24GiB --json
+
+The real `Runner` (same model, knobs, precision policy, optimizer, step) runs two optimizer
+steps on fake tensors: `FakeTensorMode` gives every tensor a shape, dtype and device but no
+storage, so a 7B-parameter model costs kilobytes and seconds. `LiveBytesTracker`, the CPU
+trials' memory meter, counts the bytes those tensors would hold. Two steps, because the
+optimizer state exists only from the first `optimizer.step()` on. Known blind spots and how
+the search corrects them: docs/estimator.md.
+"""
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._pytree import tree_leaves
+
+from autofit.base.errors import AutofitError, UserCodeError
+from autofit.config.spec import divisors, ModelSpec
+from autofit.config.train_config import check_global_batch, TrainConfig
+from autofit.device.memory import LiveBytesTracker
+from autofit.workload import build_workload, Workload
+from autofit.train.knobs import trainable_parameters
+from autofit.train.optim import build_optimizer
+from autofit.train.runner import Runner
+from autofit.measure.estimate_shard import per_rank
+
+DEVICE_KINDS = ("cpu", "cuda")
+ESTIMATED_STEPS = 2  # optimizer state exists from the first optimizer.step() on
+# Memory is the same for every micro batch after the second: the first allocates the
+# gradients, the second adds to them. Simulating two keeps long accumulations cheap.
+_MICRO_BATCHES = 2
+
+
+class EstimateError(AutofitError):
+    """The model cannot run on fake tensors (data-dependent shapes, `.item()` in forward);
+    a trial measures it instead."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Predicted device bytes of one configuration. The parts are sizes, not a partition of
+    the peak: without accumulation the gradients and activations never fully coexist, so
+    `temporaries` (peak minus the parts) is floored at 0."""
+
+    parameters: int  # count, frozen included
+    trainable_parameters: int
+    parameters_bytes: int  # weights and buffers, in the precision's parameter dtype
+    gradients_bytes: int  # one gradient per trainable parameter
+    optimizer_bytes: int  # optimizer state (AdamW: two moments and a step count per tensor)
+    activations_bytes: int  # saved for backward by one micro batch's forward (autocast weight copies included)
+    temporaries_bytes: int  # everything else live at the peak: logits' gradient, optimizer scratch
+    peak_bytes: int
+    # Several ranks: every byte figure above is one rank's (FSDP2's sharded state included).
+    world_size: int = 1
+    collective_bytes: int = 0  # FSDP2: gathered units and unsharded gradients in flight; DDP: gradient buckets
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
+
+    def to_dict(self) -> dict:
+        parts = {"parameters": self.parameters_bytes, "gradients": self.gradients_bytes,
+                 "optimizer": self.optimizer_bytes, "activations": self.activations_bytes}
+        if self.world_size > 1:
+            parts["collectives"] = self.collective_bytes
+        out = {
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "bytes": parts | {"temporaries": self.temporaries_bytes, "peak": self.peak_bytes},
+            # Weights + gradients + optimizer state: 16 B/param for fp32 AdamW, 10.03 with 8-bit state.
+            "model_state_bytes": self.model_state_bytes,
+            "model_state_bytes_per_param": round(self.model_state_bytes / max(self.parameters, 1), 4),
+        }
+        if self.world_size > 1:
+            out |= {"world_size": self.world_size, "per_rank": True}
+        return out
+
+
+def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = "cpu") -> MemoryEstimate:
+    """Peak bytes of training `spec` with `config`, on a device of kind `device_kind`.
+
+    "cpu" predicts what a CPU trial tracks, model construction included. "cuda" leaves out
+    construction (the model is built in host memory, then moved) and uses the fused
+    optimizer the runner picks on CUDA.
+    """
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
+    check_global_batch(config, spec.train.global_batch_size)
+    return _estimate(spec, build_workload(spec), config, device_kind)
+
+
+def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int, *,
+                         device_kind: str = "cpu") -> int | None:
+    """Largest divisor of the global batch whose estimated peak fits `budget_bytes`, with
+    `config`'s precision, checkpointing and freezing (accumulation follows); None when even
+    a micro batch of 1 does not fit. Memory grows with the micro batch, so a binary search
+    over the divisors finds the boundary."""
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
+    workload = build_workload(spec)
+    rank_batch = spec.train.global_batch_size // config.world_size  # each rank's share
+    sizes = divisors(rank_batch)
+
+    def fits(micro: int) -> bool:
+        trial = config.replace(micro_batch_size=micro, grad_accum_steps=rank_batch // micro)
+        return _estimate(spec, workload, trial, device_kind).peak_bytes <= budget_bytes
+
+    lo, hi = 0, len(sizes) - 1  # invariant: everything below lo fits, everything above hi does not
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(sizes[mid]):
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return sizes[hi] if hi >= 0 else None
+
+
+_CACHE_SIZE = 512
+_cache: dict[tuple, MemoryEstimate] = {}
+
+
+def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str) -> MemoryEstimate:
+    """Memoised in this process: the search, `max_micro_batch_size` and the CLI ask for the
+    same configurations again, and each answer costs a fake training step (~0.5 s)."""
+    key = (spec.spec_hash, str(spec.source_dir), config, device_kind)
+    if key not in _cache:
+        if len(_cache) >= _CACHE_SIZE:
+            _cache.pop(next(iter(_cache)))  # oldest first
+        _cache[key] = _simulate(spec, workload, config, device_kind)
+    return _cache[key]
+
+
+def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str) -> MemoryEstimate:
+    micro_batches = min(config.grad_accum_steps, _MICRO_BATCHES)
+    small_spec = dataclasses.replace(spec, train=dataclasses.replace(
+        spec.train, global_batch_size=config.micro_batch_size * micro_batches))
+    # One rank runs the same step as one process on its share of the batch; what the
+    # strategy adds or shards is applied afterwards (autofit.estimate_shard).
+    # A compiled step is estimated as the eager one: torch.compile cannot trace under the
+    # tracker's dispatch mode, and compiling per estimate would cost more than a trial.
+    # Fused kernels usually keep fewer intermediates; the calibration, fitted per compile
+    # setting, learns the difference from measured trials.
+    small_config = config.replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1, compile=False)
+    # Real (meta) tensors are let in: a model's constant tensors become fake on first use.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = LiveBytesTracker()
+    activations = _ActivationMeter(tracker)
+    build = _MetaBuild(workload.build_model)
+    chunked = workload.chunked_loss_fn
+    workload = dataclasses.replace(workload, build_model=build,
+                                   loss_fn=functools.partial(activations.loss, workload.loss_fn),
+                                   chunked_loss_fn=chunked and functools.partial(activations.loss, chunked))
+    matmul_precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    # The runner seeds torch and sets matmul precision for its process; here that process
+    # is the caller's, so both are put back afterwards.
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with fake_mode, tracker:
+                runner = Runner(small_spec, workload, small_config, device=torch.device("cpu"))
+                build.retie(runner, device_kind)
+            # GradScaler reads its found-inf flag with .item(), which a fake tensor has no
+            # value for; a disabled scaler differs only by a few scalars.
+            runner.scaler = torch.amp.GradScaler("cpu", enabled=False)
+            if device_kind == "cuda":
+                tracker.reset_peak()  # a GPU run builds the model in host memory
+            for step in range(ESTIMATED_STEPS):
+                # Batches come from the real data source (it may read files or call numpy),
+                # then become fake tensors that the tracker counts as device inputs.
+                real = runner.peak_batch(step)
+                with fake_mode:
+                    batch = [_to_fake(fake_mode, mb) for mb in real]
+                with fake_mode, tracker:
+                    tracker.track(t for mb in batch for t in tree_leaves(mb))
+                    runner.step(batch)
+                    del batch
+        except UserCodeError as exc:
+            # The user's code raised. Under fake tensors that may be fake tensors' own limit
+            # (a value read with .item(), an op with no fake kernel: torch's exceptions),
+            # which a real run would not meet; anything else is their bug.
+            if not _fake_limitation(exc.__cause__):
+                raise
+            cause = exc.__cause__
+            raise EstimateError(f"estimate: {spec.name} cannot run on fake tensors ({type(cause).__name__}: "
+                                f"{str(cause).splitlines()[0] if str(cause) else ''}); "
+                                f"measure it with `autofit trial` instead") from cause
+        except AutofitError:
+            raise
+        except Exception as exc:
+            raise EstimateError(f"estimate: {spec.name} cannot run on fake tensors "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                f"measure it with `autofit trial` instead") from exc
+        finally:
+            torch.set_float32_matmul_precision(matmul_precision)
+            torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    # Runner.global_batch puts every micro batch of a step on the device before the first
+    # forward; only `micro_batches` of them were simulated, the others' inputs sit there too.
+    idle_bytes = (config.grad_accum_steps - micro_batches) * _input_bytes(real[0])
+    one = _breakdown(runner, tracker.peak_bytes + idle_bytes, activations.peak_bytes)
+    if config.world_size == 1:
+        return one
+    return per_rank(one, runner.model, config, device_kind)
+
+
+def _fake_limitation(exc: BaseException | None) -> bool:
+    return exc is not None and (type(exc).__module__.startswith("torch") or isinstance(exc, NotImplementedError))
+
+
+def _input_bytes(micro_batch) -> int:
+    # Per tensor, not per storage: on a CPU the micro batches are views of one global batch.
+    return sum(t.numel() * t.element_size() for t in tree_leaves(micro_batch) if isinstance(t, torch.Tensor))
+
+
+class _MetaBuild:
+    """Builds the model on the meta device, as plain tensors: the runner's `.to(device,
+    dtype)` then makes fake CPU parameters of them. (A model built as fake tensors cannot be
+    moved at all: `Module._apply` swaps fake parameters, and fake tensors carry weak
+    references that forbid the swap.) The tracker still counts the fp32 build, as a CPU
+    trial would.
+
+    That `.to()` gives every module a new Parameter, which unties tied weights (GPT-2's
+    head and embedding); `retie` restores them, or the estimate would count one twice."""
+
+    def __init__(self, build_model):
+        self.build_model = build_model
+        self.ties: list[list[tuple[torch.nn.Module, str]]] = []
+
+    def __call__(self) -> torch.nn.Module:
+        with unset_fake_temporarily(), torch.device("meta"):
+            model = self.build_model()
+        owners: dict[int, list] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), []).append((module, name))
+        self.ties = [o for o in owners.values() if len(o) > 1]
+        return model
+
+    def retie(self, runner: Runner, device_kind: str) -> None:
+        for (first, first_name), *rest in self.ties:
+            for module, name in rest:
+                module._parameters[name] = first._parameters[first_name]
+        runner.params = trainable_parameters(runner.model)
+        # Rebuilt over the tied parameters, and as the runner builds it on `device_kind`
+        # (fused on CUDA: no per-parameter scratch).
+        runner.optimizer = build_optimizer(runner.spec.optimizer, runner.params, config=runner.config,
+                                           device=torch.device(device_kind))
+
+
+class _ActivationMeter:
+    """Wraps the loss function: live bytes after the forward minus before it are what the
+    forward left alive for backward (the loss itself is a few bytes)."""
+
+    def __init__(self, tracker: LiveBytesTracker):
+        self.tracker, self.peak_bytes = tracker, 0
+
+    def loss(self, loss_fn, model, batch):
+        before = self.tracker.live_bytes
+        loss = loss_fn(model, batch)
+        self.peak_bytes = max(self.peak_bytes, self.tracker.live_bytes - before)
+        return loss
+
+
+def _to_fake(fake_mode: FakeTensorMode, batch):
+    if isinstance(batch, dict):
+        return {k: fake_mode.from_tensor(v) for k, v in batch.items()}
+    return tuple(fake_mode.from_tensor(t) for t in batch)
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += storage.nbytes()
+    return total
+
+
+def _breakdown(runner: Runner, peak_bytes: int, activations_bytes: int) -> MemoryEstimate:
+    model, params = runner.model, runner.params
+    state = [t for s in runner.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    parameters_bytes = _storage_bytes([*model.parameters(), *model.buffers()])
+    gradients_bytes = sum(p.numel() * p.element_size() for p in params)
+    optimizer_bytes = _storage_bytes(state)
+    parts = parameters_bytes + gradients_bytes + optimizer_bytes + activations_bytes
+    return MemoryEstimate(
+        parameters=sum(p.numel() for p in model.parameters()),
+        trainable_parameters=sum(p.numel() for p in params),
+        parameters_bytes=parameters_bytes, gradients_bytes=gradients_bytes, optimizer_bytes=optimizer_bytes,
+        activations_bytes=activations_bytes, temporaries_bytes=max(0, peak_bytes - parts), peak_bytes=peak_bytes,
+    )

@@ -1,0 +1,69 @@
+"""`Measurement`: what one trial measured, as plain data the parent, the search and the
+profile share (the child writes it as JSON)."""
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from autofit.config.train_config import TrainConfig
+
+# compile_error: the config asked for torch.compile and compiling failed (a graph break in a
+# block, a backend error); the model's eager configs are unaffected.
+STATUSES = ("ok", "oom", "unhealthy", "error", "timeout", "compile_error")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """What one trial measured. Byte counts are the trial's own (allocator or tracked
+    tensors); `overhead_bytes` is the CUDA context and library workspaces beside them."""
+
+    status: str  # ok | oom | unhealthy | error | timeout | compile_error
+    config: TrainConfig
+    peak_memory_bytes: int | None = None  # peak reserved on CUDA, peak tracked live bytes on CPU
+    peak_allocated_bytes: int | None = None
+    overhead_bytes: int | None = None  # non-torch device memory: CUDA context, cuBLAS/cuDNN
+    budget_bytes: int | None = None  # the device memory the trial was allowed, overhead included
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None  # median over the timed steps
+    step_times_s: list[float] = field(default_factory=list)
+    # compile=true: the seconds the compiling warm-up steps took beyond steady-state steps.
+    # Never part of step_time_s or samples_per_s.
+    compile_s: float | None = None
+    timed_recompiles: int = 0  # graphs compiled during the timed steps (0: they ran what warm-up compiled)
+    losses: list[float] = field(default_factory=list)  # every optimizer step from step 0, in order
+    scaler_skipped_steps: int = 0  # GradScaler skips among the timed steps
+    scaler_warmup_skips: int = 0  # steps done again before timing while the GradScaler found its scale
+    # Of the trainable elements (sampled per tensor, weighted by size), the share the timed
+    # steps' updates left bit-identical (weight and any Kahan compensation); None: not measured.
+    unchanged_share: float | None = None
+    stalled_params: list[str] = field(default_factory=list)  # trainable tensors the timed steps never changed
+    optimizer: str | None = None  # the implementation that ran (autofit.train.optim.implementation)
+    flags: dict = field(default_factory=dict)  # process-wide TF32/cuDNN/matmul flags it ran with
+    allocator_retries: int = 0  # cudaMalloc retries after freeing the cache: fragmentation
+    reason: str | None = None  # why the status is not ok
+    wall_s: float = 0.0  # the whole trial, process start to result
+    input_error: bool = False  # the reason is the user's input (their code raised): every config fails alike
+    traceback: str | None = None  # of an input error, for --debug
+
+    def __post_init__(self):
+        assert self.status in STATUSES, self.status
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["config"] = self.config.to_dict()
+        # JSON has no NaN; the reason names the bad value.
+        out["losses"] = [x if math.isfinite(x) else None for x in self.losses]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Measurement":
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in d.items() if k in known}
+        values["config"] = d["config"] if isinstance(d["config"], TrainConfig) else TrainConfig.from_dict(d["config"])
+        values["losses"] = [math.nan if x is None else float(x) for x in d.get("losses", [])]
+        return cls(**values)

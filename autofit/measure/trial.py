@@ -1,0 +1,147 @@
+"""Measuring one `TrainConfig` in a fresh child process -> `Measurement`.
+
+    autofit trial examples/tiny-gpt.yaml --set precision=bf16-mixed --set micro_batch_size=4 --json
+
+Each trial is its own process (`python -m autofit.measure.child request.json result.json`, in its
+own process group): an out-of-memory error, a CUDA context broken by a crash, a hang or a
+segfault dies with the child, and the parent reads a result file or records why there is
+none. The child runs the real `Runner` step, so what is measured is what `autofit train` runs.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loguru import logger
+
+from autofit.base import stopping
+from autofit.base.errors import DeviceError, InputError
+from autofit.config.spec import ModelSpec
+from autofit.config.train_config import check_global_batch, TrainConfig
+from autofit.measure.measurement import Measurement
+from autofit.measure.process import child_env, failure_reason, kill_group, torchrun_args, wait_for_child
+
+_LOG_TAIL_CHARS = 4000
+
+
+def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
+            warmup_steps: int | None = None, measure_steps: int | None = None, timeout_s: float | None = None,
+            stop_event=None, guard=None) -> Measurement:
+    """Measure `config` in a child process; never raises for what happens inside it.
+
+    `device` is "cpu" or a CUDA index. `budget_bytes` is the device memory the trial may
+    use in total: on CUDA the child measures its context overhead and caps PyTorch's
+    allocator at the rest; on a CPU the tracked live bytes are held to it. Setting
+    `stop_event` (a threading.Event) kills the child: status error, reason "stopped".
+    `guard` (the service's `service.guard.TrialGuard`) is told of the child while it runs,
+    and the child claims its CUDA context in the trial folder for it to read.
+    """
+    check_global_batch(config, spec.train.global_batch_size)
+    device = _device_arg(device)
+    if "," in device and len(device.split(",")) != config.world_size:
+        raise DeviceError(f"device: {device!r} lists {len(device.split(','))} GPUs for {config.world_size} rank(s)")
+    timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
+    request = trial_request(spec, config, device=device, budget_bytes=budget_bytes, warmup_steps=warmup_steps,
+                            measure_steps=measure_steps, timeout_s=timeout_s)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
+        request_path, result_path, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "log")
+        if guard is not None:
+            request["claim_dir"] = tmp
+        request_path.write_text(json.dumps(request, default=str))
+        with open(log_path, "wb") as log_file:
+            command = [sys.executable, "-m", "autofit.measure.child", str(request_path), str(result_path)]
+            if config.world_size > 1:
+                command[1:3] = torchrun_args(config.world_size)
+            proc = None
+            try:
+                with stopping.spawning():  # a stop signal now is raised once `proc` is known
+                    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file,
+                                            stderr=subprocess.STDOUT, env=child_env(device), start_new_session=True)
+                if guard is not None:
+                    guard.trial_started(proc.pid, Path(tmp))
+                ended = wait_for_child(proc, timeout_s, stop_event)
+            finally:
+                if proc is not None:
+                    kill_group(proc)  # on every path, so nothing the child started outlives the trial
+                    if guard is not None:
+                        guard.trial_ended(proc.pid)
+        log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
+        wall_s = time.perf_counter() - started
+        result = _read_result(result_path, config.world_size) if ended == "exited" else None
+        if result is not None:
+            measurement = dataclasses.replace(Measurement.from_dict(result), wall_s=wall_s)
+        else:
+            status, reason = failure_reason(ended, proc.returncode, timeout_s, log_tail)
+            measurement = Measurement(status=status, config=config, budget_bytes=budget_bytes, reason=reason,
+                                      wall_s=wall_s)
+    if measurement.status not in ("ok", "oom"):
+        logger.debug("trial {} log tail:\n{}", config.short(), log_tail)
+    return measurement
+
+
+def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
+                  warmup_steps: int | None = None, measure_steps: int | None = None,
+                  timeout_s: float | None = None) -> dict:
+    """What the child is asked to measure (request.json)."""
+    return {
+        "spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
+        "device": device, "budget_bytes": budget_bytes,
+        "warmup_steps": spec.search.warmup_steps if warmup_steps is None else warmup_steps,
+        "measure_steps": spec.search.measure_steps if measure_steps is None else measure_steps,
+        "timeout_s": spec.search.trial_timeout_s if timeout_s is None else timeout_s,
+    }
+
+
+def _read_result(result_path: Path, world_size: int) -> dict | None:
+    """One child's result; for N ranks their merge: the worst rank's peak, the slowest rank's
+    step (every step ends in a collective, so the job runs at its pace), and the first
+    failure's status. None when a rank left no result (it was killed, or torchrun stopped it)."""
+    if world_size == 1:
+        return json.loads(result_path.read_text()) if result_path.exists() else None
+    ranks = []
+    for rank in range(world_size):
+        path = result_path.with_name(f"{result_path.name}.rank{rank}")
+        if path.exists():
+            ranks.append(json.loads(path.read_text()))
+    failed = [r for r in ranks if r.get("status") != "ok"]
+    if failed:  # an OOM on one rank is the trial's OOM even though torchrun stopped the others
+        worst = next((r for r in failed if r.get("status") == "oom"), failed[0])
+        return worst | {"peak_memory_bytes": _max(ranks, "peak_memory_bytes"),
+                        "peak_allocated_bytes": _max(ranks, "peak_allocated_bytes")}
+    if len(ranks) < world_size:
+        return None
+    slowest = max(ranks, key=lambda r: r["step_time_s"])
+    out = dict(ranks[0])  # losses are already the global batch's (the ranks averaged them)
+    for key in ("peak_memory_bytes", "peak_allocated_bytes", "overhead_bytes", "allocator_retries",
+                "scaler_skipped_steps"):
+        out[key] = _max(ranks, key)
+    for key in ("step_time_s", "step_times_s", "samples_per_s", "tokens_per_s"):
+        out[key] = slowest[key]
+    out["wall_s"] = max(r.get("wall_s", 0.0) for r in ranks)
+    return out
+
+
+def _max(ranks: list[dict], key: str):
+    values = [r[key] for r in ranks if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def raise_input_error(m: Measurement) -> None:
+    """A trial that failed on the user's input stops the command: exit 2, its one line."""
+    if m.input_error:
+        raise InputError(m.reason or "the trial failed on its input", traceback_text=m.traceback)
+
+
+def _device_arg(device: str | int) -> str:
+    """"cpu", a CUDA index, or for a multi-rank trial one CUDA index per rank ("2,3")."""
+    text = str(device).strip().lower().removeprefix("cuda:")
+    if text != "cpu" and not all(part.isdigit() for part in text.split(",")):
+        raise DeviceError(f"device: expected 'cpu', a CUDA index or a list of them (2,3), got {device!r}")
+    return text
+
+

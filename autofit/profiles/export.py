@@ -1,0 +1,324 @@
+"""A profile in the words of the tools users already run: Hugging Face `TrainingArguments`,
+Lightning `Trainer` kwargs, and environment variables.
+
+    autofit profiles export tiny-gpt --format hf          # YAML, notes as comments
+    TrainingArguments(output_dir="out", **profile.to_hf_training_args())
+    lightning.Trainer(**profile.to_lightning())
+
+Each `to_*` returns only what the target accepts, so it can be splatted as is; what the
+target cannot express (partial or selective checkpointing, freezing, ...) is listed by `*_notes`.
+"""
+
+import dataclasses
+import json
+import shlex
+from typing import Any
+
+import yaml
+
+from autofit.base.errors import ProfileError
+from autofit.config.train_config import TrainConfig
+from autofit.device.precision import get_policy
+
+FORMATS = ("yaml", "json", "hf", "lightning", "env")
+
+# Lightning's precision names are autofit's, except tf32: to Lightning that is 32-true
+# plus a process-wide matmul setting.
+_LIGHTNING_PRECISION = {"32-true": "32-true", "tf32": "32-true", "16-mixed": "16-mixed",
+                        "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
+
+
+def _config(profile) -> TrainConfig:
+    """Exports take a Profile or a bare TrainConfig (e.g. one not tuned yet)."""
+    if isinstance(profile, TrainConfig):
+        return profile
+    return profile.config
+
+
+def _hf_field_names() -> set[str] | None:
+    """TrainingArguments' fields in the installed transformers; None when it is absent."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return None
+    return {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
+    config = _config(profile)
+    policy = get_policy(config.precision)
+    fields = _hf_field_names()
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old
+    # name is a deprecated alias) and added every_n_layers; older releases know only the old.
+    new_names = fields is not None and "activation_checkpointing" in fields
+    ckpt_key = "activation_checkpointing" if new_names else "gradient_checkpointing"
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": config.micro_batch_size,
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "bf16": config.precision in ("bf16-mixed", "bf16-true"),
+        "fp16": config.precision == "16-mixed",
+        # Explicit either way: the profile was measured with TF32 on or off, not the default.
+        "tf32": policy.tf32,
+        ckpt_key: config.checkpoint_blocks > 0,
+    }
+    notes = []
+    if _device_kind(profile) == "cpu":
+        # Tuned on a CPU: the job trains there. TrainingArguments refuses bf16/fp16 without a
+        # GPU unless told the CPU is meant.
+        args["use_cpu"] = True
+    _hf_optimizer(args, notes, profile)
+    k = config.checkpoint_blocks
+    if k > 0:
+        # autofit's non-reentrant checkpointing; HF's default is still reentrant on some versions.
+        ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
+        if n_blocks is not None and k < n_blocks and new_names and n_blocks % k == 0 and not config.freeze_blocks:
+            # Blocks 0, n/k, 2n/k, ...: the very blocks `knobs.spread_indices` picks when
+            # nothing is frozen (with freezing it spreads over the blocks after the frozen ones).
+            ckpt_kwargs["every_n_layers"] = n_blocks // k
+        elif n_blocks is None or k < n_blocks:
+            of = f"of {n_blocks} " if n_blocks is not None else ""
+            notes.append(
+                f"checkpoint_blocks={k}: the profile checkpoints {k} {of}blocks; TrainingArguments here "
+                f"checkpoints every block, which fits in no more memory but is slower. For the exact "
+                f"choice, apply it to the model (autofit.train.knobs.apply_checkpointing(model, {k}, "
+                f"first_block={config.freeze_blocks})) and set "
+                f"{ckpt_key}=False" + ("" if n_blocks is not None else
+                                       ", or pass n_blocks= so an evenly spread choice can be exported"))
+        args[f"{ckpt_key}_kwargs"] = ckpt_kwargs
+        if config.checkpoint_policy == "selective":
+            # TrainingArguments' checkpointing kwargs reach torch.utils.checkpoint, but the
+            # selective policy is a context_fn (a function): JSON-serialised arguments cannot hold it.
+            notes.append(
+                f"checkpoint_policy=selective: the profile keeps each checkpointed block's matmul and attention "
+                f"outputs and recomputes only the rest; TrainingArguments can only recompute whole layers, "
+                f"which fits in no more memory but is slower. For the exact choice, apply it to the model "
+                f"(autofit.train.knobs.apply_checkpointing(model, {k}, first_block={config.freeze_blocks}, "
+                f"policy='selective')) and set {ckpt_key}=False")
+    data = {} if isinstance(profile, TrainConfig) else profile.data
+    if data.get("kind") == "text" or config.length_bucketing:
+        _hf_lengths(args, notes, config, data, fields)
+    if config.parallelism == "ddp":
+        # The Trainer runs DDP by itself when launched by torchrun; only the buckets are set.
+        args["ddp_bucket_cap_mb"] = config.bucket_cap_mb
+        notes.append(_launch_note(config))
+    elif config.parallelism == "fsdp":
+        args["fsdp"] = "full_shard auto_wrap" if config.reshard_after_forward else "shard_grad_op auto_wrap"
+        args["fsdp_config"] = {"version": 2, "reshard_after_forward": config.reshard_after_forward}
+        notes.append(_launch_note(config))
+    if config.compile:
+        # The Trainer compiles the whole model at once; autofit compiled each block with
+        # fullgraph=True (what was measured), and the whole model only without a block stack.
+        args["torch_compile"] = True
+        notes.append("compile: torch_compile=True compiles the whole model, and a graph break outside the blocks "
+                     "leaves that part eager; autofit measured each block compiled (fullgraph) with inductor. For "
+                     "the exact setup call autofit.train.knobs.apply_compile(model) before building the Trainer and "
+                     "leave torch_compile=False")
+    if config.freeze_blocks > 0:
+        notes.append(f"freeze_blocks={config.freeze_blocks}: TrainingArguments cannot freeze parameters; "
+                     f"freeze them before building the Trainer: "
+                     f"autofit.train.knobs.apply_freezing(model, {config.freeze_blocks})")
+    if config.precision == "bf16-true":
+        notes.append("bf16-true: bf16=True only autocasts; the Trainer keeps fp32 weights and optimizer "
+                     "state unless the model is cast first: model.to(torch.bfloat16)")
+    if config.precision == "tf32":
+        notes.append("tf32: TrainingArguments(tf32=True) needs an Ampere or newer GPU and fails elsewhere")
+    if config.chunked_loss:
+        notes.append(_CHUNKED_NOTE + "; in the Trainer, override compute_loss with it (use_liger_kernel=True "
+                     "chunks too, on a GPU with liger-kernel, but is not what autofit measured)")
+    if fields is not None:
+        unknown = sorted(set(args) - fields)
+        assert not unknown, f"this transformers' TrainingArguments lacks {unknown}"
+    return args, notes
+
+
+def _device_kind(profile) -> str | None:
+    return None if isinstance(profile, TrainConfig) else profile.device.kind
+
+
+# autofit.train.optim.implementation -> TrainingArguments.optim, where the Trainer builds the same one.
+_HF_OPTIM = {"torch.AdamW/fused": "adamw_torch_fused", "torch.AdamW/per-parameter": "adamw_torch",
+             "torch.AdamW/foreach": "adamw_torch", "bitsandbytes.AdamW8bit/per-parameter": "adamw_bnb_8bit"}
+
+
+def _hf_optimizer(args: dict, notes: list[str], profile) -> None:
+    """The clipping and optimizer the profile was measured with, where the Trainer can build them."""
+    if isinstance(profile, TrainConfig) or profile.measured.optimizer is None:
+        # No record of the implementation: the knob alone says 8-bit state is bitsandbytes'.
+        if _config(profile).optimizer_bits == 8:
+            args["optim"] = "adamw_bnb_8bit"
+        if isinstance(profile, TrainConfig):
+            return
+    if profile.training is not None:
+        # The Trainer clips at 1.0 unless told; 0 turns clipping off, as None did in the trials.
+        args["max_grad_norm"] = profile.training.max_grad_norm or 0.0
+    measured = profile.measured.optimizer
+    if measured in _HF_OPTIM:
+        args["optim"] = _HF_OPTIM[measured]
+    elif measured is not None:
+        notes.append(f"optimizer: measured with {measured}, which TrainingArguments cannot name; build it "
+                     f"(autofit.train.optim.build_optimizer) and pass Trainer(optimizers=(optimizer, None))")
+
+
+def _hf_lengths(args: dict, notes: list[str], config: TrainConfig, data: dict, fields: set[str] | None) -> None:
+    """Text data: length grouping in TrainingArguments, padding and truncation in notes (they
+    belong to the tokenizer and the data collator, which TrainingArguments does not build)."""
+    # transformers 5 replaced group_by_length=True by train_sampling_strategy="group_by_length".
+    if fields is not None and "train_sampling_strategy" in fields:
+        args["train_sampling_strategy"] = "group_by_length" if config.length_bucketing else "random"
+    else:
+        args["group_by_length"] = config.length_bucketing
+    if config.length_bucketing:
+        notes.append("length bucketing: autofit sorts each global batch by length before cutting micro "
+                     "batches; the Trainer's group_by_length groups similar lengths across the dataset, which "
+                     "cuts padding the same way but changes which samples share a step")
+    max_length, multiple = data.get("max_length"), data.get("pad_to_multiple_of") or 1
+    pad_kw = f", pad_to_multiple_of={multiple}" if multiple > 1 else ""
+    if data.get("packing"):
+        notes.append(f"packing: measured on documents joined by the end-of-text token and cut into windows "
+                     f"of {max_length} tokens (no padding); pack the dataset the same way before the Trainer")
+    elif data.get("padding") == "max_length":
+        notes.append(f"padding: measured with every sample padded to max_length={max_length}: tokenize with "
+                     f"truncation=True, padding='max_length', max_length={max_length}")
+    elif data:
+        notes.append(f"padding: measured with each micro batch padded to its longest sample (dynamic): tokenize "
+                     f"with truncation=True, max_length={max_length} and no padding, then "
+                     f"DataCollatorForLanguageModeling(tokenizer, mlm=False{pad_kw})")
+    if data.get("longest_tokens"):
+        notes.append(f"lengths: the peak was measured at {config.micro_batch_size} samples of "
+                     f"{data['longest_tokens']} tokens; longer samples may run out of memory")
+
+
+_CHUNKED_NOTE = ("chunked_loss: the peak was measured with the LM head and cross-entropy computed in chunks "
+                 "(torch.nn.functional.linear_cross_entropy), so the full logits never exist: compute the loss "
+                 "with autofit.chunked_lm_loss(model, batch)")
+
+
+def to_hf_training_args(profile, *, n_blocks: int | None = None) -> dict:
+    """Keyword arguments for `transformers.TrainingArguments` (add output_dir and the rest).
+
+    `n_blocks`, the model's number of layers, lets a partial checkpointing choice be
+    expressed as `every_n_layers` where transformers supports it.
+    """
+    return _hf(profile, n_blocks)[0]
+
+
+def hf_notes(profile, *, n_blocks: int | None = None) -> list[str]:
+    """What `to_hf_training_args` cannot express, and how to get it anyway."""
+    return _hf(profile, n_blocks)[1]
+
+
+def to_lightning(profile) -> dict:
+    """Keyword arguments for `lightning.Trainer`."""
+    config = _config(profile)
+    out = {"precision": _LIGHTNING_PRECISION[config.precision], "accumulate_grad_batches": config.grad_accum_steps}
+    kind = _device_kind(profile)
+    if kind is not None:  # where it was measured: a CPU profile must not grab a GPU, nor the reverse
+        out["accelerator"] = "cpu" if kind == "cpu" else "gpu"
+    if not isinstance(profile, TrainConfig) and profile.training is not None \
+            and profile.training.max_grad_norm is not None:
+        out["gradient_clip_val"] = profile.training.max_grad_norm  # by norm, Lightning's default algorithm
+    if config.distributed:
+        # One node by default; for several, devices x num_nodes must stay world_size.
+        out |= {"strategy": config.parallelism, "devices": config.world_size, "num_nodes": 1}
+    return out
+
+
+def torchrun_command(config: TrainConfig, spec_path: str = "MODEL_YAML", profile_path: str = "PROFILE") -> str:
+    """The launch line of a profile: one process per rank on this node through torchrun."""
+    return (f"torchrun --standalone --nproc-per-node {config.world_size} -m autofit train "
+            f"{shlex.quote(spec_path)} --profile {shlex.quote(profile_path)}")
+
+
+def _launch_note(config: TrainConfig) -> str:
+    return (f"{config.parallelism} over {config.world_size} ranks: launch the script with "
+            f"`torchrun --nproc-per-node {config.world_size} train.py`; per_device_train_batch_size "
+            f"is each rank's micro batch")
+
+
+def lightning_notes(profile) -> list[str]:
+    config = _config(profile)
+    # The batch size is the DataLoader's in Lightning, not the Trainer's.
+    notes = [f"micro_batch_size={config.micro_batch_size}: pass it to your DataLoader(batch_size=...)"]
+    if config.precision == "tf32":
+        notes.append("tf32: Lightning calls this 32-true; also call torch.set_float32_matmul_precision('high')")
+    if config.parallelism == "fsdp":
+        notes.append("strategy=fsdp: Lightning's FSDPStrategy; for FSDP2's fully_shard as autofit measured it, "
+                     "use ModelParallelStrategy and call fully_shard in configure_model(), with "
+                     f"reshard_after_forward={config.reshard_after_forward}")
+    elif config.parallelism == "ddp":
+        notes.append(f"strategy=ddp: for the measured buckets pass DDPStrategy(bucket_cap_mb={config.bucket_cap_mb}, "
+                     f"gradient_as_bucket_view={config.gradient_as_bucket_view})")
+    if config.distributed:
+        notes.append(f"several nodes: devices (per node) x num_nodes must equal world_size={config.world_size}")
+    if not isinstance(profile, TrainConfig) and profile.measured.optimizer is not None:
+        notes.append(f"optimizer: measured with {profile.measured.optimizer}; return the same from "
+                     f"configure_optimizers() (autofit.train.optim.build_optimizer builds it)")
+    elif config.optimizer_bits == 8:  # (a bare config, or a profile from before the record)
+        notes.append("optimizer_bits=8: return bitsandbytes.optim.AdamW8bit(...) from configure_optimizers(), "
+                     "the 8-bit state autofit measured")
+    if config.chunked_loss:
+        notes.append(_CHUNKED_NOTE + " in training_step")
+    if config.checkpoint_blocks or config.freeze_blocks or config.compile:
+        # Lightning has no checkpointing of its own outside FSDP's activation_checkpointing_policy,
+        # which wraps whole modules (neither a few blocks nor a selective policy), and no
+        # Trainer argument for torch.compile.
+        knobs = [f"checkpoint_blocks={config.checkpoint_blocks}"
+                 + (f" ({config.checkpoint_policy})" if config.checkpoint_blocks else ""),
+                 f"freeze_blocks={config.freeze_blocks}"] + (["compile=true"] if config.compile else [])
+        notes.append(f"{', '.join(knobs)}: apply them to the model in configure_model() with "
+                     f"autofit.train.knobs.apply_config(model, profile.config)")
+    return notes
+
+
+def to_env(profile) -> dict[str, str]:
+    """AUTOFIT_* variables, for job scripts and launchers that read the environment."""
+    config = _config(profile)
+    env = {
+        "AUTOFIT_PRECISION": config.precision,
+        "AUTOFIT_MICRO_BATCH_SIZE": str(config.micro_batch_size),
+        "AUTOFIT_GRAD_ACCUM_STEPS": str(config.grad_accum_steps),
+        "AUTOFIT_GLOBAL_BATCH_SIZE": str(config.global_batch_size),
+        "AUTOFIT_CHECKPOINT_BLOCKS": str(config.checkpoint_blocks),
+        "AUTOFIT_FREEZE_BLOCKS": str(config.freeze_blocks),
+    }
+    if config.checkpoint_policy != "full":  # absent: full, as profiles written before it
+        env["AUTOFIT_CHECKPOINT_POLICY"] = config.checkpoint_policy
+    if config.optimizer_bits != 32:
+        env["AUTOFIT_OPTIMIZER_BITS"] = str(config.optimizer_bits)
+    if config.chunked_loss:
+        env["AUTOFIT_CHUNKED_LOSS"] = "1"
+    if config.compile:  # absent: eager
+        env["AUTOFIT_COMPILE"] = "1"
+    if config.distributed:
+        env |= {"AUTOFIT_PARALLELISM": config.parallelism, "AUTOFIT_WORLD_SIZE": str(config.world_size),
+                "AUTOFIT_TORCHRUN": torchrun_command(config)}
+    if not isinstance(profile, TrainConfig):
+        env["AUTOFIT_MODEL"] = profile.model.name
+        env["AUTOFIT_DEVICE_FINGERPRINT"] = profile.device.fingerprint
+    return env
+
+
+def render(profile, fmt: str, *, n_blocks: int | None = None) -> str:
+    """`autofit profiles export` output. Notes are comments, so the YAML and env outputs
+    still load (`yaml.safe_load`, `set -a; . file`, docker --env-file, systemd)."""
+    if fmt == "yaml":
+        return profile.to_yaml()
+    if fmt == "json":
+        return json.dumps(profile.to_dict(), indent=2) + "\n"
+    if fmt == "hf":
+        args, notes = _hf(profile, n_blocks)
+        return _comments(notes) + yaml.safe_dump(args, sort_keys=False)
+    if fmt == "lightning":
+        return _comments(lightning_notes(profile)) + yaml.safe_dump(to_lightning(profile), sort_keys=False)
+    if fmt == "env":
+        config = _config(profile)
+        launch = (f"# run: {torchrun_command(config, 'MODEL_YAML', profile.file_name)}\n"
+                  f"# several nodes: torchrun --nnodes NODES --nproc-per-node GPUS_PER_NODE --rdzv-backend c10d "
+                  f"--rdzv-endpoint HOST:29500 ... (NODES x GPUS_PER_NODE = {config.world_size})\n"
+                  if config.distributed and not isinstance(profile, TrainConfig) else "")
+        return launch + "".join(f"{key}={shlex.quote(value)}\n" for key, value in to_env(profile).items())
+    raise ProfileError(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def _comments(notes: list[str]) -> str:
+    return "".join(f"# note: {note}\n" for note in notes)

@@ -1,0 +1,99 @@
+"""The choice among a profile's frontier points when a job starts: the fastest point whose
+measured peak fits the memory available now. `autofit train --profile`, `Profile.apply`
+and the exports all choose here.
+
+The memory available is an explicit budget as given, else a GPU's memory left by other
+processes (read through NVML) less the headroom, else (a CPU without a budget) nothing to
+choose by: the winner runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from loguru import logger
+
+from autofit.base.errors import NothingFitsError, ProfileError
+from autofit.base.sizes import format_bytes, parse_budget
+from autofit.config.spec import SearchSpec
+from autofit.device.probe import DeviceInfo, select_device, usable_budget_bytes
+
+if TYPE_CHECKING:  # annotations only: a profile imports this module, not the other way round
+    from autofit.profiles.profile import Profile
+
+
+def memory_available(info: DeviceInfo | None, *, headroom: float,
+                     memory_budget_bytes: int | None = None) -> tuple[int | None, str]:
+    """(bytes a job may use now, where that figure comes from). None: no limit to choose by
+    (a CPU without a budget), so the winner runs. An explicit budget is used as given; a
+    GPU's is its memory less what other processes hold now (NVML), less `headroom`."""
+    if memory_budget_bytes is not None:
+        return memory_budget_bytes, f"the memory budget of {format_bytes(memory_budget_bytes)}"
+    if info is None or info.kind != "cuda":
+        return None, "no memory budget given on the CPU"
+    free = usable_budget_bytes(info, headroom=headroom)
+    return free, (f"{format_bytes(free)} free on {info.name} ({format_bytes(info.memory_used_by_others_bytes)} "
+                  f"held by other processes, {headroom:.0%} headroom)")
+
+
+def choose(profile: Profile, available_bytes: int | None, why: str, *, name: str | None = None) -> Profile:
+    """`profile` running the fastest of its points whose measured peak fits `available_bytes`
+    (None: the winner). Logs which and why; raises NothingFitsError (exit 3) when none fits."""
+    name = name or profile.file_name
+    points = profile.points
+    winner = points[-1]  # the frontier ends with the winner, whichever point `profile` runs now
+    if available_bytes is None:
+        logger.info("profile {}: running the winner {} ({})", name, winner.config.short(), why)
+        return profile.at(winner)
+    fitting = [p for p in points if p.measured.peak_memory_bytes <= available_bytes]
+    if not fitting:
+        smallest = min(points, key=lambda p: p.measured.peak_memory_bytes)
+        raise NothingFitsError(
+            f"profile {name}: none of its {len(points)} point(s) fits {why}: the smallest, "
+            f"{smallest.config.short()}, peaked at {format_bytes(smallest.measured.peak_memory_bytes)}; "
+            f"{format_bytes(available_bytes)} is available")
+    point = max(fitting, key=lambda p: p.measured.samples_per_s)
+    figures = (f"peak {format_bytes(point.measured.peak_memory_bytes)}, "
+               f"{point.measured.samples_per_s:.4g} samples/s")
+    if point is winner:
+        logger.info("profile {}: running the winner {} ({}): it fits {}", name, point.config.short(), figures, why)
+    else:
+        logger.warning("profile {}: running frontier point {} of {}, {} ({}), not the winner {} (peak {}, {:.4g} "
+                       "samples/s): the fastest point that fits {}", name, points.index(point) + 1, len(points),
+                       point.config.short(), figures, winner.config.short(),
+                       format_bytes(winner.measured.peak_memory_bytes), winner.measured.samples_per_s, why)
+    return profile.at(point)
+
+
+def default_headroom() -> float:
+    """The spec's default `search.memory_headroom`, for callers without a model.yaml."""
+    return SearchSpec.__dataclass_fields__["memory_headroom"].default
+
+
+def fit_now(profile: Profile, *, memory_budget: int | str | None = None, device=None,
+            memory_headroom: float | None = None, name: str | None = None, export: bool = False) -> Profile:
+    """`profile` at the fastest point that fits the memory available now on `device` (a
+    `DeviceInfo`, GPU index, "cpu", a torch.device, or None: the first GPU, else the CPU),
+    read through NVML; or within `memory_budget` (bytes, "24GiB", or a fraction of the
+    device's memory) when given. An `export` may be made on another machine than the one
+    that trains (a login node): there this GPU's free memory only chooses when it is the
+    profile's kind of GPU."""
+    if isinstance(device, torch.device):
+        device = "cpu" if device.type == "cpu" else (device.index or 0)
+    info = device if isinstance(device, DeviceInfo) else select_device(device)
+    budget_bytes = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, what="memory_budget",
+                                above_total=True, error=ProfileError)
+    headroom = default_headroom() if memory_headroom is None else memory_headroom
+    if not 0.0 <= headroom < 0.5:
+        raise ProfileError(f"memory_headroom: a fraction in [0, 0.5), got {headroom!r}")
+    if budget_bytes is None and profile.config.world_size > 1:
+        # Each rank reads its own GPU; ranks that chose apart would not train one job.
+        available, why = None, (f"a profile for {profile.config.world_size} ranks: only a memory budget (the "
+                                f"same on every rank) chooses a smaller point")
+    elif export and budget_bytes is None and info.name != profile.device.name:
+        available, why = None, (f"exporting for {profile.device.name} from {info.name}: memory_budget "
+                                f"chooses a smaller point")
+    else:
+        available, why = memory_available(info, headroom=headroom, memory_budget_bytes=budget_bytes)
+    return choose(profile, available, why, name=name)

@@ -1,0 +1,421 @@
+"""`Profile`: what was chosen, on what device, and what it measured (profile.yaml, schema 1).
+
+A profile is written atomically, is human-readable, and loads back into equal objects.
+"""
+
+import dataclasses
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from loguru import logger
+
+from autofit.base.atomic import atomic_write_text
+from autofit.base.errors import ProfileError, SpecError
+from autofit.base.paths import default_store_dir
+from autofit.config.spec import ModelSpec, OptimizerSpec
+from autofit.config.train_config import TrainConfig
+from autofit.train.optim import build_optimizer, implementation
+from autofit.train.plan import resolve_plan_device, TrainingPlan
+from autofit.profiles import export
+from autofit.profiles.demotions import record_demotion
+from autofit.profiles.fitting import fit_now
+
+PROFILE_SCHEMA = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileModel:
+    name: str
+    spec_hash: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileDevice:
+    name: str
+    memory_bytes: int
+    compute_capability: str | None  # "9.0"; None on a CPU
+    driver: str | None
+    torch: str
+    fingerprint: str
+    slug: str  # file-name-safe device name
+    # Tuned for a card that was emulated (--memory-budget, or the service's inventory file):
+    # used only when asked for by that budget or file name, never in place of a real device.
+    emulated: bool = False
+
+    @property
+    def kind(self) -> str:
+        """"cpu" or "cuda": where a job with this profile trains (a CPU has no compute capability
+        and no driver)."""
+        return "cpu" if self.compute_capability is None and self.driver is None else "cuda"
+
+    @property
+    def is_emulated(self) -> bool:
+        # Profiles written before the flag existed are known by their fingerprint's tag.
+        return self.emulated or "-budget-" in self.fingerprint or self.fingerprint.endswith("-emulated")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measured:
+    samples_per_s: float
+    tokens_per_s: float | None
+    peak_memory_bytes: int
+    step_time_s: float
+    validated_steps: int
+    # What the validation run ran with: the optimizer's implementation (autofit.optim.
+    # implementation, e.g. torch.AdamW/fused) and the process-wide flags (precision.process_flags).
+    # `apply` builds or checks the one, and sets (then restores) the others.
+    optimizer: str | None = None
+    flags: dict = field(default_factory=dict)
+    compile_s: float | None = None  # compile=true: seconds compiling took, apart from step_time_s
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if out["compile_s"] is None:  # eager configs: profiles as before compiling existed
+            del out["compile_s"]
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchSummary:
+    trials: int  # configurations considered
+    measured: int  # of those, run in a child
+    pruned: int  # rejected by the memory estimate without running
+    oom: int
+    unhealthy: int
+    failed: int  # error or timeout
+    wall_s: float
+    sampler: str
+    storage: str
+    baseline: dict = field(default_factory=dict)  # the 32-true largest-fitting baseline, if measured
+    speedup: float | None = None  # winner samples/s over that baseline
+    stop_reason: str = ""  # why the search stopped
+    choice: str = ""  # how the winner was chosen among contenders within noise
+    noise: float | None = None  # run-to-run relative spread of repeated measurements
+    host_load: float | None = None  # 1-minute load average per CPU core while validating
+    note: str = ""  # why the profile is the baseline, or what to distrust in its figures
+    # The winner's loss curve against the 32-true reference's over the same validation
+    # batches: reference, steps, window_steps, rtol (the limit) and gap (the largest seen).
+    loss_curve: dict = field(default_factory=dict)
+    # The smallest micro batch the space held and why (a model with BatchNorm): size, reason.
+    micro_batch_floor: dict = field(default_factory=dict)
+    workers: dict = field(default_factory=dict)  # search trials measured by each worker sharing the study
+    validated_by: str = ""  # the worker that validated the winner and wrote the profile
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingSetup:
+    """What the measured steps ran beyond the config, so `apply` can build it again."""
+
+    optimizer: dict  # the spec's optimizer: name, lr, betas, weight_decay, momentum
+    max_grad_norm: float | None  # None: no clipping
+
+    def optimizer_spec(self) -> OptimizerSpec:
+        try:
+            return OptimizerSpec(**{**self.optimizer, "betas": tuple(self.optimizer.get("betas", (0.9, 0.999)))})
+        except TypeError as exc:
+            raise ProfileError(f"training.optimizer: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FrontierPoint:
+    """One point of the memory/throughput frontier: a config validated like the winner,
+    with its validated figures (`measured.peak_memory_bytes` is the reserved peak plus the
+    device overhead, what the budget has to hold)."""
+
+    config: TrainConfig
+    measured: Measured
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), "measured": self.measured.to_dict()}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    model: ProfileModel
+    device: ProfileDevice
+    budget_bytes: int
+    config: TrainConfig
+    measured: Measured
+    search: SearchSummary
+    created: str
+    autofit: str
+    # Varying-length data: the lengths the peak and speed were measured for (e.g. text's
+    # longest_tokens, padding, packing). Empty for fixed-size data.
+    data: dict = field(default_factory=dict)
+    # The validated frontier, smallest peak first, the winner last (see autofit/frontier.py).
+    # Empty in profiles written before it existed: `points` is then the winner alone.
+    frontier: tuple[FrontierPoint, ...] = ()
+    # The optimizer and clipping the trials ran; None in profiles written before it was recorded.
+    training: TrainingSetup | None = None
+    schema: int = PROFILE_SCHEMA
+
+    @property
+    def points(self) -> tuple[FrontierPoint, ...]:
+        """The configs this profile may run, smallest peak first; the winner last."""
+        return self.frontier or (FrontierPoint(config=self.config, measured=self.measured),)
+
+    def at(self, point: FrontierPoint) -> "Profile":
+        """This profile running `point`: its config and figures in place of the winner's."""
+        return dataclasses.replace(self, config=point.config, measured=point.measured)
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.model.name}--{self.device.slug}.yaml"
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": self.schema,
+            "model": dataclasses.asdict(self.model),
+            "device": dataclasses.asdict(self.device),
+            "budget_bytes": self.budget_bytes,
+            "config": self.config.to_dict(),
+            "measured": self.measured.to_dict(),
+        } | ({"frontier": [p.to_dict() for p in self.frontier]} if self.frontier else {}) | (
+            {"training": dataclasses.asdict(self.training)} if self.training is not None else {}) | {
+            "search": dataclasses.asdict(self.search),
+            "created": self.created,
+            "autofit": self.autofit,
+        } | ({"data": dict(self.data)} if self.data else {})
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_text(path, self.to_yaml())
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, where: str = "profile") -> "Profile":
+        if not isinstance(raw, dict):
+            raise ProfileError(f"{where}: expected a mapping, got {type(raw).__name__}")
+        model = raw.get("model")
+        if isinstance(model, dict) and {"builtin", "hf", "python"} & set(model):
+            raise ProfileError(f"{where}: this is a model.yaml, not a profile; make a profile with "
+                               f"`autofit tune {where}`")
+        if raw.get("schema") != PROFILE_SCHEMA:
+            raise ProfileError(f"{where}: schema: this autofit reads profile schema {PROFILE_SCHEMA}, "
+                               f"got {raw.get('schema')!r}")
+        try:
+            config = TrainConfig.from_dict(raw.get("config"), where="config")
+        except SpecError as exc:
+            raise ProfileError(f"{where}: {exc}") from None
+        profile = cls(
+            model=_section(ProfileModel, raw, "model", where),
+            device=_section(ProfileDevice, raw, "device", where),
+            budget_bytes=_field(raw, "budget_bytes", int, where),
+            config=config,
+            measured=_section(Measured, raw, "measured", where),
+            search=_section(SearchSummary, raw, "search", where),
+            created=_field(raw, "created", str, where),
+            autofit=_field(raw, "autofit", str, where),
+            data=_field(raw, "data", dict, where) if "data" in raw else {},
+            frontier=_frontier(raw, where) if "frontier" in raw else (),
+            training=_section(TrainingSetup, raw, "training", where) if "training" in raw else None,
+        )
+        _check_frontier(profile, where)
+        return profile
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        path = Path(path)
+        if path.is_dir():
+            raise ProfileError(f"{path}: is a folder, not a profile file")
+        if not path.is_file():
+            raise ProfileError(f"{path}: no such profile file")
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ProfileError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        return cls.from_dict(raw, where=str(path))
+
+    def check_spec(self, spec: ModelSpec) -> bool:
+        """False (with a warning) when the profile was tuned for another version of the spec."""
+        if self.model.name != spec.name:
+            raise ProfileError(f"profile is for model {self.model.name!r}, the spec is {spec.name!r}")
+        if self.config.global_batch_size != spec.train.global_batch_size:
+            raise ProfileError(
+                f"profile's micro batch x accumulation = {self.config.global_batch_size}, but "
+                f"train.global_batch_size is {spec.train.global_batch_size}: re-run `autofit tune`")
+        if self.model.spec_hash != spec.spec_hash:
+            logger.warning("profile {} is stale: the model.yaml changed since it was tuned "
+                           "(re-run `autofit tune` to refresh it)", self.file_name)
+            return False
+        return True
+
+    def data_differences(self, assumptions: dict) -> list[str]:
+        """Where the data now steps outside what the profile was measured on: longer samples
+        than its worst case (memory), or another padding (speed). Empty: within them."""
+        if not self.data or not assumptions:
+            return []
+        diffs = []
+        if assumptions.get("longest_tokens", 0) > self.data.get("longest_tokens", 0):
+            diffs.append(f"samples of up to {assumptions['longest_tokens']} tokens, the profile's peak was "
+                         f"measured at {self.data.get('longest_tokens')}: it may run out of memory")
+        for key in ("padding", "packing", "pad_to_multiple_of"):
+            if key in self.data and assumptions.get(key) != self.data[key]:
+                diffs.append(f"{key} is {assumptions.get(key)!r}, the profile was measured with {self.data[key]!r}")
+        return diffs
+
+    def device_differences(self, device: "ProfileDevice") -> list[str]:
+        """What differs between the tuned-on device and `device` (empty: same kind)."""
+        diffs = []
+        for name in ("name", "memory_bytes", "compute_capability", "driver", "torch"):
+            mine, theirs = getattr(self.device, name), getattr(device, name)
+            if name == "driver":
+                mine, theirs = _major(mine), _major(theirs)
+            if mine != theirs:
+                diffs.append(f"{name}: profile {mine!r}, here {theirs!r}")
+        return diffs
+
+    # --- using a profile: the plan (autofit.train.plan) and the exports (autofit.profiles.export)
+
+    def fitted(self, *, memory_budget: int | str | None = None, device=None,
+               memory_headroom: float | None = None, name: str | None = None) -> "Profile":
+        """This profile at the fastest frontier point that fits the memory available now:
+        `memory_budget` (bytes, "24GiB", a fraction) if given, else the GPU's memory less what
+        other processes hold (NVML) less `memory_headroom` (default: the spec's 0.05); a CPU
+        without a budget keeps the winner. Logs the choice (naming the profile `name`, default
+        its file name); NothingFitsError when none fits."""
+        return fit_now(self, memory_budget=memory_budget, device=device, memory_headroom=memory_headroom, name=name)
+
+    def _for_export(self, memory_budget, device) -> "Profile":
+        return fit_now(self, memory_budget=memory_budget, device=device, export=True)
+
+    def apply(self, model, optimizer_factory=None, *, device=None, max_grad_norm: float | None | str = "profile",
+              store=None, memory_budget: int | str | None = None, memory_headroom: float | None = None):
+        """A `TrainingPlan`: `model` with this profile's checkpointing, freezing, dtype and
+        device applied, plus autocast, GradScaler and the runner's step for a custom loop.
+
+        What was measured is what is built: without `optimizer_factory` the plan builds the
+        optimizer the profile ran (`autofit.train.optim.build_optimizer`: the spec's optimizer, the
+        same implementation); a factory whose optimizer is another implementation (a foreach
+        AdamW where the fused one was measured) is used with a warning. `max_grad_norm`
+        "profile" clips as the profile's trials did; None: no clipping. The process-wide
+        TF32/cuDNN flags are set as measured and put back by `plan.close()` or a with block.
+        Profiles written before these were recorded build no optimizer and clip only if asked.
+
+        The config is the fastest frontier point that fits the memory available now (see
+        `fitted`): the winner when the device is all yours, a smaller point when another
+        process holds part of it or `memory_budget` is smaller.
+
+        `plan.step(batch=..., loss_fn=...)` survives an out-of-memory error by halving the
+        micro batch; when this profile is in `store` (a folder or `ProfileStore`; default
+        the store `load_profile` reads), each such demotion is recorded beside it, where the
+        next `autofit tune` starts from it."""
+        chosen = self.fitted(memory_budget=memory_budget, device=device, memory_headroom=memory_headroom)
+        # A folder, or a ProfileStore (its root); None: the store `load_profile` reads.
+        root = Path(store if isinstance(store, (str, Path)) else getattr(store, "root", None) or default_store_dir())
+        on_demotion = None
+        if (root / self.file_name).is_file():
+            def on_demotion(event):
+                record_demotion(root / self.file_name, event, spec_hash=self.model.spec_hash)
+
+        training = self.training
+        if max_grad_norm == "profile":
+            max_grad_norm = training.max_grad_norm if training is not None else None
+        elif training is not None and max_grad_norm != training.max_grad_norm:
+            logger.warning("profile {}: max_grad_norm={} differs from the {} it was measured with", self.file_name,
+                           max_grad_norm, training.max_grad_norm)
+        factory = optimizer_factory
+        if factory is None and training is not None:
+            optimizer_spec, where = training.optimizer_spec(), resolve_plan_device(device)
+
+            def factory(params):
+                return build_optimizer(optimizer_spec, params, config=chosen.config, device=where)
+
+        plan = TrainingPlan(model, chosen.config, factory, device=device, max_grad_norm=max_grad_norm,
+                            on_demotion=on_demotion, flags=chosen.measured.flags,
+                            min_micro_batch_size=self.search.micro_batch_floor.get("size", 1))
+        measured = chosen.measured.optimizer
+        if optimizer_factory is not None and plan.optimizer is not None and measured is not None:
+            built = implementation(plan.optimizer)
+            if built != measured:
+                logger.warning("profile {}: the optimizer built is {}, the profile was measured with {}: its "
+                               "speed and peak memory may not hold (a foreach AdamW holds temporaries the size "
+                               "of all parameters; leave optimizer_factory out to build the measured one)",
+                               self.file_name, built, measured)
+        return plan
+
+    # The exports, like `apply`, take the fastest point that fits now (see `fitted`).
+
+    def to_hf_training_args(self, *, n_blocks: int | None = None, memory_budget: int | str | None = None,
+                            device=None) -> dict:
+        """kwargs for `transformers.TrainingArguments`; see `autofit.profiles.export.hf_notes`."""
+        return export.to_hf_training_args(self._for_export(memory_budget, device), n_blocks=n_blocks)
+
+    def to_lightning(self, *, memory_budget: int | str | None = None, device=None) -> dict:
+        """kwargs for `lightning.Trainer`; see `autofit.profiles.export.lightning_notes`."""
+        return export.to_lightning(self._for_export(memory_budget, device))
+
+    def to_env(self, *, memory_budget: int | str | None = None, device=None) -> dict[str, str]:
+        """AUTOFIT_* environment variables."""
+        return export.to_env(self._for_export(memory_budget, device))
+
+
+def _major(version: str | None) -> str | None:
+    return None if version is None else version.split(".")[0]
+
+
+def _field(raw: dict, key: str, kind, where: str):
+    value = raw.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ProfileError(f"{where}: {key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _section(cls, raw: dict, key: str, where: str):
+    value = raw.get(key)
+    if not isinstance(value, dict):
+        raise ProfileError(f"{where}: {key}: expected a mapping, got {value!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ProfileError(f"{where}: {key}.{unknown[0]}: unknown key")
+    try:
+        return cls(**value)
+    except TypeError as exc:
+        raise ProfileError(f"{where}: {key}: {exc}") from None
+
+
+def _frontier(raw: dict, where: str) -> tuple[FrontierPoint, ...]:
+    points = _field(raw, "frontier", list, where)
+    out = []
+    for i, item in enumerate(points):
+        at = f"frontier[{i}]"
+        if not isinstance(item, dict):
+            raise ProfileError(f"{where}: {at}: expected a mapping with config and measured, got {item!r}")
+        if set(item) - {"config", "measured"}:
+            raise ProfileError(f"{where}: {at}.{sorted(set(item) - {'config', 'measured'})[0]}: unknown key")
+        try:
+            config = TrainConfig.from_dict(item.get("config"), where=f"{at}.config")
+        except SpecError as exc:
+            raise ProfileError(f"{where}: {exc}") from None
+        out.append(FrontierPoint(config=config, measured=_section(Measured, item, "measured", f"{where}: {at}")))
+    return tuple(out)
+
+
+def _check_frontier(profile: "Profile", where: str) -> None:
+    """Every point trains the same job as the winner: same global batch, same ranks."""
+    for i, point in enumerate(profile.frontier):
+        for name in ("global_batch_size", "world_size"):
+            if getattr(point.config, name) != getattr(profile.config, name):
+                raise ProfileError(f"{where}: frontier[{i}].config: {name} {getattr(point.config, name)} differs "
+                                   f"from the config's {getattr(profile.config, name)}")
+
+
+def device_from_info(info) -> ProfileDevice:
+    """The profile's record of a probed `DeviceInfo`."""
+    cc = info.compute_capability
+    return ProfileDevice(
+        name=info.name, memory_bytes=info.memory_total_bytes,
+        compute_capability=None if cc is None else f"{cc[0]}.{cc[1]}",
+        driver=info.driver_version, torch=str(info.torch_version),
+        fingerprint=info.fingerprint, slug=info.slug,
+        emulated=info.emulated or info.emulated_budget_bytes is not None,
+    )
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")

@@ -1,0 +1,229 @@
+"""Applying a `TrainConfig` to a model: block-stack discovery, activation checkpointing
+(whole blocks, or selective per op), freezing and compiling; and the micro-batch floor of
+models whose layers normalise over the batch."""
+
+import os
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from autofit.base.errors import SpecError
+from autofit.config.spec import CHECKPOINT_POLICIES
+from autofit.config.train_config import MicroBatchFloor, TrainConfig
+
+# CHECKPOINT_POLICIES: what a checkpointed block keeps for backward. `full`: only its input
+# (the whole block is recomputed); `selective`: also the outputs of its matmul and attention
+# ops (SAVE_MATMUL_ATTENTION), so backward recomputes only the cheap ops between them.
+
+# The one place a private torch API is used: the checkpoint wrapper that torchtitan and
+# FSDP use. It keeps state_dict keys unchanged, which plain torch.utils.checkpoint in a
+# hand-made wrapper would not. tests/test_knobs.py fails loudly if torch moves it.
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: E402
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+
+
+def find_block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The largest `nn.ModuleList` whose modules all share one type: GPT blocks,
+    `transformer.h` in GPT-2, `bert.encoder.layer` in BERT."""
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        inner = [_unwrap(m) for m in module]
+        if len({type(m) for m in inner}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or (len(module), size) > (len(best[1]), best[2]):
+            best = (name, module, size)
+    return None if best is None else (best[0], best[1])
+
+
+def block_count(model: nn.Module) -> int:
+    stack = find_block_stack(model)
+    return 0 if stack is None else len(stack[1])
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+
+
+def _require_stack(model: nn.Module, what: str) -> tuple[str, nn.ModuleList]:
+    stack = find_block_stack(model)
+    if stack is None:
+        raise SpecError(f"{what}: this model has no block stack (an nn.ModuleList of same-type "
+                        f"modules), so {what} cannot be applied; set it to 0")
+    return stack
+
+
+def spread_indices(n_blocks: int, n_chosen: int, first: int = 0) -> list[int]:
+    """`n_chosen` block indices spread evenly over blocks `first`..`n_blocks - 1`, starting
+    at `first` (the first trainable blocks' activations live longest, so they are the best
+    ones to drop; frozen blocks before `first` save no activations to drop)."""
+    if n_chosen <= 0:
+        return []
+    span = n_blocks - first
+    return sorted({first + (i * span) // n_chosen for i in range(n_chosen)})
+
+
+# The selective policy, after torchtitan's op-level SAC: the outputs of these ops are saved,
+# everything else in a checkpointed block is recomputed in backward. Matmuls and attention
+# are nearly all of a block's FLOPs; the norms, activation functions, dropout and residual
+# adds between them cost little to redo, and what they would keep is what selective frees.
+SAVE_MATMUL_ATTENTION = frozenset({
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten.convolution.default,  # a convnet's matmuls: without it its blocks would save nothing
+})
+
+
+def save_matmul_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """`selective`'s policy for `create_selective_checkpoint_contexts`: keep matmul, attention
+    (and convolution) outputs, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_MATMUL_ATTENTION else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(save_matmul_attention)
+
+
+def apply_checkpointing(model: nn.Module, n_blocks: int, *, first_block: int = 0, policy: str = "full") -> list[int]:
+    """Wrap `n_blocks` blocks of the stack in non-reentrant activation checkpointing, spread
+    over the blocks from `first_block` on (pass the frozen block count: a frozen block keeps
+    no activations for backward, so checkpointing it would save nothing). `policy` is what
+    each wrapped block keeps: `full` (its input) or `selective` (its matmul and attention
+    outputs too, `save_matmul_attention`)."""
+    if policy not in CHECKPOINT_POLICIES:
+        raise SpecError(f"checkpoint_policy: must be one of {', '.join(CHECKPOINT_POLICIES)}, got {policy!r}")
+    if n_blocks == 0:
+        return []
+    name, stack = _require_stack(model, "checkpoint_blocks")
+    if n_blocks > len(stack) - first_block:
+        frozen = f" after the {first_block} frozen ones" if first_block else ""
+        raise SpecError(f"checkpoint_blocks: this model has {len(stack) - first_block} blocks{frozen} "
+                        f"in {name} to checkpoint, got {n_blocks}")
+    chosen = spread_indices(len(stack), n_blocks, first_block)
+    # The selective policy's contexts are made afresh for every forward (the checkpoint
+    # calls context_fn each time): they hold that forward's saved outputs.
+    extra = {"context_fn": _selective_contexts} if policy == "selective" else {}
+    for i in chosen:
+        if not isinstance(stack[i], CheckpointWrapper):
+            stack[i] = checkpoint_wrapper(stack[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
+    return chosen
+
+
+def apply_freezing(model: nn.Module, n_blocks: int) -> int:
+    """Freeze every embedding plus the first `n_blocks` blocks; returns frozen parameter count.
+
+    Embeddings are the model's input layers; a head whose weight is tied to an embedding
+    (HF GPT-2) is frozen with it, since it is the same tensor.
+    """
+    if n_blocks == 0:
+        return 0
+    name, stack = _require_stack(model, "freeze_blocks")
+    if n_blocks > len(stack):
+        raise SpecError(f"freeze_blocks: this model has {len(stack)} blocks in {name}, got {n_blocks}")
+    frozen: list[nn.Module] = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    frozen += list(stack[:n_blocks])
+    count = 0
+    for module in frozen:
+        for p in module.parameters():
+            if p.requires_grad:
+                p.requires_grad_(False)
+                count += p.numel()
+    return count
+
+
+# inductor: what `torch.compile` uses by default, and what runs on a GPU; on a CPU it needs
+# a C++ compiler (g++ on a Debian-like machine). AUTOFIT_COMPILE_BACKEND names another
+# torch.compile backend: `aot_eager` traces the same graphs with no code generation (where
+# no compiler is at hand, and in the tests, where inductor's compile takes tens of seconds).
+COMPILE_BACKEND_ENV = "AUTOFIT_COMPILE_BACKEND"
+
+
+def compile_backend() -> str:
+    return os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+
+
+def compile_count() -> int:
+    """Graphs compiled in this process so far: Dynamo's captured graphs and inductor's
+    compiled (or cache-loaded) forward and backward graphs. A step that raises it compiled
+    something, so its time is not steady-state time. torch's own counters (a private
+    structure; tests/test_knobs.py fails loudly if torch changes it)."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return counters["stats"]["unique_graphs"] + sum(inductor[f"fxgraph_cache_{k}"] for k in ("miss", "hit", "bypass"))
+
+
+def apply_compile(model: nn.Module) -> list[str]:
+    """`torch.compile` each block of the block stack in place, or the whole model when it has
+    no stack; returns the names compiled. In place (`nn.Module.compile`): state_dict keys and
+    checkpoint wrappers stay as they are. Per block, as torchtitan does: the blocks share one
+    compiled graph (their parameters are its inputs), so compiling costs one block's time, not
+    the model's. `fullgraph`: a graph break in a block is a compile failure, since what it
+    leaves eager is the time compiling was meant to save. Compiling happens at the first
+    forward (and backward), not here."""
+    stack = find_block_stack(model)
+    targets = [(f"{stack[0]}.{i}", block) for i, block in enumerate(stack[1])] if stack else [("", model)]
+    for _, module in targets:
+        module.compile(backend=compile_backend(), fullgraph=True)
+    return [name for name, _ in targets]
+
+
+def apply_config(model: nn.Module, config: TrainConfig) -> nn.Module:
+    """Freezing, checkpointing and compiling, in place; returns the model for chaining."""
+    apply_freezing(model, config.freeze_blocks)
+    apply_checkpointing(model, config.checkpoint_blocks, first_block=config.freeze_blocks,
+                        policy=config.checkpoint_policy)
+    if config.compile:  # last: a checkpointed block is compiled with its checkpointing
+        apply_compile(model)
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ---- knobs that change the math ------------------------------------------------------------
+
+# Layers whose output for one sample depends on the other samples of its micro batch: their
+# statistics are the micro batch's, so the micro batch size changes the gradients, not only
+# the speed, and accumulation is not exact.
+BATCH_STATISTICS_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+                           nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+# Below 16 samples BatchNorm's statistics are noisy enough to change what is learned (Wu &
+# He, "Group Normalization", 2018: its error rises as the batch per device shrinks below 16).
+BATCHNORM_MIN_MICRO_BATCH = 16
+
+
+def micro_batch_floor(model: nn.Module, rank_batch_size: int, requested: int | None) -> MicroBatchFloor | None:
+    """The floor for `model` whose ranks each take `rank_batch_size` samples a step:
+    `requested` (search.min_micro_batch_size) when set, else BATCHNORM_MIN_MICRO_BATCH for a
+    model with batch-statistics layers, else none. Never above the rank's batch."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, BATCH_STATISTICS_LAYERS):
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    layers = ", ".join(f"{count} {name}" for name, count in counts.items())
+    if requested is not None:
+        reason = f"search.min_micro_batch_size is {requested}" + (f" (the model has {layers})" if layers else "")
+    elif counts:
+        reason = (f"the model has {layers}: each micro batch normalizes over its own samples, so a smaller micro "
+                  f"batch changes the gradients, not only the speed; set search.min_micro_batch_size to change "
+                  f"the floor of {BATCHNORM_MIN_MICRO_BATCH}")
+    else:
+        return None
+    size = min(requested or BATCHNORM_MIN_MICRO_BATCH, rank_batch_size)
+    return MicroBatchFloor(size=size, excludes_accumulation=size >= rank_batch_size, reason=reason)
+

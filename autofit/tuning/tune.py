@@ -1,0 +1,368 @@
+"""`tune()`: one tune as named stages, in order.
+
+    prepare   the search space, the study (resumed if it exists), its locks, the tuner
+    search    the ask/tell loop; workers sharing the study wait for the first to finish
+    verdict   nothing measured fits: say why (nothing fits, every trial timed out, crashed)
+    validate  the 32-true baseline, then the best configs for longer; never slower than the baseline
+    frontier  smaller points of the measured frontier, validated like the winner
+    write     the profile (atomically), the HTML report, the trials table and the speed-up
+
+`autofit tune` (`autofit.commands.tune`) and the service (`autofit.service.job`) call it.
+Trials and validation runs are `measure(...)` here, and predictions `estimate_memory(...)`,
+so tests can put simulated devices in their place.
+"""
+
+import contextlib
+import dataclasses
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from loguru import logger
+
+from autofit.base.errors import NothingFitsError, ProfileError, TrialError, TrialTimeoutError
+from autofit.base.redact import redact_url
+from autofit.base.sizes import format_bytes
+from autofit.base.version import VERSION
+from autofit.config.spec import ModelSpec
+from autofit.device.probe import DeviceInfo, with_memory_budget
+from autofit.workload import build_workload
+from autofit.measure.estimate import estimate_memory, EstimateError
+from autofit.measure.measurement import Measurement
+from autofit.measure.trial import measure, raise_input_error
+from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, Tuner
+from autofit.search.health import LossCurveCheck
+from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
+from autofit.profiles.demotions import read_demotions
+from autofit.profiles.profile import device_from_info, Profile, ProfileModel, SearchSummary, TrainingSetup, utc_now
+from autofit.profiles.store import ProfileStore
+from autofit.tuning.frontier import build_frontier, median_run
+from autofit.tuning.report import format_trial_line, trials_table, write_html_report
+from autofit.tuning.space import device_for_ranks, search_space, study_name
+from autofit.tuning.validation import baseline_record, host_load, LOADED_HOST, never_worse, run_validation, validate
+
+
+@dataclass(kw_only=True)
+class TuneOutcome:
+    profile: Profile
+    profile_path: Path
+    report_path: Path | None
+    result: SearchResult
+    validated: Measurement
+
+    def summary(self) -> dict:
+        return {
+            "profile_path": str(self.profile_path),
+            "report_path": None if self.report_path is None else str(self.report_path),
+            "best": self.validated.to_dict(),
+            "search": dataclasses.asdict(self.profile.search),
+            "trials": [_record_dict(r) for r in self.result.records],
+        }
+
+
+def _record_dict(r: TrialRecord) -> dict:
+    return {"number": r.number, "config": r.config.to_dict(), "status": r.status, "reason": r.reason,
+            "predicted_peak_bytes": r.predicted_peak_bytes, "peak_memory_bytes": r.peak_memory_bytes,
+            "samples_per_s": r.samples_per_s if r.measurement is not None else None}
+
+
+def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Path, storage: str | None,
+         execute_on: str | None = None, trials: int | None = None, timeout_s: float | None = None,
+         emulated_budget_bytes: int | None = None, stop_event: threading.Event | None = None,
+         on_trial: Callable[[TrialRecord, TrialRecord | None, int], None] | None = None,
+         report: bool = True, nproc: int = 1, guard=None,
+         worker: str | None = None) -> TuneOutcome:
+    """Search, validate and save. `execute_on` is where trials run ("cpu" or a CUDA index;
+    default: the device itself; an emulated GPU runs on the CPU under its budget).
+    `emulated_budget_bytes` (from --memory-budget) keys a study apart from the full card's.
+    `nproc` > 1 tunes data-parallel jobs over that many ranks (DDP or FSDP2, each trial
+    launched through torchrun); `budget_bytes` is then each rank's. `guard` (the service's
+    `service.guard.TrialGuard`) watches every trial child.
+    `worker` names this worker in a study it shares with others (default: the host name).
+    Raises NothingFitsError when no configuration fits or none gives a usable result."""
+    run = _Tune(spec, device=device, budget_bytes=budget_bytes, out_dir=Path(out_dir), storage=storage,
+                execute_on=execute_on, max_trials=trials or spec.search.trials, timeout_s=timeout_s,
+                emulated_budget_bytes=emulated_budget_bytes, stop_event=stop_event, on_trial=on_trial,
+                nproc=nproc, guard=guard, worker=worker or socket.gethostname())
+    with contextlib.ExitStack() as cleanup:  # the study's locks are released however it ends
+        run.prepare(cleanup)
+        result, shared = run.search()
+        if shared is not None:
+            return run.shared_outcome(*shared, result=result)
+        run.verdict(result)
+        chosen = run.validate(result)
+        frontier = run.frontier(result, chosen)
+        return run.write(result, chosen, frontier, report=report)
+
+
+@dataclass
+class _Chosen:
+    """What validation decided: the winner and its runs, the baseline it beat (or became)."""
+
+    winner: TrialRecord
+    winner_runs: list[Measurement]  # the frontier may validate the winner again beside a rival
+    baseline: TrialRecord | None
+    baseline_m: Measurement | None
+    note: str  # why the profile is the baseline, if it is
+    host_load: float | None
+
+    @property
+    def validated(self) -> Measurement:
+        return median_run(self.winner_runs)
+
+
+class _Tune:
+    """One tune's settings and what its stages hand each other."""
+
+    def __init__(self, spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Path,
+                 storage: str | None, execute_on: str | None, max_trials: int, timeout_s: float | None,
+                 emulated_budget_bytes: int | None, stop_event: threading.Event | None, on_trial, nproc: int,
+                 guard, worker: str):
+        self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget_bytes, out_dir, storage
+        self.execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
+        if emulated_budget_bytes is not None:
+            device = with_memory_budget(device, emulated_budget_bytes)
+        self.device, self.emulated_budget_bytes = device_for_ranks(device, nproc), emulated_budget_bytes
+        self.max_trials, self.timeout_s, self.nproc = max_trials, timeout_s, nproc
+        self.stop_event, self.on_trial, self.guard, self.worker = stop_event, on_trial, guard, worker
+        self.timeouts: dict = {}  # config -> timeouts so far: a retry gets twice the time
+        self.validations: dict = {}  # config -> its validation runs, which the frontier reuses
+        # Every validation run trains the same batches from the same weights: a low-precision
+        # one is held to the 32-true baseline's loss curve, not to one short mean.
+        self.curve = LossCurveCheck(spec.search.loss_curve_rtol)
+
+    @property
+    def should_stop(self) -> Callable[[], bool] | None:
+        return self.stop_event.is_set if self.stop_event is not None else None
+
+    # --- the stages ------------------------------------------------------------------------
+
+    def prepare(self, cleanup: contextlib.ExitStack) -> None:
+        spec, device = self.spec, self.device
+        self.space: SearchSpace = search_space(spec, device, self.nproc)
+        name = study_name(spec, device, self.emulated_budget_bytes)
+        self.study = make_study(study_name=name, storage=self.storage, seed=spec.train.seed)
+        self.locks = cleanup.enter_context(StudyLocks(self.storage, name))
+        self.written_before = profiles_written(self.study)
+        logger.info("tuning {} on {} ({}): budget {}, {} configs in the space, up to {} trials",
+                    spec.name, device.name, self.execute_on, format_bytes(self.budget_bytes), self.space.size,
+                    self.max_trials)
+        if self.space.micro_batch_floor is not None:
+            logger.info("micro batches {}: {}", list(self.space.micro_batch_sizes),
+                        self.space.micro_batch_floor.describe())
+        starts = self._read_demotions()
+        self.tuner = Tuner(self.space, study=self.study, budget_bytes=self.budget_bytes, measure=self.run_trial,
+                           estimate=self.predict, max_trials=self.max_trials, patience=spec.search.patience,
+                           timeout_s=self.timeout_s, on_trial=self.report_trial, should_stop=self.should_stop,
+                           starts=starts, locks=self.locks, worker=self.worker)
+
+    def search(self) -> tuple[SearchResult, tuple[dict, str] | None]:
+        """(the search's result, the profile another worker of the study wrote, if one did)."""
+        searched = self.tuner.search()
+        # Workers sharing the study: the first to end its search validates and writes the
+        # profile; the others wait here (the lock is held until tune() returns), then hand out
+        # the same profile.
+        self.locks.finish(should_stop=self.should_stop)
+        shared = shared_profile(self.study, since=self.written_before)
+        result = self.tuner.result(searched) if shared else self.tuner.finish(searched)
+        logger.info("search stopped: {}; {} trials ({} measured, {} pruned, {} oom) in {:.0f}s",
+                    result.stop_reason, len(result.records), result.measured, result.count("pruned"),
+                    result.count("oom"), result.wall_s)
+        if self.stop_event is not None and self.stop_event.is_set():
+            raise InterruptedError("tune stopped before validation; rerun to resume the study")
+        return result, shared
+
+    def verdict(self, result: SearchResult) -> None:
+        """Nothing measured fits: raise why. "Nothing fits" is a verdict only when every trial
+        was measured: one that timed out or crashed might have fitted, and a rerun resumes."""
+        if result.ranked:
+            return
+        if result.count("timeout"):
+            raise TrialTimeoutError(f"{result.count('timeout')} trial(s) timed out (search.trial_timeout_s is "
+                                    f"{self.spec.search.trial_timeout_s:g}s, doubled on retry), and none fitted; "
+                                    f"rerun to resume the study, or raise search.trial_timeout_s")
+        if result.count("error"):
+            first = next(r.reason for r in result.records if r.status == "error")
+            raise TrialError(f"{result.count('error')} trial(s) crashed and none fitted; the first: {first}")
+        raise NothingFitsError(_nothing_fits_message(result, self.tuner, self.space))
+
+    def validate(self, result: SearchResult) -> _Chosen:
+        spec = self.spec
+        baseline = baseline_record(result, self.demoted)
+        # The speed-up compares like with like: the baseline re-measured over as many steps as
+        # the winner's validation, so one noisy short trial cannot make or break it. It runs
+        # first: its loss curve is the reference the others are checked against.
+        baseline_m, note = None, ""
+        if baseline is not None:
+            baseline_m = run_validation(spec, baseline, self.run_long)
+            self.curve.set_reference(baseline_m)
+        winner, validated = validate(spec, result, self.run_long, demoted=self.demoted, done=self.validations)
+        load = host_load()
+        if baseline_m is not None and (baseline_m.status != "ok" or not baseline_m.samples_per_s):
+            baseline_m = None
+        if baseline_m is not None and baseline.config != winner.config:
+            winner, validated, baseline_m, note = never_worse(spec, (winner, validated), (baseline, baseline_m),
+                                                              self.run_long)
+        if winner.config == getattr(baseline, "config", None) and not note:
+            note = (f"nothing measured beat the 32-true baseline (search stopped: {result.stop_reason}; "
+                    f"{result.count('ok')} configs measured): the profile is the baseline")
+        if note:
+            logger.warning(note)
+        return _Chosen(winner=winner, winner_runs=[validated], baseline=baseline, baseline_m=baseline_m, note=note,
+                       host_load=load)
+
+    def frontier(self, result: SearchResult, chosen: _Chosen) -> tuple:
+        spec = self.spec
+        frontier = build_frontier(result, chosen.winner, chosen.winner_runs, max_points=spec.search.frontier_points,
+                                  validate_steps=spec.search.validate_steps, validations=self.validations,
+                                  run_validation=lambda record: run_validation(spec, record, self.run_long),
+                                  demoted=self.demoted, should_stop=self.should_stop)
+        if chosen.baseline is not None and chosen.baseline.config == chosen.winner.config \
+                and chosen.baseline_m is not None:
+            chosen.baseline_m = chosen.validated  # one config, one figure
+        logger.info("frontier: {}", "; ".join(f"{p.config.short()} peak {format_bytes(p.measured.peak_memory_bytes)} "
+                                              f"{p.measured.samples_per_s:.4g} samples/s" for p in frontier))
+        if chosen.host_load is not None and chosen.host_load > LOADED_HOST:
+            logger.warning("the host was loaded while validating (load {:.1f} per core): throughput figures are "
+                           "noisy; re-run on a quiet machine to trust the speed-up", chosen.host_load)
+        return frontier
+
+    def write(self, result: SearchResult, chosen: _Chosen, frontier: tuple, *, report: bool) -> TuneOutcome:
+        profile = self._profile(result, chosen, frontier)
+        profile_path = ProfileStore(self.out_dir).save(profile)
+        record_profile(self.study, profile.to_dict(), self.worker)  # for the workers waiting on this study
+        report_path = None
+        if report:
+            report_path = write_html_report(profile_path.with_suffix(".report.html"), profile, result, chosen.winner)
+        logger.info("\n{}", trials_table(result, chosen.winner))
+        if chosen.baseline_m is not None:
+            logger.info("speed-up over {} (32-true, largest micro batch that fits; both validated): {:.2f}x",
+                        chosen.baseline.config.short(), profile.search.speedup)
+        return TuneOutcome(profile=profile, profile_path=profile_path, report_path=report_path, result=result,
+                           validated=chosen.validated)
+
+    def shared_outcome(self, profile_dict: dict, worker: str, *, result: SearchResult) -> TuneOutcome:
+        """The profile another worker of the study validated and wrote: the same file here (a
+        store of its own gets a copy), and this tune's outcome."""
+        profile = Profile.from_dict(profile_dict, where=f"the profile {worker} wrote")
+        path = self.out_dir / profile.file_name
+        try:
+            same = Profile.load(path) == profile
+        except ProfileError:
+            same = False
+        if not same:  # this worker's store is not the one it was written to
+            path = ProfileStore(self.out_dir).save(profile)
+        logger.info("{} validated the winner of this study and wrote the profile: {}", worker, path)
+        m = profile.measured
+        validated = Measurement(status="ok", config=profile.config, samples_per_s=m.samples_per_s,
+                                tokens_per_s=m.tokens_per_s, peak_memory_bytes=m.peak_memory_bytes,
+                                step_time_s=m.step_time_s)
+        return TuneOutcome(profile=profile, profile_path=path, report_path=None, result=result, validated=validated)
+
+    # --- what the stages measure with ----------------------------------------------------
+
+    def run_trial(self, config) -> Measurement:
+        limit_s = self.spec.search.trial_timeout_s * 2 ** self.timeouts.get(config, 0)
+        m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
+                    stop_event=self.stop_event, timeout_s=limit_s, guard=self.guard)
+        if m.status == "timeout":
+            self.timeouts[config] = self.timeouts.get(config, 0) + 1
+        raise_input_error(m)  # the user's code raised: every other config would fail alike
+        return m
+
+    def run_long(self, config, steps: int, timeout_s: float) -> Measurement:
+        """A validation run: `steps` timed steps, held to the baseline's loss curve."""
+        m = self.curve.check(measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
+                                     stop_event=self.stop_event, measure_steps=steps, timeout_s=timeout_s,
+                                     guard=self.guard))
+        self.validations.setdefault(config, []).append(m)
+        return m
+
+    def predict(self, config) -> int:
+        """Predicted peak; 0 (unknown: measure it) for a config the estimator cannot run."""
+        try:
+            return estimate_memory(self.spec, config,
+                                   device_kind="cuda" if self.device.kind == "cuda" else "cpu").peak_bytes
+        except EstimateError as exc:
+            logger.warning("{}; {} is measured without a prediction", exc, config.short())
+            return 0
+
+    def report_trial(self, record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
+        logger.info(format_trial_line(record, best, considered, self.max_trials, self.budget_bytes))
+        if self.on_trial is not None:
+            self.on_trial(record, best, considered)
+
+    def _read_demotions(self) -> tuple:
+        """Training that ran out of memory under an earlier profile demoted its micro batch: the
+        search starts from where it went on, and never picks the config it left again."""
+        spec = self.spec
+        demotions = read_demotions(self.out_dir / f"{spec.name}--{self.device.slug}.yaml", spec_hash=spec.spec_hash)
+        self.demoted = {d.from_config for d in demotions}
+        starts = tuple(dict.fromkeys(d.to_config for d in reversed(demotions) if d.to_config not in self.demoted))
+        if demotions:
+            logger.info("{} out-of-memory demotion(s) recorded in training: starting from {}; not choosing {}",
+                        len(demotions), ", ".join(c.short() for c in starts) or "-",
+                        ", ".join(c.short() for c in self.demoted))
+        return starts
+
+    def _profile(self, result: SearchResult, chosen: _Chosen, frontier: tuple) -> Profile:
+        spec, baseline, baseline_m, validated = self.spec, chosen.baseline, chosen.baseline_m, chosen.validated
+        floor = self.space.micro_batch_floor
+        summary = SearchSummary(
+            trials=len(result.records), measured=result.measured, pruned=result.count("pruned"),
+            oom=result.count("oom"), unhealthy=result.count("unhealthy"),
+            failed=result.count("error") + result.count("timeout") + result.count("compile_error"),
+            wall_s=round(result.wall_s, 1),
+            sampler=type(self.study.sampler).__name__, storage=redact_url(self.storage or "in-memory"),
+            baseline={} if baseline_m is None else {"config": baseline.config.to_dict(),
+                                                    "samples_per_s": baseline_m.samples_per_s},
+            speedup=None if baseline_m is None else round(validated.samples_per_s / baseline_m.samples_per_s, 3),
+            stop_reason=result.stop_reason, choice=result.choice,
+            noise=None if result.noise is None else round(result.noise, 4),
+            host_load=None if chosen.host_load is None else round(chosen.host_load, 2), note=chosen.note,
+            micro_batch_floor={} if floor is None else floor.to_dict(),
+            loss_curve=self.curve.summary(chosen.winner.config),
+            workers=_workers(result.records), validated_by=self.worker,
+        )
+        return Profile(
+            model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
+            device=device_from_info(self.device),
+            budget_bytes=self.budget_bytes,
+            config=chosen.winner.config,
+            measured=frontier[-1].measured,  # the winner's validation
+            search=summary,
+            created=utc_now(),
+            autofit=VERSION,
+            data=build_workload(spec).data_assumptions(),
+            frontier=frontier,
+            training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm),
+        )
+
+
+def _workers(records: list[TrialRecord]) -> dict[str, int]:
+    """Search trials measured per worker sharing the study (empty before workers were named)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.measurement is not None and not r.repeat and r.worker:
+            counts[r.worker] = counts.get(r.worker, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _nothing_fits_message(result: SearchResult, tuner: Tuner, space: SearchSpace) -> str:
+    peaks = [(r.peak_memory_bytes or r.predicted_peak_bytes or 0, r) for r in result.records
+             if r.status in ("oom", "ok", "pruned")]
+    smallest = min(peaks, key=lambda p: p[0], default=None)
+    frugal = space.config(min(space.precisions, key=lambda p: ("bf16-true", "bf16-mixed", "16-mixed").index(p)
+                              if p in ("bf16-true", "bf16-mixed", "16-mixed") else 9),
+                          space.micro_batch_sizes[0], space.checkpointable(space.max_freeze_blocks),
+                          space.max_freeze_blocks)
+    frugal = frugal.replace(**space.lean(frugal.precision, space.strategy_of(frugal)))
+    needed = tuner.memory.corrected_peak(frugal, result.records)
+    unhealthy = sum(result.count(s) for s in ("unhealthy", "error", "timeout", "compile_error"))
+    seen = (f"; the smallest peak seen was {format_bytes(smallest[0])} ({smallest[1].config.short()})"
+            if smallest else "")
+    extra = f"; {unhealthy} trials failed or were unhealthy" if unhealthy else ""
+    return (f"nothing fits the budget of {format_bytes(result.budget_bytes)}{seen}; the smallest "
+            f"configuration ({frugal.short()}) needs about {format_bytes(needed)}{extra}")

@@ -1,0 +1,132 @@
+"""Validation: the best configs re-run for longer in fresh children, the first that holds is
+the winner; the 32-true baseline it must beat; and the rule that the profile is never
+slower than doing nothing.
+
+A validation run is `run_long(config, steps, timeout_s) -> Measurement`, given by the tune
+(`autofit.tuning.tune`), so these rules are the same for real trials and for the
+simulated devices of the tests.
+"""
+
+import os
+import statistics
+
+from loguru import logger
+
+from autofit.base.errors import NothingFitsError, TrialError, TrialTimeoutError
+from autofit.base.sizes import format_bytes
+from autofit.config.spec import ModelSpec
+from autofit.measure.measurement import Measurement
+from autofit.search import SearchResult, TrialRecord
+from autofit.tuning.frontier import median_run, total_peak
+
+# 1-minute load average per core above which throughput measured on a CPU is flagged.
+LOADED_HOST = 0.8
+VALIDATION_ATTEMPTS = 2  # a validation that times out is retried once with twice the time
+
+
+def run_timeout_s(spec: ModelSpec, record: TrialRecord, steps: int) -> float:
+    """The time a run of `steps` timed steps of `record`'s config may take: the trial's own
+    start-up (its wall time less its steps) plus warm-up and `steps` at its measured step
+    time, three times over, and never less than one trial's timeout. The trial timeout is
+    meant for a few steps; a 50-step validation of a slow config needs more."""
+    m, search = record.measurement, spec.search
+    if m is None or not m.step_time_s:
+        return search.trial_timeout_s * max(1.0, steps / search.measure_steps)
+    startup_s = max(0.0, m.wall_s - (search.warmup_steps + search.measure_steps) * m.step_time_s)
+    return max(search.trial_timeout_s, 3 * (startup_s + (search.warmup_steps + steps) * m.step_time_s))
+
+
+def run_validation(spec: ModelSpec, record: TrialRecord, run_long) -> Measurement:
+    """One validation run; a timeout (the machine, not the config) is retried with twice the time."""
+    steps = spec.search.validate_steps
+    limit_s = run_timeout_s(spec, record, steps)
+    for attempt in range(VALIDATION_ATTEMPTS):
+        m = run_long(record.config, steps, limit_s * 2 ** attempt)
+        if m.status != "timeout":
+            return m
+        logger.warning("validation of {} timed out after {:.0f}s{}", record.config.short(), limit_s * 2 ** attempt,
+                       "; retrying with twice the time" if attempt + 1 < VALIDATION_ATTEMPTS else "")
+    return m
+
+
+def validate(spec: ModelSpec, result: SearchResult, run_long,
+             demoted: set = frozenset(), done: dict | None = None) -> tuple[TrialRecord, Measurement]:
+    """Re-run the best configs longer in fresh children; the first that stays ok and inside
+    the budget wins. Short trials can miss slow leaks and late allocator growth. Configs
+    that ran out of memory in training (`demoted`) are passed over.
+    `run_long(config, steps, timeout_s)` measures one config; `done` (config -> validation
+    runs already taken, e.g. the baseline's) are used rather than run again."""
+    ranked = [r for r in result.ranked if r.config not in demoted]
+    if not ranked:
+        raise NothingFitsError("every configuration that fits in the search ran out of memory in training "
+                               "(see the .demotions.json beside the profile)")
+    failures, crashes = [], []
+    for record in ranked[:5]:
+        logger.info("validating {} over {} steps", record.config.short(), spec.search.validate_steps)
+        m = (done or {}).get(record.config, [None])[-1] or run_validation(spec, record, run_long)
+        if m.status == "ok" and total_peak(m) <= result.budget_bytes:
+            return record, m
+        failures.append(m.status if m.status != "ok" else "over budget")
+        if m.status == "error":
+            crashes.append(f"{record.config.short()}: {m.reason}")
+        logger.warning("validation of {} failed: {} ({}); trying the next best", record.config.short(),
+                       m.status, m.reason or f"peak {format_bytes(total_peak(m))} over budget")
+    # Not "nothing fits" unless every longer run was measured to fail: a timeout is the
+    # machine being too slow or too busy, a crash is not a verdict on memory; a rerun resumes.
+    if "timeout" in failures:
+        every = "every validation run" if all(f == "timeout" for f in failures) else (
+            f"{failures.count('timeout')} of {len(failures)} validation runs")
+        raise TrialTimeoutError(f"{every} timed out (search.trial_timeout_s is "
+                                f"{spec.search.trial_timeout_s:g}s); rerun, or raise search.trial_timeout_s")
+    if "error" in failures:
+        raise TrialError(f"{failures.count('error')} of {len(failures)} validation runs crashed: {crashes[0]}")
+    raise NothingFitsError(f"no configuration passed validation: the best {len(failures)} all failed their "
+                           f"longer run ({', '.join(sorted(set(failures)))})")
+
+
+def never_worse(spec: ModelSpec, winner: tuple[TrialRecord, Measurement], baseline: tuple[TrialRecord, Measurement],
+                run_long) -> tuple[TrialRecord, Measurement, Measurement, str]:
+    """The profile is never slower than doing nothing. When the validated winner is slower
+    than the validated baseline, both are measured again, interleaved: once, and a second
+    time when that round disagrees with the first (noise larger than the gap); the medians
+    decide. Returns (winner, its measurement, the baseline's, a note when the baseline won)."""
+    (w, wm), (b, bm) = winner, baseline
+    if wm.samples_per_s >= bm.samples_per_s:
+        return w, wm, bm, ""
+    logger.info("validated {} ({:.4g} samples/s) is slower than the baseline {} ({:.4g}): measuring both "
+                "again, interleaved", w.config.short(), wm.samples_per_s, b.config.short(), bm.samples_per_s)
+    runs = {w.config: [wm], b.config: [bm]}
+    for _ in range(2):
+        round_sps = {}
+        for record in (w, b):
+            m = run_validation(spec, record, run_long)
+            if m.status == "ok" and m.samples_per_s:
+                runs[record.config].append(m)
+                round_sps[record.config] = m.samples_per_s
+        if round_sps.get(w.config, 0.0) < round_sps.get(b.config, 0.0):
+            break  # this round agrees with the validation: the winner is slower
+    w_med, b_med = (statistics.median(x.samples_per_s for x in runs[c]) for c in (w.config, b.config))
+    w_best, b_best = median_run(runs[w.config]), median_run(runs[b.config])
+    if w_med >= b_med:
+        return w, w_best, b_best, ""
+    note = (f"the search's winner {w.config.short()} validated at {w_med:.4g} samples/s, below the 32-true "
+            f"baseline's {b_med:.4g} (medians of {len(runs[w.config])} and {len(runs[b.config])} interleaved "
+            f"runs): the profile is the baseline")
+    return b, b_best, b_best, note
+
+
+def host_load() -> float | None:
+    """The 1-minute load average per CPU core (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return None
+
+
+def baseline_record(result: SearchResult, demoted: set = frozenset()) -> TrialRecord | None:
+    """What a user without autofit runs: 32-true, no checkpointing or freezing, the largest
+    micro batch that fits (and did not run out of memory in training)."""
+    plain = [r for r in result.records if r.config.precision == "32-true" and r.config.checkpoint_blocks == 0
+             and r.config.freeze_blocks == 0 and r.config.optimizer_bits == 32 and not r.config.chunked_loss
+             and r.feasible(result.budget_bytes) and r.config not in demoted]
+    return max(plain, key=lambda r: r.config.micro_batch_size, default=None)
