@@ -70,6 +70,26 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+def start_cli(tmp_path: Path, *args) -> tuple[subprocess.Popen, Path]:
+    """`autofit ARGS` started (not waited for) with a TMPDIR of its own, so its children's
+    folders and processes are known: (the process, that TMPDIR)."""
+    tmp = Path(tmp_path) / "tmp"
+    tmp.mkdir(exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "autofit", *map(str, args)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
+    return proc, tmp
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie, exited but not reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def run_cli_json(*args: str, **kwargs) -> dict:
     result = run_cli(*args, **kwargs)
     assert result.returncode == 0, result.stderr
@@ -159,10 +179,11 @@ def _our_processes(marker: str) -> list[str]:
 
 
 def left_behind(folder: str, wait_s: float = _LEFT_BEHIND_WAIT_S) -> list[str]:
-    """Trial folders and processes this test session left; empty when clean."""
+    """Trial, worker and doctor folders and processes this test session left; empty when clean."""
     deadline = time.monotonic() + wait_s
     while True:
-        folders = sorted(p.name for p in Path(folder).glob("autofit-trial-*"))
+        folders = sorted(p.name for prefix in ("autofit-trial-*", "autofit-worker-*", "autofit-doctor-*")
+                         for p in Path(folder).glob(prefix))
         processes = _our_processes(folder) if Path("/proc/self/environ").exists() else []
         if not (folders or processes) or time.monotonic() > deadline:
             return [f"folder {folder}/{name}" for name in folders] + processes

@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 from loguru import logger
 
+from autofit.base import stopping
 from autofit.base.atomic import finite, write_json
 from autofit.base.errors import AutofitError, NothingFitsError, SpecError
 from autofit.base.paths import default_store_dir
 from autofit.base.sizes import format_bytes, parse_budget
 from autofit.config.spec import load_spec, MAX_STEPS, ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
+from autofit.device.memory import MemoryGrewError
 from autofit.device.probe import DeviceInfo, select_device
 from autofit.device.support import require_supported
 from autofit.workload import build_workload
@@ -72,11 +74,14 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
         metrics = train(spec, workload, config, device=torch_device, steps=steps, checkpoint_dir=ckpt_dir,
                         resume=resume, progress=progress, memory_budget_bytes=budget_bytes,
                         on_demotion=_demotion_recorder(record_at, spec),
-                        measured_optimizer=loaded.measured.optimizer if loaded is not None else None)
+                        measured_optimizer=loaded.measured.optimizer if loaded is not None else None,
+                        should_stop=stopping.requested.is_set)
         # On failure a rank exits with the error and torchrun stops its peers; a clean end
         # tears the group down here, so no rank waits on another at exit.
         distributed.destroy_process_group()
         return metrics
+    except MemoryGrewError as exc:  # not a config that is too large: a model whose memory grows every step
+        raise NothingFitsError(f"out of memory: {exc}") from None
     except torch.OutOfMemoryError:
         where = f"the memory budget of {format_bytes(budget_bytes)}" if budget_bytes else "device memory"
         raise NothingFitsError(f"out of memory: {config.short()} does not fit {where}; "
@@ -133,8 +138,8 @@ def main(args) -> int:
     metrics = train_command(args.spec, profile=args.profile, steps=args.steps, resume=args.resume,
                             overwrite=args.overwrite, device=args.device, checkpoint_dir=args.checkpoint_dir,
                             memory_budget=args.memory_budget, progress=not args.no_progress)
-    if metrics.get("rank", 0) != 0:
-        return 0  # under torchrun the metrics are rank 0's to report
+    if metrics.get("rank", 0) != 0 or stopping.requested.is_set():
+        return 0  # under torchrun the metrics are rank 0's to report; a stopped run's exit is the stop's
     metrics = finite(metrics)  # JSON has no NaN: a diverged loss is written as null
     if args.metrics_out is not None:
         write_json(args.metrics_out, metrics)

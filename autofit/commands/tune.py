@@ -7,6 +7,7 @@
 import json
 from pathlib import Path
 
+from autofit.base import stopping
 from autofit.base.errors import SpecError
 from autofit.base.paths import default_state_dir, default_store_dir
 from autofit.base.sizes import parse_budget
@@ -34,8 +35,11 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
         folder = ensure_folder(Path(state_dir) if state_dir is not None else default_state_dir(), "--state-dir")
         storage = f"sqlite:///{folder.resolve() / 'studies.db'}"
     out_dir = ensure_folder(Path(out_dir) if out_dir is not None else default_store_dir(), "--out")
+    # Ctrl-C (the CLI's stop flag) ends the search at the next safe point, kills the trial
+    # under way and leaves the study to resume.
     return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
-                trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated, nproc=nproc)
+                trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated, nproc=nproc,
+                stop_event=stopping.requested)
 
 
 def main(args) -> int:

@@ -102,7 +102,7 @@ class SearchSpec:
     memory_headroom: float = 0.05  # fraction of usable memory left free
     trials: int = 40  # most configurations measured (pruned proposals and repeats do not count)
     patience: int = 12  # stop after this many measured trials without a better one
-    warmup_steps: int = 2  # optimizer steps before timing, per trial
+    warmup_steps: int = 5  # most warm-up steps before timing, per trial: they stop once a step takes what the one before took
     measure_steps: int = 5  # timed optimizer steps per trial
     validate_steps: int = 50  # optimizer steps of the final validation run
     frontier_points: int = 4  # most points the profile keeps, winner included; each other costs a validation
@@ -380,7 +380,7 @@ def _search(r: "Reader") -> SearchSpec:
         memory_headroom=headroom,
         trials=r.positive_int("trials", default=40, maximum=MAX_TRIALS),
         patience=r.positive_int("patience", default=12, maximum=MAX_TRIALS),
-        warmup_steps=r.nonnegative_int("warmup_steps", default=2, maximum=MAX_TRIAL_STEPS),
+        warmup_steps=r.nonnegative_int("warmup_steps", default=5, maximum=MAX_TRIAL_STEPS),
         measure_steps=r.positive_int("measure_steps", default=5, maximum=MAX_TRIAL_STEPS),
         validate_steps=r.positive_int("validate_steps", default=50, maximum=MAX_TRIAL_STEPS),
         frontier_points=r.positive_int("frontier_points", default=4, maximum=MAX_TRIALS),

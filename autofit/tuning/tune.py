@@ -22,16 +22,17 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit.base.errors import NothingFitsError, ProfileError, TrialError, TrialTimeoutError
+from autofit.base.errors import InputError, NothingFitsError, ProfileError, TrialError, TrialTimeoutError
 from autofit.base.redact import redact_url
 from autofit.base.sizes import format_bytes
 from autofit.base.version import VERSION
 from autofit.config.spec import ModelSpec
 from autofit.device.probe import DeviceInfo, with_memory_budget
-from autofit.workload import build_workload
-from autofit.measure.estimate import estimate_memory, EstimateError
+from autofit.measure import asks
+from autofit.measure.estimate import EstimateError, MemoryEstimate
 from autofit.measure.measurement import Measurement
-from autofit.measure.trial import measure, raise_input_error
+from autofit.measure.trial import measure, raise_input_error, trial_worker
+from autofit.measure.worker import Worker
 from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, Tuner
 from autofit.search.health import LossCurveCheck
 from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
@@ -42,6 +43,12 @@ from autofit.tuning.frontier import build_frontier, median_run
 from autofit.tuning.report import format_trial_line, trials_table, write_html_report
 from autofit.tuning.space import device_for_ranks, search_space, study_name
 from autofit.tuning.validation import baseline_record, host_load, LOADED_HOST, never_worse, run_validation, validate
+
+
+def estimate_memory(spec: ModelSpec, config, *, device_kind: str, worker: Worker, stop_event=None) -> MemoryEstimate:
+    """The estimator, in a child of the tune's worker (the user's forward runs there, on fake
+    tensors); a seam the tests replace with a simulated device's."""
+    return asks.estimate(worker, spec, config, device_kind=device_kind, stop_event=stop_event)[0]
 
 
 @dataclass(kw_only=True)
@@ -86,7 +93,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                 execute_on=execute_on, max_trials=trials or spec.search.trials, timeout_s=timeout_s,
                 emulated_budget_bytes=emulated_budget_bytes, stop_event=stop_event, on_trial=on_trial,
                 nproc=nproc, guard=guard, worker=worker or socket.gethostname())
-    with contextlib.ExitStack() as cleanup:  # the study's locks are released however it ends
+    with contextlib.ExitStack() as cleanup:  # the study's locks and the worker are released however it ends
         run.prepare(cleanup)
         result, shared = run.search()
         if shared is not None:
@@ -141,7 +148,10 @@ class _Tune:
 
     def prepare(self, cleanup: contextlib.ExitStack) -> None:
         spec, device = self.spec, self.device
-        self.space: SearchSpace = search_space(spec, device, self.nproc)
+        # The user's code (model module, data, forward) runs only in the worker's children.
+        self.trial_worker = cleanup.enter_context(trial_worker(spec, "cpu" if device.kind == "cpu" else self.execute_on))
+        self.analysis = asks.analyze(self.trial_worker, spec, self.nproc, stop_event=self.stop_event)
+        self.space: SearchSpace = search_space(spec, device, self.nproc, self.analysis)
         name = study_name(spec, device, self.emulated_budget_bytes)
         self.study = make_study(study_name=name, storage=self.storage, seed=spec.train.seed)
         self.locks = cleanup.enter_context(StudyLocks(self.storage, name))
@@ -266,7 +276,7 @@ class _Tune:
     def run_trial(self, config) -> Measurement:
         limit_s = self.spec.search.trial_timeout_s * 2 ** self.timeouts.get(config, 0)
         m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
-                    stop_event=self.stop_event, timeout_s=limit_s, guard=self.guard)
+                    stop_event=self.stop_event, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker)
         if m.status == "timeout":
             self.timeouts[config] = self.timeouts.get(config, 0) + 1
         raise_input_error(m)  # the user's code raised: every other config would fail alike
@@ -276,15 +286,15 @@ class _Tune:
         """A validation run: `steps` timed steps, held to the baseline's loss curve."""
         m = self.curve.check(measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
                                      stop_event=self.stop_event, measure_steps=steps, timeout_s=timeout_s,
-                                     guard=self.guard))
+                                     guard=self.guard, worker=self.trial_worker))
         self.validations.setdefault(config, []).append(m)
         return m
 
     def predict(self, config) -> int:
         """Predicted peak; 0 (unknown: measure it) for a config the estimator cannot run."""
         try:
-            return estimate_memory(self.spec, config,
-                                   device_kind="cuda" if self.device.kind == "cuda" else "cpu").peak_bytes
+            return estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
+                                   worker=self.trial_worker, stop_event=self.stop_event).peak_bytes
         except EstimateError as exc:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0
@@ -335,7 +345,7 @@ class _Tune:
             search=summary,
             created=utc_now(),
             autofit=VERSION,
-            data=build_workload(spec).data_assumptions(),
+            data=self.analysis["data_assumptions"],
             frontier=frontier,
             training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm),
         )
