@@ -70,6 +70,15 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+# `autofit tune` wrote its profile: 0, or 4 where the host was too busy for the speed-up to be
+# measured (autofit/tuning/speedup.py). On a loaded test machine either is right.
+TUNED = (0, 4)
+
+
+def assert_tuned(result) -> None:
+    assert result.returncode in TUNED, result.stderr[-4000:]
+
+
 def start_cli(tmp_path: Path, *args) -> tuple[subprocess.Popen, Path]:
     """`autofit ARGS` started (not waited for) with a TMPDIR of its own, so its children's
     folders and processes are known: (the process, that TMPDIR)."""

@@ -9,10 +9,10 @@ import pytest
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
+from autofit.search import choice, TrialRecord
 from autofit.profiles.profile import FrontierPoint, Measured
-from autofit.search import TrialRecord, choice
 from autofit.tuning.frontier import pareto_in_written_figures
-from autofit.tuning.speedup import PAIRS_MAX, PAIRS_MIN, keeps_winner, measure_speedup
+from autofit.tuning.speedup import keeps_winner, measure_speedup, PAIRS_MAX, PAIRS_MIN
 from conftest import tiny_gpt_dict, write_spec
 
 SEARCH = {"warmup_steps": 0, "measure_steps": 2, "validate_steps": 4, "trial_timeout_s": 60}
@@ -108,3 +108,40 @@ def test_the_written_frontier_is_pareto_in_its_own_figures():
     peaks = [p.measured.peak_memory_bytes for p in kept]
     speeds = [p.measured.samples_per_s for p in kept]
     assert all(x < y for x, y in zip(peaks, peaks[1:])) and all(x < y for x, y in zip(speeds, speeds[1:]))
+
+
+def _tune(landscape, storage: str, measure=None):
+    from autofit.search import Tuner, make_study
+
+    study = make_study(study_name="sim", storage=storage, seed=0)
+    tuner = Tuner(landscape.space(), study=study, budget_bytes=landscape.budget_bytes,
+                  measure=measure or landscape.measure, estimate=landscape.estimate, max_trials=40, patience=12)
+    return tuner.run()
+
+
+def test_a_resumed_study_measures_its_leaders_again_and_only_fresh_figures_decide(tmp_path):
+    """The first session's leader was measured under a load that flattered it (here: it is in
+    fact half as fast as its old figure). Resumed, the study measures no search trial again, but
+    measures its leaders again, interleaved, and the fresh figures choose."""
+    from simulated import LANDSCAPES
+
+    landscape = next(l for l in LANDSCAPES if l.name == "noisy")
+    landscape.reset()
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = _tune(landscape, storage)
+    old_leader = first.ranked[0].config
+    searched_before = {r.number for r in first.records if r.measurement is not None and not r.repeat}
+
+    def today(config):  # the host today: the old leader is not what its old figure said
+        m = landscape.measure(config)
+        if config == old_leader:
+            m = Measurement.from_dict(m.to_dict() | {"samples_per_s": m.samples_per_s / 2})
+        return m
+
+    landscape.calls.clear()
+    second = _tune(landscape, storage, measure=today)
+    leaders = {r.record.config for r in choice.rank(first.records, first.budget_bytes, repeats=False)[:3]}
+    searched_after = {r.number for r in second.records if r.measurement is not None and not r.repeat}
+    assert searched_after == searched_before  # no search trial measured again
+    assert old_leader in landscape.calls and set(landscape.calls) <= leaders  # the leaders, measured again
+    assert second.ranked[0].config != old_leader  # its old figure did not decide

@@ -21,6 +21,7 @@ from autofit.base.sizes import format_bytes, parse_budget
 from autofit.config.spec import load_spec, MAX_STEPS, ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.memory import MemoryGrewError
+from autofit.device.precision import set_process_flags
 from autofit.device.probe import DeviceInfo, select_device
 from autofit.device.support import require_supported
 from autofit.workload import build_workload
@@ -53,6 +54,9 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     budget_bytes = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
     config, loaded, profile_path = _config(spec, profile, info, world, memory_budget, budget_bytes)
     require_supported(config.precision, info)
+    if loaded is not None and loaded.measured.flags:
+        # What was measured is what runs: TF32/cuDNN flags, and on a CPU the intra-op threads.
+        set_process_flags(loaded.measured.flags)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else Path("runs") / spec.name
     check_run_folder(ckpt_dir, resume=resume, overwrite=overwrite)
     if ranks:

@@ -5,6 +5,7 @@
 """
 
 import json
+import sys
 from pathlib import Path
 
 from autofit.base import stopping
@@ -15,6 +16,9 @@ from autofit.config.spec import load_spec, MAX_TRIALS
 from autofit.device.probe import select_device, usable_budget_bytes
 from autofit.tuning.tune import tune, TuneOutcome
 from autofit.commands.args import check_count, check_seconds, ensure_folder
+
+
+EXIT_NO_CLAIM = 4  # the profile is written, but the host was too busy for its figures to be a claim
 
 
 def tune_command(spec_path: str | Path, *, device: str | None = None, memory_budget: str | None = None,
@@ -51,4 +55,8 @@ def main(args) -> int:
         print(json.dumps(outcome.summary(), default=str))
     else:
         print(outcome.profile_path)  # the last line of stdout, for scripts
+    if not outcome.claims:  # written, but the host was too busy to measure a speed-up
+        print(f"autofit: the host was too busy to measure a speed-up ({outcome.speedup.text()}); the profile is "
+              f"written, its figures are no claim: tune again on a quiet host", file=sys.stderr)
+        return EXIT_NO_CLAIM
     return 0

@@ -70,11 +70,14 @@ class Measured:
     optimizer: str | None = None
     flags: dict = field(default_factory=dict)
     compile_s: float | None = None  # compile=true: seconds compiling took, apart from step_time_s
+    runs: int | None = None  # validation runs behind these figures (the median run's, the largest peak)
+    threads: int | None = None  # torch's intra-op threads the runs used: a CPU figure holds for them
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        if out["compile_s"] is None:  # eager configs: profiles as before compiling existed
-            del out["compile_s"]
+        for key in ("compile_s", "runs", "threads"):  # unknown: left out, as profiles were before
+            if out[key] is None:
+                del out[key]
         return out
 
 
@@ -90,7 +93,12 @@ class SearchSummary:
     sampler: str
     storage: str
     baseline: dict = field(default_factory=dict)  # the 32-true largest-fitting baseline, if measured
-    speedup: float | None = None  # winner samples/s over that baseline
+    speedup: float | None = None  # winner over that baseline: the median of interleaved pairs' ratios
+    # The interval of the speed-up (the pairs' smallest and largest ratio) and the pairs behind
+    # it (autofit/tuning/speedup.py). A speed-up of None with an interval: not measurable.
+    speedup_interval: list | None = None
+    speedup_pairs: int = 0
+    foreign_cores: float | None = None  # cores other work kept busy while validating (median)
     stop_reason: str = ""  # why the search stopped
     choice: str = ""  # how the winner was chosen among contenders within noise
     noise: float | None = None  # run-to-run relative spread of repeated measurements

@@ -22,29 +22,37 @@ MIN_ROUNDS, MAX_ROUNDS = 1, 3
 
 @dataclass(frozen=True, slots=True)
 class Ranked:
-    record: TrialRecord  # the config's first measured record
-    samples_per_s: float  # median over its measurements, repeats included
+    record: TrialRecord  # the config's first measured record (its first fresh one, where it has one)
+    samples_per_s: float  # median over its measurements (its fresh ones only, where it has any), repeats included
     measurements: int
+    fresh: bool = True  # measured in this session: ranked ahead of every config known only from older ones
 
 
-def rank(records: list[TrialRecord], budget_bytes: int, *, repeats: bool = True) -> list[Ranked]:
+def rank(records: list[TrialRecord], budget_bytes: int, *, repeats: bool = True,
+         fresh_since: float | None = None) -> list[Ranked]:
     """Feasible, healthy configs, fastest first by the median of their measurements (the
-    search's own measurements only, without `repeats`)."""
+    search's own measurements only, without `repeats`). With `fresh_since` (when this session
+    began), a config measured since is ranked by those measurements alone, ahead of every
+    config known only from older ones: a figure taken another day, under another load, never
+    decides over a fresh one."""
     by_config: dict[TrainConfig, list[TrialRecord]] = {}
     for r in records:
         if (repeats or not r.repeat) and r.feasible(budget_bytes) and health_problem(r, records) is None:
             by_config.setdefault(r.config, []).append(r)
-    out = [Ranked(runs[0], statistics.median(x.samples_per_s for x in runs), len(runs))
-           for runs in by_config.values()]
-    return sorted(out, key=lambda x: x.samples_per_s, reverse=True)
+    out = []
+    for runs in by_config.values():
+        fresh = [x for x in runs if x.fresh(fresh_since)]
+        use = fresh or runs
+        out.append(Ranked(use[0], statistics.median(x.samples_per_s for x in use), len(use), fresh=bool(fresh)))
+    return sorted(out, key=lambda x: (x.fresh, x.samples_per_s), reverse=True)
 
 
-def observed_noise(records: list[TrialRecord]) -> float | None:
-    """The relative spread of configs measured more than once: the median over those
-    configs of (max - min) / (2 x median) of their throughput. None when nothing repeats."""
+def observed_noise(records: list[TrialRecord], since: float | None = None) -> float | None:
+    """The relative spread of configs measured more than once (since `since`): the median over
+    those configs of (max - min) / (2 x median) of their throughput. None when nothing repeats."""
     by_config: dict[TrainConfig, list[float]] = {}
     for r in records:
-        if r.status == "ok" and r.samples_per_s > 0:
+        if r.status == "ok" and r.samples_per_s > 0 and r.fresh(since):
             by_config.setdefault(r.config, []).append(r.samples_per_s)
     spreads = [(max(v) - min(v)) / (2 * statistics.median(v)) for v in by_config.values() if len(v) > 1]
     return statistics.median(spreads) if spreads else None

@@ -48,30 +48,66 @@ def ensure_reference(tuner) -> None:
                    "or loss-curve comparison)", precision)
 
 
+def refresh_leaders(tuner, records: list) -> list:
+    """The leaders (the search's fastest configs) whose figures are all old (read back from
+    another session: another day, another load) or taken under heavy foreign load, measured
+    again, interleaved, before any of those figures decides. Returns the records after."""
+    since = tuner.session_start
+    leaders = choice.rank(records, tuner.budget_bytes, repeats=False)[:choice.MAX_CONTENDERS]
+
+    def trusted(config) -> bool:
+        return any(r.config == config and r.measurement is not None and r.fresh(since) and not r.loaded
+                   for r in records)
+
+    stale = [r.record for r in leaders if not trusted(r.record.config)]
+    if not stale:
+        return records
+    old = [r.measured_at for r in stale if r.measured_at is not None and r.measured_at < since]
+    why = (f"measured {age_text(since - max(old))} to {age_text(since - min(old))} before this run" if old else
+           "measured while other work held the host")
+    logger.info("measuring the {} leaders again, interleaved, before their figures ({}) decide: {}", len(leaders),
+                why, ", ".join(r.record.config.short() for r in leaders))
+    for leader in leaders:
+        if tuner.should_stop():
+            break
+        tuner.measure_now(leader.record.config, records, repeat=True)
+    return tuner.records()
+
+
+def age_text(seconds: float) -> str:
+    """`3 min`, `2.5 h`, `4 days`: how old a figure is."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 36 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} days"
+
+
 def remeasure_contenders(tuner) -> tuple[float | None, int]:
     """Re-measure the configs within noise of the best, interleaved, until the leader's
-    lead exceeds the noise seen (MIN_ROUNDS to MAX_ROUNDS rounds). Repeats are stored,
-    so a resumed study does not take them again. Returns (noise seen, rounds)."""
-    records, budget_bytes = tuner.records(), tuner.budget_bytes
-    # The field is drawn from the search's own measurements, so a resumed study draws
-    # the same one and finds its repeats already taken.
-    first = choice.rank(records, budget_bytes, repeats=False)
+    lead exceeds the noise seen (MIN_ROUNDS to MAX_ROUNDS rounds). Figures from this session
+    decide (old ones are refreshed first); repeats are stored, so a resume does not take
+    them again. Returns (noise seen in this session, rounds)."""
+    records, budget_bytes, since = tuner.records(), tuner.budget_bytes, tuner.session_start
+    records = refresh_leaders(tuner, records)
+    first = choice.rank(records, budget_bytes, fresh_since=since)
     field = choice.contenders(first, choice.prior_noise(first))
     if len(field) < 2:
-        return choice.observed_noise(records), 0
-    taken = {r.record.config: r.measurements for r in choice.rank(records, budget_bytes)}
-    rounds = min(taken.get(f.record.config, 1) for f in field) - 1
+        return choice.observed_noise(records, since), 0
+    rounds = min(f.measurements for f in field) - 1
     while rounds < choice.MAX_ROUNDS:
         if rounds >= choice.MIN_ROUNDS:
-            ranked = choice.rank(records, budget_bytes)
-            observed = choice.observed_noise(records)
+            ranked = choice.rank(records, budget_bytes, fresh_since=since)
+            observed = choice.observed_noise(records, since)
             noise = choice.NOISE_PRIOR if observed is None else observed
             if choice.settled([r for r in ranked if r.record.config in {f.record.config for f in field}], noise):
                 break
         for contender in field:
             if tuner.should_stop():
-                return choice.observed_noise(records), rounds
+                return choice.observed_noise(records, since), rounds
             tuner.measure_now(contender.record.config, records, repeat=True)
         records = tuner.records()
         rounds += 1
-    return choice.observed_noise(records), rounds
+    return choice.observed_noise(records, since), rounds

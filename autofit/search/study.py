@@ -24,6 +24,7 @@ RECORD_ATTR = "autofit"  # user attr holding a trial's record
 HEARTBEAT_INTERVAL_S = 10
 GRACE_PERIOD_S = 60
 STALE_RETRIES = 2  # a config whose trials keep killing their worker is given up after this
+LOADED_SHARE = 0.5  # of the cores busy with other work while a trial ran: its figure is marked
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +38,7 @@ class TrialRecord:
     budget_bytes: int | None = None  # the budget it ran (or was pruned) under; None in older studies
     repeat: bool = False  # a re-measurement of a measured config (noise), not a search trial
     worker: str | None = None  # who measured it (host name, or the service's worker_name); None in older studies
+    measured_at: float | None = None  # unix seconds when it was measured; None in older studies
 
     @property
     def samples_per_s(self) -> float:
@@ -52,6 +54,18 @@ class TrialRecord:
             return None
         return m.peak_memory_bytes + (m.overhead_bytes or 0)
 
+    @property
+    def loaded(self) -> bool:
+        """Measured while other work kept at least LOADED_SHARE of the host's cores busy:
+        its figure is the host's, not the config's, until it is measured again."""
+        m = self.measurement
+        return (m is not None and m.foreign_cores is not None and bool(m.cores)
+                and m.foreign_cores >= LOADED_SHARE * m.cores)
+
+    def fresh(self, since: float | None) -> bool:
+        """Measured at or after `since` (this session), not read back from an older one."""
+        return since is None or (self.measured_at is not None and self.measured_at >= since)
+
     def feasible(self, budget_bytes: int) -> bool:
         peak = self.peak_memory_bytes
         return self.status == "ok" and peak is not None and peak <= budget_bytes
@@ -63,7 +77,7 @@ class TrialRecord:
         return {"status": self.status, "predicted_peak_bytes": self.predicted_peak_bytes, "reason": self.reason,
                 "budget_bytes": self.budget_bytes, "repeat": self.repeat, "config": self.config.to_dict(),
                 "measurement": None if self.measurement is None else self.measurement.to_dict(),
-                "worker": self.worker}
+                "worker": self.worker, "measured_at": self.measured_at}
 
     @classmethod
     def from_attr(cls, number: int, attr: dict) -> "TrialRecord":
@@ -71,7 +85,8 @@ class TrialRecord:
         return cls(number=number, config=TrainConfig.from_dict(attr["config"]), status=attr["status"],
                    predicted_peak_bytes=attr.get("predicted_peak_bytes"), reason=attr.get("reason"),
                    budget_bytes=attr.get("budget_bytes"), repeat=bool(attr.get("repeat", False)),
-                   measurement=None if m is None else Measurement.from_dict(m), worker=attr.get("worker"))
+                   measurement=None if m is None else Measurement.from_dict(m), worker=attr.get("worker"),
+                   measured_at=attr.get("measured_at"))
 
 
 @dataclass(kw_only=True)
