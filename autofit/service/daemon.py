@@ -32,7 +32,8 @@ from autofit.service.inventory import FileInventory, Gpu, NvmlInventory
 from autofit.service.job import TuneJob
 from autofit.service.notify import Notifier
 from autofit.service.scheduler import Scheduler
-from autofit.service.state import PairState, read_state, STATE_SCHEMA, StateLock, write_state
+from autofit.service.state import (DamagedState, PairState, read_state, set_aside, STATE_SCHEMA, StateLock,
+                                   write_state)
 
 _TICK_S = 0.1  # how often the main loop looks at signals, finished tunes and the watchdog
 _HEARTBEAT_S = 10.0  # state.json is rewritten at least this often, so `status` sees a live service
@@ -260,7 +261,7 @@ class Service:
         try:
             write_state(self.config.state_dir, state)
             self._state_ok = True
-        except OSError as exc:  # a full or read-only disk: unhealthy, so systemd's watchdog steps in
+        except (OSError, AutofitError) as exc:  # a full or read-only disk: unhealthy, so systemd's watchdog steps in
             if self._state_ok:
                 logger.error("cannot write the state file in {}: {}", self.config.state_dir, exc)
             self._state_ok = False
@@ -270,15 +271,14 @@ class Service:
     def _load_state(self) -> None:
         try:
             state = read_state(self.config.state_dir) or {}
-        except AutofitError as exc:
-            # The state is a record; what matters (profiles, studies) lives elsewhere.
-            logger.warning("starting without the last run's state: {}", exc)
+        except DamagedState as exc:
+            # The state is a record; what matters (profiles, studies) lives elsewhere. Set
+            # aside, not overwritten: exiting instead would make systemd restart into it.
+            aside = set_aside(self.config.state_dir)
+            logger.warning("starting without the last run's state: {}; kept as {}", exc, aside)
             state = {}
         for raw in state.get("pairs", []):
-            try:
-                pair = PairState.from_dict(raw)
-            except (TypeError, AssertionError):
-                continue
+            pair = PairState.from_dict(raw)  # checked by read_state
             if pair.status == "tuning":  # the last run ended (or died) mid-tune
                 pair.status, pair.detail = "interrupted", "the service stopped during this tune; resumes from its study"
             self.pairs[pair.key] = pair
