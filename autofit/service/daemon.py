@@ -26,6 +26,7 @@ from loguru import logger
 from autofit.base.errors import AutofitError, SpecError
 from autofit.config.spec import load_spec, ModelSpec
 from autofit.profiles.profile import utc_now
+from autofit.commands.args import ensure_folder
 from autofit.service import pairs as pair_plan
 from autofit.service.config import load_service_config, resolve_config_path, ServiceConfig
 from autofit.service.inventory import FileInventory, Gpu, NvmlInventory
@@ -73,6 +74,10 @@ class Service:
     # --- the main loop -----------------------------------------------------------------------
 
     def run(self) -> int:
+        # Folders it cannot write are a config error (exit 2, not restarted by the unit), found
+        # now rather than when the first tune's profile or state write fails.
+        for folder, key in ((self.config.state_dir, "state_dir"), (self.config.store_dir, "store_dir")):
+            ensure_folder(folder, key)
         self._lock.acquire()
         try:
             self._load_state()
