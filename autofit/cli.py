@@ -182,11 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _install_stop_handlers(command: str) -> dict:
-    """The previous handlers, to put back. `serve` has its own (SIGHUP reloads it)."""
-    if command == "serve" or threading.current_thread() is not threading.main_thread():
+def _install_handlers(command: str) -> dict:
+    """The previous handlers, to put back. `serve` has its own stop handlers (SIGHUP reloads it)."""
+    if threading.current_thread() is not threading.main_thread():
         return {}
-    return stopping.install()
+    # A file-size limit (ulimit -f) kills the process with SIGXFSZ by default, mid-write and
+    # with no word. Ignored, the write fails with EFBIG and is one line (base/atomic.py);
+    # trial children inherit the disposition across exec.
+    previous = {signal.SIGXFSZ: signal.signal(signal.SIGXFSZ, signal.SIG_IGN)}
+    if command != "serve":
+        previous |= stopping.install()
+    return previous
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     level = "DEBUG" if args.verbose else "WARNING" if args.quiet else "INFO"
     # The service's log is a journal: one line per event there.
     configure_logging(level, debug=args.debug, one_line=args.command == "serve")
-    previous = _install_stop_handlers(args.command)
+    previous = _install_handlers(args.command)
     try:
         code = _dispatch(args)
     finally:

@@ -129,6 +129,36 @@ def journal():
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
+@pytest.fixture
+def read_only():
+    """`read_only(folder)`: a folder this process can no longer create, rename or remove files
+    in, as a read-only mount would be, undone after the test. An ordinary user gets mode
+    0555; root ignores modes, so it gets the immutable flag (`chattr +i`: ext4, xfs, btrfs).
+    Skips where neither holds."""
+    undo = []
+
+    def make(folder: Path) -> Path:
+        folder = Path(folder)
+        if os.geteuid() != 0:
+            folder.chmod(0o555)
+            undo.append(lambda: folder.chmod(0o755))
+        elif shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)],
+                                                       capture_output=True).returncode == 0:
+            undo.append(lambda: subprocess.run(["chattr", "-i", str(folder)], capture_output=True))
+        else:
+            pytest.skip("cannot make a folder read-only here (root, and no chattr +i on this file system)")
+        try:
+            (folder / ".probe").write_text("x")
+        except OSError:
+            return folder
+        (folder / ".probe").unlink()
+        pytest.skip(f"{folder} is still writable after making it read-only")
+
+    yield make
+    for step in reversed(undo):
+        step()
+
+
 def faulty_spec(folder: Path, fault: str) -> Path:
     """A spec whose `python:` model misbehaves (tests/fixtures/faulty.py: crash, hang, nan,
     item), written to `folder` with the fixture module beside it."""

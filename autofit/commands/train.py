@@ -10,7 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from loguru import logger
 
 from autofit.base import stopping
@@ -21,6 +20,7 @@ from autofit.base.sizes import format_bytes, parse_budget
 from autofit.config.spec import load_spec, MAX_STEPS, ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.memory import MemoryGrewError
+from autofit.device.oom import is_oom
 from autofit.device.precision import set_process_flags
 from autofit.device.probe import DeviceInfo, select_device
 from autofit.device.support import require_supported
@@ -86,12 +86,17 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
         return metrics
     except MemoryGrewError as exc:  # not a config that is too large: a model whose memory grows every step
         raise NothingFitsError(f"out of memory: {exc}") from None
-    except torch.OutOfMemoryError:
-        where = f"the memory budget of {format_bytes(budget_bytes)}" if budget_bytes else "device memory"
-        raise NothingFitsError(f"out of memory: {config.short()} does not fit {where}; "
-                               f"`autofit tune {spec_path}` finds a config that does") from None
-    except ValueError as exc:  # e.g. every parameter frozen
-        raise AutofitError(str(exc)) from None
+    except Exception as exc:
+        # torch.OutOfMemoryError, and the host out of RAM on the CPU device (a RuntimeError
+        # from torch's CPU allocator, a MemoryError from numpy): no config of ours fits.
+        if is_oom(exc):
+            where = (f"the memory budget of {format_bytes(budget_bytes)}" if budget_bytes else
+                     "the host's memory" if torch_device.type == "cpu" else "device memory")
+            raise NothingFitsError(f"out of memory: {config.short()} does not fit {where}; "
+                                   f"`autofit tune {spec_path}` finds a config that does") from None
+        if isinstance(exc, ValueError) and not isinstance(exc, AutofitError):  # e.g. every parameter frozen
+            raise AutofitError(str(exc)) from None
+        raise
 
 
 def _config(spec: ModelSpec, profile: str | Path | None, info: DeviceInfo, world, memory_budget: str | None,
@@ -128,7 +133,7 @@ def _demotion_recorder(record_at: Path, spec: ModelSpec):
     def on_demotion(event) -> None:
         try:
             path = record_demotion(record_at, event, spec_hash=spec.spec_hash)
-        except OSError as exc:  # the run goes on; only the record is lost
+        except (OSError, AutofitError) as exc:  # the run goes on; only the record is lost
             logger.warning("cannot record the demotion next to {}: {}", record_at, exc)
         else:
             logger.warning("recorded in {}; the next `autofit tune` starts from {}", path, event.to_config.short())

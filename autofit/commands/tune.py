@@ -14,6 +14,7 @@ from autofit.base.paths import default_state_dir, default_store_dir
 from autofit.base.sizes import parse_budget
 from autofit.config.spec import load_spec, MAX_TRIALS
 from autofit.device.probe import select_device, usable_budget_bytes
+from autofit.search.study import storage_errors
 from autofit.tuning.tune import tune, TuneOutcome
 from autofit.commands.args import check_count, check_seconds, ensure_folder
 
@@ -41,9 +42,10 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
     out_dir = ensure_folder(Path(out_dir) if out_dir is not None else default_store_dir(), "--out")
     # Ctrl-C (the CLI's stop flag) ends the search at the next safe point, kills the trial
     # under way and leaves the study to resume.
-    return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
-                trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated, nproc=nproc,
-                stop_event=stopping.requested)
+    with storage_errors(storage):
+        return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
+                    trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated, nproc=nproc,
+                    stop_event=stopping.requested)
 
 
 def main(args) -> int:

@@ -9,8 +9,9 @@ import warnings
 from dataclasses import dataclass, field
 
 import optuna
+import sqlalchemy.exc
 
-from autofit.base.errors import SpecError
+from autofit.base.errors import AutofitError, SpecError
 from autofit.base.redact import redact_text, redact_url
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
@@ -25,6 +26,10 @@ HEARTBEAT_INTERVAL_S = 10
 GRACE_PERIOD_S = 60
 STALE_RETRIES = 2  # a config whose trials keep killing their worker is given up after this
 LOADED_SHARE = 0.5  # of the cores busy with other work while a trial ran: its figure is marked
+
+
+class StorageError(AutofitError):
+    """The study's database failed while it was read or written."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,6 +143,22 @@ def make_study(*, study_name: str, storage: str | None, seed: int = 0) -> optuna
     except Exception as exc:  # sqlalchemy: unknown scheme, unreachable or unwritable database
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SpecError(f"--storage {redact_url(storage)}: cannot open the study storage: {redact_text(first)[:200]}") from None
+
+
+@contextlib.contextmanager
+def storage_errors(storage: str | None):
+    """A study storage that fails under a tune (a SQLite file with a damaged page, a database
+    gone away) is one line naming it, not a traceback; the study is left as it is."""
+    try:
+        yield
+    except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError) as exc:
+        root = exc
+        while root.__cause__ is not None:  # optuna wraps SQLAlchemy, which wraps the driver
+            root = root.__cause__
+        first = (str(getattr(root, "orig", None) or root).strip().splitlines() or [type(root).__name__])[0]
+        raise StorageError(f"--storage {redact_url(storage)}: the study storage failed: {redact_text(first)[:200]}; "
+                           f"nothing in it was changed by this error. A damaged SQLite file can be moved aside "
+                           f"(a new study starts) or recovered with `sqlite3 FILE .recover`") from None
 
 
 def ask(study: optuna.Study) -> optuna.Trial:

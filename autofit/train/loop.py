@@ -247,7 +247,12 @@ class Checkpoints:
             if state["spec_hash"] != spec.spec_hash:
                 logger.warning("checkpoint was written for a different model.yaml (spec hash differs)")
             saved = TrainConfig.from_dict(state["config"])
-            if _demoted_from(saved, self.runner.config):
+            if saved.global_batch_size != self.runner.config.global_batch_size:
+                # The weights and optimizer state go on; each step from here takes the new batch.
+                logger.warning("the checkpoint was written with global batch {}, train.global_batch_size is now {}: "
+                               "resuming at the new one", saved.global_batch_size,
+                               self.runner.config.global_batch_size)
+            elif _demoted_from(saved, self.runner.config):
                 logger.info("resuming at the demoted {} the checkpoint was written with", saved.short())
                 self.runner.config = saved
         except Exception as exc:  # unpickling and load_state_dict raise many kinds
