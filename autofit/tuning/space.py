@@ -15,6 +15,7 @@ from autofit.config.spec import divisors, ModelSpec
 from autofit.device.probe import DeviceInfo
 from autofit.device.support import supported_precisions, unsupported_reason
 from autofit.workload import build_workload, TextData
+from autofit.workload.probe import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.search import SearchSpace
 
@@ -46,12 +47,18 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchS
     # The block count comes from a model built on the meta device: no memory, any size.
     # Only the model: a data source may sample real batches while it is built.
     workload = build_workload(spec)
+    if not workload.per_sample and nproc > 1:
+        raise SpecError(f"loss.per_sample: false couples the samples of a batch, and with --nproc {nproc} each rank "
+                        f"sees only its share of them: tune with --nproc 1")
+    # A model autofit did not write: is its batch where autofit splits it? (Built on the CPU.)
+    check_batch_dim(workload)
     rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
     with torch.device("meta"):
         model = workload.build_model()
     n_blocks = block_count(model)
-    # A knob that changes the math is bounded: BatchNorm normalizes over each micro batch.
-    floor = micro_batch_floor(model, rank_batch, spec.search.min_micro_batch_size)
+    # A knob that changes the math is bounded: BatchNorm normalizes over each micro batch, a
+    # loss that couples samples over the whole batch.
+    floor = micro_batch_floor(model, rank_batch, spec.search.min_micro_batch_size, per_sample=workload.per_sample)
     data = workload.data
     # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
     bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing

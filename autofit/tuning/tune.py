@@ -337,7 +337,8 @@ class _Tune:
             autofit=VERSION,
             data=build_workload(spec).data_assumptions(),
             frontier=frontier,
-            training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm),
+            training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm,
+                                   loss=spec.to_dict().get("loss")),
         )
 
 
