@@ -416,3 +416,28 @@ def test_a_profile_records_the_own_loss_and_the_exports_name_it(tmp_path):
                 "couples the samples of a batch (per_sample: false)")
     assert any(note.startswith(expected) for note in hf_notes(loaded))
     assert any(note.startswith(expected) for note in lightning_notes(loaded))
+
+
+# ---- docs/byom.md's recipes -----------------------------------------------------------------
+
+
+def _recipes() -> dict[str, str]:
+    text = (REPO / "docs" / "byom.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```yaml\n")[1:]]
+    return {b.splitlines()[0].removeprefix("# recipe: "): b for b in blocks if b.startswith("# recipe: ")}
+
+
+def test_docs_have_the_recipes():
+    assert sorted(_recipes()) == ["dict", "hf", "loss", "seq-first", "tuple", "vision"]
+
+
+@pytest.mark.parametrize("name", sorted(_recipes()))
+def test_docs_recipes_train(tmp_path, name):
+    """Each recipe of docs/byom.md, as written, trains 10 steps with a falling loss."""
+    import yaml
+
+    if name == "hf":
+        pytest.importorskip("transformers")
+    raw = yaml.safe_load(_recipes()[name].replace("examples/data/train.bin", TOKENS))
+    shutil.copy(FIXTURES / "byom_models.py", tmp_path)
+    assert_falls(train_steps(parse_spec(raw, source_dir=tmp_path)))
