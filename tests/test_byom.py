@@ -441,3 +441,24 @@ def test_docs_recipes_train(tmp_path, name):
     raw = yaml.safe_load(_recipes()[name].replace("examples/data/train.bin", TOKENS))
     shutil.copy(FIXTURES / "byom_models.py", tmp_path)
     assert_falls(train_steps(parse_spec(raw, source_dir=tmp_path)))
+
+
+def test_block_discovery_in_containers():
+    from byom_models import BasicBlock
+
+    sys.path.insert(0, str(FIXTURES))
+    listed = nn.Module()
+    listed.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+    assert find_block_stack(listed)[0] == "blocks" and len(find_block_stack(listed)[1]) == 3
+    # Stages in an nn.Sequential give way to the blocks inside them.
+    staged = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8)),
+                           nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8), BasicBlock(8, 8)), nn.Linear(8, 2))
+    name, blocks = find_block_stack(staged)
+    assert name == "1, 2" and blocks.names == ["1.0", "1.1", "2.0", "2.1", "2.2"]
+    # An MoE block's experts are no stack of their own.
+    moe = nn.Module()
+    moe.layers = nn.ModuleList([nn.Module() for _ in range(2)])
+    for layer in moe.layers:
+        layer.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(8)])
+    assert find_block_stack(moe)[0] == "layers"
+    assert find_block_stack(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) is None

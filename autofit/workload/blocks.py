@@ -76,7 +76,7 @@ def find_block_stack(model: nn.Module) -> tuple[str, Blocks] | None:
         slots = [slot for _, _, run_slots in group for slot in run_slots]
         size = sum(p.numel() for container, pos, _ in slots for p in container[pos].parameters())
         if best is None or (len(slots), size) > (len(best[1]), best[2]):
-            best = (", ".join(dict.fromkeys(name for _, name, _ in group)), slots, size)
+            best = (", ".join(dict.fromkeys(name or "(the model)" for _, name, _ in group)), slots, size)
     return None if best is None else (best[0], Blocks(best[1]))
 
 
@@ -87,9 +87,9 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 def _runs(name: str, container: nn.Module) -> list[tuple[type, str, list]]:
     """Maximal runs of consecutive children of one type: (type, container name, slots).
-    A run of containers is no run of blocks; nor is a run of modules without parameters
-    (activations, dropout). A ModuleList of one type is a stack at any length (a one-layer
-    GPT); elsewhere a run needs two blocks."""
+    A block is called whole, so a ModuleList or ModuleDict is none (an nn.Sequential is);
+    nor is a module without parameters (activations, dropout). A ModuleList of one type is
+    a stack at any length (a one-layer GPT); elsewhere a run needs two blocks."""
     children = list(container._modules.items())
     types = [type(unwrap(child)) for _, child in children]
     whole_list = isinstance(container, nn.ModuleList) and len(set(types)) == 1
@@ -99,7 +99,7 @@ def _runs(name: str, container: nn.Module) -> list[tuple[type, str, list]]:
             continue
         block_type, length = types[start], end - start
         first = unwrap(children[start][1])
-        if ((length >= 2 or whole_list) and not issubclass(block_type, (*CONTAINERS, nn.ModuleDict))
+        if ((length >= 2 or whole_list) and not issubclass(block_type, (nn.ModuleList, nn.ModuleDict))
                 and next(first.parameters(), None) is not None):
             slots = [(container, pos, f"{name}.{key}" if name else key)
                      for pos, (key, _) in enumerate(children[start:end], start)]
@@ -110,14 +110,19 @@ def _runs(name: str, container: nn.Module) -> list[tuple[type, str, list]]:
 
 def _outermost(runs: list) -> list:
     """Runs that lie inside no block of another run: a block's own repeated parts (an MoE
-    block's experts) are not the stack."""
-    block_names = {slot_name for _, _, slots in runs for _, _, slot_name in slots}
-
-    def inside_a_block(container_name: str) -> bool:
+    block's experts) are not the stack. But a run of nn.Sequential stages that hold runs
+    themselves (`nn.Sequential(stem, nn.Sequential(*blocks), nn.Sequential(*blocks))`) gives
+    way to the blocks inside its stages."""
+    def inside(container_name: str, names: set[str]) -> bool:
         parts = container_name.split(".") if container_name else []
-        return any(".".join(parts[:i]) in block_names for i in range(1, len(parts) + 1))
+        return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
 
-    return [run for run in runs if not inside_a_block(run[1])]
+    stage_names = {slot_name for block_type, _, slots in runs if issubclass(block_type, nn.Sequential)
+                   for _, _, slot_name in slots}
+    holding = {name for name in stage_names if any(inside(run[1], {name}) for run in runs)}
+    runs = [run for run in runs if not any(slot_name in holding for _, _, slot_name in run[2])]
+    block_names = {slot_name for _, _, slots in runs for _, _, slot_name in slots}
+    return [run for run in runs if not inside(run[1], block_names)]
 
 
 def _named(model: nn.Module, paths: tuple[str, ...]) -> tuple[str, Blocks]:
