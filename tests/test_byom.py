@@ -6,6 +6,7 @@ nn.Sequential, a sequence-first model refused; each trains 10 steps with a falli
 import json
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -462,3 +463,30 @@ def test_block_discovery_in_containers():
         layer.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(8)])
     assert find_block_stack(moe)[0] == "layers"
     assert find_block_stack(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) is None
+
+
+def test_tune_and_trial_probe_in_a_child_that_may_crash_or_hang(tmp_path):
+    """The probe runs the user's forward: for `tune` and `trial` in a child with a timeout,
+    so a forward that exits the process or hangs costs the command its answer, not its life."""
+    from autofit.base.errors import InputError, TrialError, TrialTimeoutError
+    from autofit.config.spec import load_spec
+    from autofit.measure.probe import probe_batch_dim
+
+    shutil.copy(FIXTURES / "faulty.py", tmp_path)
+    shutil.copy(FIXTURES / "byom_models.py", tmp_path)
+
+    def spec(model: str, data: str = "faulty:dataset"):
+        return load_spec(write_spec(tmp_path, spec_dict({"python": model}, {"kind": "python", "factory": data}),
+                                    f"{model.replace(':', '-')}.yaml"))
+
+    probe_batch_dim(spec("byom_models:LogitsNet", "byom_models:separable"))  # passes
+    with pytest.raises(TrialError, match=r"^model: the batch-dimension probe .* exited with code 3"):
+        probe_batch_dim(spec("faulty:crash"))
+    started = time.monotonic()
+    with pytest.raises(TrialTimeoutError, match=r"no result after 3 s.*declare model.batch_dim"):
+        probe_batch_dim(spec("faulty:hang"), timeout_s=3)
+    assert time.monotonic() - started < 60
+    with pytest.raises(InputError, match=r"^model.python: faulty:raise_ raised ValueError"):
+        probe_batch_dim(spec("faulty:raise_"))
+    with pytest.raises(InputError, match=r"the samples of a micro batch are not independent"):
+        probe_batch_dim(load_spec(write_spec(tmp_path, spec_dict(SEQ_FIRST, TOKEN_DATA), "seq.yaml")))

@@ -13,8 +13,7 @@ from autofit.config.train_config import TrainConfig, with_overrides
 from autofit.device.probe import select_device, usable_budget_bytes
 from autofit.device.support import require_supported
 from autofit.measure.measurement import Measurement
-from autofit.workload import build_workload
-from autofit.workload.probe import check_batch_dim
+from autofit.measure.probe import probe_batch_dim
 from autofit.measure.trial import measure, raise_input_error
 from autofit.commands.args import check_count, check_seconds, parse_sets
 
@@ -32,8 +31,8 @@ def trial_command(spec_path: str | Path, *, overrides: dict[str, str] | None = N
     check_count("--measure-steps", measure_steps, maximum=MAX_TRIAL_STEPS)
     info = select_device(device)
     require_supported(config.precision, info)
-    # A model autofit did not write: its batch where autofit splits it (checked once, here).
-    check_batch_dim(build_workload(spec))
+    # A model autofit did not write: its batch where autofit splits it (checked once, in a child).
+    probe_batch_dim(spec, timeout_s=timeout_s)
     requested = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
     # A CPU trial without a budget is held only by the machine's RAM; a GPU trial always
     # by what the other processes on the card leave free.

@@ -207,6 +207,12 @@ class ModelSpec:
         blob = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
+    @property
+    def probes_batch_dim(self) -> bool:
+        """A model autofit did not write, whose batch dimension nobody declared and whose
+        loss is per sample: the batch-dimension probe runs before it trains."""
+        return self.model.kind == "python" and self.model.batch_dim is None and self.loss.per_sample
+
     def micro_batch_sizes(self) -> list[int]:
         """Micro batch sizes that divide the global batch: the only candidates."""
         return divisors(self.train.global_batch_size)

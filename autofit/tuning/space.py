@@ -15,8 +15,8 @@ from autofit.config.spec import divisors, ModelSpec
 from autofit.device.probe import DeviceInfo
 from autofit.device.support import supported_precisions, unsupported_reason
 from autofit.workload import build_workload, TextData
-from autofit.workload.probe import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
+from autofit.measure.probe import probe_batch_dim
 from autofit.search import SearchSpace
 
 
@@ -50,8 +50,9 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchS
     if not workload.per_sample and nproc > 1:
         raise SpecError(f"loss.per_sample: false couples the samples of a batch, and with --nproc {nproc} each rank "
                         f"sees only its share of them: tune with --nproc 1")
-    # A model autofit did not write: is its batch where autofit splits it? (Built on the CPU.)
-    check_batch_dim(workload)
+    # A model autofit did not write: is its batch where autofit splits it? (In a child: it
+    # runs the user's forward.)
+    probe_batch_dim(spec)
     rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
     with torch.device("meta"):
         model = workload.build_model()

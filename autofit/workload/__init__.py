@@ -97,7 +97,8 @@ def make_workload(model: nn.Module | Callable[[], nn.Module], batch_fn: BatchFn 
     if probe_batch_dim is None:
         probe_batch_dim = batch_dim is None and per_sample
     return Workload(name=name, build_model=build, data=data, loss_fn=loss_fn, tokens_per_sample=tokens_per_sample,
-                    sample_shape=sample_shape or data.describe(), chunked_loss_fn=chunked_loss_fn,
+                    sample_shape=sample_shape or (data.describe() if hasattr(data, "describe") else "unknown"),
+                    chunked_loss_fn=chunked_loss_fn,
                     loss_items=loss_items, per_sample=per_sample, batch_dim=batch_dim, probe_batch_dim=probe_batch_dim)
 
 
@@ -174,7 +175,7 @@ def build_workload(spec) -> Workload:
                          batch_dim=source.batch_dim if source.kind == "python" else 0, blocks=source.blocks,
                          tokens_per_sample=tokens_per_sample, sample_shape=sample_shape,
                          chunked_loss_fn=chunked_loss_fn, loss_items=loss_items,
-                         probe_batch_dim=source.kind == "python" and source.batch_dim is None and spec.loss.per_sample,
+                         probe_batch_dim=spec.probes_batch_dim,
                          key_path=f"model.{source.kind}", target=source.target)
 
 
