@@ -9,6 +9,7 @@ argument error answer at once; a command's module is imported when it runs.
 """
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
@@ -19,8 +20,13 @@ import traceback
 from autofit.base import stopping
 from autofit.base.errors import AutofitError
 from autofit.base.logs import configure as configure_logging
+from autofit.base.output import reserved_stdout
 from autofit.base.version import VERSION
 from autofit.doctor.names import CHECK_NAMES
+
+# The commands that run a user's code (a model that prints its size, a library's banner):
+# their stdout is their answer alone, everything else goes to stderr (base/output.py).
+ANSWERING = {"train", "tune", "trial", "estimate"}
 
 # Each command's module, imported only when that command runs (most import torch: seconds).
 HANDLERS = {
@@ -219,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args) -> int:
     """The command's exit code; an `AutofitError` is one line on stderr."""
     try:
-        return importlib.import_module(HANDLERS[args.command]).main(args)
+        with reserved_stdout() if args.command in ANSWERING else contextlib.nullcontext():
+            return importlib.import_module(HANDLERS[args.command]).main(args)
     except AutofitError as exc:
         if args.debug:
             _print_traceback(exc)

@@ -166,7 +166,9 @@ def faulty_spec(folder: Path, fault: str) -> Path:
 
     shutil.copy(FIXTURES / "faulty.py", Path(folder) / "faulty.py")
     spec = tiny_gpt_dict(name=f"faulty-{fault}", data={"kind": "python", "factory": "faulty:dataset"})
-    spec["model"] = {"python": f"faulty:{fault}"}
+    # batch_dim declared: no batch-dimension probe runs the model before the trials these
+    # tests are about (it would meet the same crash or hang first).
+    spec["model"] = {"python": f"faulty:{fault}", "batch_dim": 0}
     return write_spec(folder, spec)
 
 

@@ -37,6 +37,17 @@ MALFORMED = {
     "8-bit sgd": (tiny_gpt_dict(optimizer={"name": "sgd"}, search={"optimizer_bits": [32, 8]}),
                   "search.optimizer_bits: 8-bit state is for adam and adamw"),
     "schema 2": (tiny_gpt_dict(schema=2), "schema:"),
+    "loss args without python": (tiny_gpt_dict(loss={"args": {"t": 1}}), "loss.args: only with loss.python"),
+    "bad loss target": (tiny_gpt_dict(loss={"python": "losses"}), 'loss.python: expected "module.path:function"'),
+    "unknown loss key": (tiny_gpt_dict(loss={"per_sampl": False}),
+                         "loss.per_sampl: unknown key; did you mean per_sample?"),
+    "per_sample not a boolean": (tiny_gpt_dict(loss={"per_sample": "no"}), "loss.per_sample: must be true or false"),
+    "bad blocks path": (tiny_gpt_dict(model={"blocks": "blocks..0"}), "model.blocks: a dotted module path"),
+    "negative batch_dim": (tiny_gpt_dict(model={"batch_dim": -1}), "model.batch_dim: must be an integer >= 0"),
+    "bad constructor target": (_with("model", {"python": "m:GPT", "args": {"config": {"python": "GPTConfig"}}}),
+                               'model.args.config.python: expected "module.path:Callable"'),
+    "constructor extra key": (_with("model", {"python": "m:GPT", "args": {"config": {"python": "m:C", "argz": {}}}}),
+                              "model.args.config.argz: unknown key; did you mean args?"),
     "not a mapping": ([1, 2, 3], "expected a mapping"),
 }
 
@@ -160,6 +171,16 @@ def test_a_diverged_run_exits_3_with_null_losses(tmp_path, capsys):
     assert code == 3 and "diverged" in err
     import json
     assert json.loads(metrics.read_text())["final_loss"] is None and json.loads(out)["final_loss"] is None
+
+
+def test_byom_keys_join_the_hash_only_when_given():
+    plain = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    assert "loss" not in plain.to_dict() and "blocks" not in plain.to_dict()["model"]
+    assert parse_spec(tiny_gpt_dict(loss={"per_sample": True}), source_dir=REPO).spec_hash == plain.spec_hash
+    for changed in (tiny_gpt_dict(loss={"per_sample": False}), tiny_gpt_dict(model={"blocks": ["blocks"]}),
+                    tiny_gpt_dict(model={"batch_dim": 0})):
+        spec = parse_spec(changed, source_dir=REPO)
+        assert spec.spec_hash != plain.spec_hash and parse_spec(spec.to_dict(), source_dir=REPO) == spec
 
 
 def test_opt_in_knobs_keep_the_hash_of_specs_without_them():

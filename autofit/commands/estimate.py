@@ -6,6 +6,7 @@
 import json
 
 from autofit.base import stopping
+from autofit.base.output import answer
 from autofit.base.sizes import format_bytes, parse_budget
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig, with_overrides
@@ -47,16 +48,16 @@ def main(args) -> int:
     out = estimate_command(args.spec, overrides=parse_sets(args.set), memory_budget=args.memory_budget,
                            device=args.device)
     if args.json:
-        print(json.dumps(out, indent=2))
+        answer(json.dumps(out, indent=2))
     else:
         per_rank = f", per rank of {out['world_size']}" if out.get("per_rank") else ""
-        print(f"{out['parameters']:,} parameters ({out['trainable_parameters']:,} trainable), "
-              f"{out['device_kind']} estimate{per_rank}")
+        answer(f"{out['parameters']:,} parameters ({out['trainable_parameters']:,} trainable), "
+               f"{out['device_kind']} estimate{per_rank}")
         for part, n_bytes in out["bytes"].items():
-            print(f"  {part:<12} {format_bytes(n_bytes):>12}")
-        print(f"model state {format_bytes(out['model_state_bytes'])}: {out['model_state_bytes_per_param']:.2f} "
-              f"bytes per parameter (weights, gradients, optimizer state)")
+            answer(f"  {part:<12} {format_bytes(n_bytes):>12}")
+        answer(f"model state {format_bytes(out['model_state_bytes'])}: {out['model_state_bytes_per_param']:.2f} "
+               f"bytes per parameter (weights, gradients, optimizer state)")
         if "max_micro_batch_size" in out:
-            print(f"budget {format_bytes(out['budget_bytes'])}: fits={out['fits']}, "
-                  f"largest micro batch that fits: {out['max_micro_batch_size']}")
+            answer(f"budget {format_bytes(out['budget_bytes'])}: fits={out['fits']}, "
+                   f"largest micro batch that fits: {out['max_micro_batch_size']}")
     return 3 if out.get("max_micro_batch_size", 1) is None else 0

@@ -15,6 +15,7 @@ from loguru import logger
 from autofit.base import stopping
 from autofit.base.atomic import finite, write_json
 from autofit.base.errors import AutofitError, NothingFitsError, SpecError
+from autofit.base.output import answer
 from autofit.base.paths import default_store_dir
 from autofit.base.sizes import format_bytes, parse_budget
 from autofit.config.spec import load_spec, MAX_STEPS, ModelSpec
@@ -25,6 +26,7 @@ from autofit.device.precision import set_process_flags
 from autofit.device.probe import DeviceInfo, select_device
 from autofit.device.support import require_supported
 from autofit.workload import build_workload
+from autofit.workload.probe import check_batch_dim
 from autofit.train import distributed
 from autofit.train.loop import train
 from autofit.train.runner import resolve_device
@@ -67,6 +69,10 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     else:
         torch_device = resolve_device("cpu" if info.kind == "cpu" else info.index)
     workload = build_workload(spec)
+    check_batch_dim(workload)  # a model autofit did not write: its batch where autofit splits it
+    if not workload.per_sample and config.micro_batch_size != spec.train.global_batch_size:
+        raise SpecError(f"loss.per_sample: false couples the samples of a batch; {config.short()} splits it "
+                        f"(over ranks or micro batches): run the whole batch in one process and one micro batch")
     if loaded is not None:
         for diff in loaded.data_differences(workload.data_assumptions()):
             logger.warning("profile {}: the data has {}", loaded.file_name, diff)
@@ -154,7 +160,7 @@ def main(args) -> int:
         write_json(args.metrics_out, metrics)
     summary = {k: metrics[k] for k in ("steps", "first_loss", "final_loss", "samples_per_s", "compile_s",
                                        "peak_memory_bytes") if k in metrics}
-    print(json.dumps(summary))
+    answer(json.dumps(summary))
     if metrics["final_loss"] is None and metrics["steps"]:
         print(f"autofit: error: the loss diverged at step {metrics['steps'] - 1} (NaN/inf); "
               f"lower optimizer.lr or use a profile with a healthy precision", file=sys.stderr)

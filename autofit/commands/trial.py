@@ -6,13 +6,15 @@
 import json
 from pathlib import Path
 
+from autofit.base.output import answer
 from autofit.base.sizes import format_bytes, parse_budget
 from autofit.config.spec import load_spec, MAX_TRIAL_STEPS
 from autofit.config.train_config import TrainConfig, with_overrides
 from autofit.device.probe import select_device, usable_budget_bytes
 from autofit.device.support import require_supported
+from autofit.measure.asks import probe_batch_dim
 from autofit.measure.measurement import Measurement
-from autofit.measure.trial import measure, raise_input_error
+from autofit.measure.trial import measure, raise_input_error, trial_worker
 from autofit.commands.args import check_count, check_seconds, parse_sets
 
 
@@ -34,8 +36,12 @@ def trial_command(spec_path: str | Path, *, overrides: dict[str, str] | None = N
     # by what the other processes on the card leave free.
     budget = None if info.kind == "cpu" and requested is None else usable_budget_bytes(
         info, headroom=0.0, memory_budget=requested)
-    measurement = measure(spec, config, device="cpu" if info.kind == "cpu" else str(info.index), budget_bytes=budget,
-                          warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=timeout_s)
+    device_arg = "cpu" if info.kind == "cpu" else str(info.index)
+    with trial_worker(spec, device_arg) as worker:
+        # A model autofit did not write: its batch where autofit splits it (checked once, in a child).
+        probe_batch_dim(worker, spec, timeout_s=timeout_s)
+        measurement = measure(spec, config, device=device_arg, budget_bytes=budget, warmup_steps=warmup_steps,
+                              measure_steps=measure_steps, timeout_s=timeout_s, worker=worker)
     raise_input_error(measurement)
     return measurement, info.to_dict()
 
@@ -46,13 +52,13 @@ def main(args) -> int:
                               memory_budget=args.memory_budget, timeout_s=args.timeout,
                               warmup_steps=args.warmup_steps, measure_steps=args.measure_steps)
     if args.json:
-        print(json.dumps({**m.to_dict(), "device": device["name"]}, indent=2))
+        answer(json.dumps({**m.to_dict(), "device": device["name"]}, indent=2))
     else:
         line = f"{m.status}  {m.config.short()}  peak {format_bytes(m.peak_memory_bytes)}"
         if m.samples_per_s is not None:
             line += f"  {m.samples_per_s:.1f} samples/s  step {m.step_time_s * 1000:.1f} ms"
         if m.compile_s is not None:  # apart from the step time it never enters
             line += f"  compile {m.compile_s:.1f} s"
-        print(line + (f"  ({m.reason})" if m.reason else ""))
+        answer(line + (f"  ({m.reason})" if m.reason else ""))
     # Not ok is a usable answer printed in full, but no usable measurement: exit 3.
     return 0 if m.ok else 3

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from autofit.base import stopping
 from autofit.base.errors import SpecError
+from autofit.base.output import answer
 from autofit.base.paths import default_state_dir, default_store_dir
 from autofit.base.sizes import parse_budget
 from autofit.config.spec import load_spec, MAX_TRIALS
@@ -54,9 +55,9 @@ def main(args) -> int:
                            timeout_s=args.timeout, storage=args.storage, out_dir=args.out,
                            state_dir=args.state_dir, report=not args.no_report, nproc=args.nproc)
     if args.json:
-        print(json.dumps(outcome.summary(), default=str))
+        answer(json.dumps(outcome.summary(), default=str))
     else:
-        print(outcome.profile_path)  # the last line of stdout, for scripts
+        answer(str(outcome.profile_path))  # the last line of stdout, for scripts
     if not outcome.claims:  # written, but the host was too busy to measure a speed-up
         print(f"autofit: the host was too busy to measure a speed-up ({outcome.speedup.text()}); the profile is "
               f"written, its figures are no claim: tune again on a quiet host", file=sys.stderr)

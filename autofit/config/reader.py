@@ -38,7 +38,7 @@ def choice_error(value: Any, allowed: tuple[str, ...]) -> str:
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-               dict: "a mapping", list: "a list", (int, float): "a number"}
+               dict: "a mapping", list: "a list", (int, float): "a number", (str, list): "a string or a list"}
 
 
 class Reader:
@@ -101,7 +101,7 @@ class Reader:
 
     def nonnegative_int(self, key: str, *, default: Any = MISSING, maximum: int | None = None) -> int:
         value = self.get(key, int, default=default)
-        if value < 0:
+        if value is not None and value < 0:
             raise self.error(f"{self._path(key)}: must be an integer >= 0, got {value}")
         self._at_most(key, value, maximum)
         return value

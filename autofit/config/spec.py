@@ -44,13 +44,40 @@ MAX_TRIALS = 10_000
 MAX_TRIAL_STEPS = 100_000
 MAX_SEQ_LEN = 1 << 20
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_BATCH_DIM = 7  # where a model takes its batch (model.batch_dim): a tensor has at most a few dims
+MAX_NESTING = 8  # constructors inside model.args (a config object inside a model class)
+_TARGET = re.compile(r"[\w.]+:\w+")  # "module.path:function" (fullmatch)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSource:
     kind: str  # "builtin" | "hf" | "python"
-    target: str  # builtin name, HF class name, or "module.path:function"
-    args: dict  # builtin args / HF config dict / kwargs for the python function
+    target: str  # builtin name, HF class name, or "module.path:function" (a function or a class)
+    # builtin args / HF config dict / kwargs for the python callable; in a python source a
+    # value `{python: "module:Callable", args: {...}}` is built first (a config object).
+    args: dict
+    # Where the block stack is (dotted paths of nn.ModuleList / nn.Sequential modules, in
+    # forward order); None: found (train.knobs.find_block_stack).
+    blocks: tuple[str, ...] | None = None
+    # The dimension of its inputs and outputs where the model takes the batch; None: 0,
+    # checked by a probe before training (workload.probe).
+    batch_dim: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossSpec:
+    """The training loss: the model's own (None) or `python: "module:function"`, called as
+    fn(model, micro_batch, **args) -> scalar tensor."""
+
+    python: str | None = None
+    args: dict = field(default_factory=dict)
+    # False: the loss couples the samples of a batch (in-batch negatives), so a micro batch
+    # is the whole batch: no accumulation.
+    per_sample: bool = True
+
+    @property
+    def is_default(self) -> bool:
+        return self.python is None and self.per_sample
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,6 +154,7 @@ class ModelSpec:
     train: TrainSpec
     search: SearchSpec
     source_dir: Path  # folder of the yaml: relative paths and python: imports resolve here
+    loss: LossSpec = field(default_factory=LossSpec)
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:
@@ -135,7 +163,14 @@ class ModelSpec:
         model = {self.model.kind: self.model.target, "args": dict(self.model.args)}
         if self.model.kind == "hf":
             model = {"hf": {"class": self.model.target, "config": dict(self.model.args)}}
+        # Only when given: specs without them keep their hash (and their profiles).
+        if self.model.blocks is not None:
+            model["blocks"] = list(self.model.blocks)
+        if self.model.batch_dim is not None:
+            model["batch_dim"] = self.model.batch_dim
         out["model"] = model
+        if not self.loss.is_default:
+            out["loss"] = dataclasses.asdict(self.loss)
         data = dataclasses.asdict(self.data)
         if self.data.kind != "text":
             data = {k: v for k, v in data.items() if k not in _TEXT_KEYS}
@@ -164,11 +199,18 @@ class ModelSpec:
         space |= {k: d["search"][k] for k, default in _OPT_IN_DEFAULTS.items() if d["search"][k] != default}
         relevant = {
             "model": d["model"], "data": d["data"], "optimizer": d["optimizer"],
+            **({"loss": d["loss"]} if "loss" in d else {}),
             "global_batch_size": d["train"]["global_batch_size"],
             "max_grad_norm": d["train"]["max_grad_norm"], "search": space,
         }
         blob = json.dumps(_str_keys(relevant), sort_keys=True, separators=(",", ":"), default=str)
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
+
+    @property
+    def probes_batch_dim(self) -> bool:
+        """A model autofit did not write, whose batch dimension nobody declared and whose
+        loss is per sample: the batch-dimension probe runs before it trains."""
+        return self.model.kind == "python" and self.model.batch_dim is None and self.loss.per_sample
 
     def micro_batch_sizes(self) -> list[int]:
         """Micro batch sizes that divide the global batch: the only candidates."""
@@ -236,6 +278,7 @@ def parse_spec(raw: Any, *, source_dir: Path) -> ModelSpec:
         train=_train(top.section("train")),
         search=_search(top.section("search", required=False)),
         source_dir=source_dir,
+        loss=_loss(top.section("loss", required=False)),
         schema=schema,
     )
     top.finish()
@@ -264,22 +307,69 @@ def _model(r: "Reader") -> ModelSource:
     kind = given[0]
     if kind == "hf":
         hf = r.section("hf")
-        source = ModelSource(kind="hf", target=hf.get("class", str), args=hf.kwargs("config"))
+        target, args = hf.get("class", str), hf.kwargs("config")
         hf.finish()
     else:
         target = r.get(kind, str)
-        if kind == "python" and not re.match(r"^[\w.]+:\w+$", target):
-            raise SpecError(f"model.python: expected \"module.path:function\", got {target!r}")
-        source = ModelSource(kind=kind, target=target, args=r.kwargs("args"))
+        if kind == "python" and not _TARGET.fullmatch(target):
+            raise SpecError(f"model.python: expected \"module.path:function\" (or a class), got {target!r}")
+        args = r.kwargs("args")
+        if kind == "python":
+            _check_constructors(args, "model.args", depth=0)
+    source = ModelSource(kind=kind, target=target, args=args, blocks=_blocks(r),
+                         batch_dim=r.nonnegative_int("batch_dim", default=None, maximum=MAX_BATCH_DIM))
     r.finish()
     return source
+
+
+def _blocks(r: "Reader") -> tuple[str, ...] | None:
+    value = r.get("blocks", (str, list), default=None)
+    if value is None:
+        return None
+    paths = [value] if isinstance(value, str) else value
+    for i, path in enumerate(paths):
+        if not isinstance(path, str) or not re.fullmatch(r"[\w]+(\.[\w]+)*", path):
+            where = "model.blocks" if isinstance(value, str) else f"model.blocks[{i}]"
+            raise SpecError(f"{where}: a dotted module path such as transformer.h, got {path!r}")
+    if not paths:
+        raise SpecError("model.blocks: at least one module path is needed")
+    return tuple(paths)
+
+
+def _check_constructors(args: dict, key_path: str, depth: int) -> None:
+    """A value `{python: "module:Callable", args: {...}}` in a python model's args is built
+    before the model (nanoGPT's GPT takes a GPTConfig object): check its form here."""
+    for key, value in args.items():
+        if not (isinstance(value, dict) and "python" in value):
+            continue
+        where = f"{key_path}.{key}"
+        if depth >= MAX_NESTING:
+            raise SpecError(f"{where}: constructors nest at most {MAX_NESTING} deep")
+        nested = Reader(value, where)
+        target = nested.get("python", str)
+        if not _TARGET.fullmatch(target):
+            raise SpecError(f"{where}.python: expected \"module.path:Callable\", got {target!r}")
+        _check_constructors(nested.kwargs("args"), f"{where}.args", depth + 1)
+        nested.finish()
+
+
+def _loss(r: "Reader") -> LossSpec:
+    target = r.get("python", str, default=None)
+    if target is not None and not _TARGET.fullmatch(target):
+        raise SpecError(f"loss.python: expected \"module.path:function\", got {target!r}")
+    args = r.kwargs("args")
+    if args and target is None:
+        raise SpecError("loss.args: only with loss.python (the arguments of your loss function)")
+    loss = LossSpec(python=target, args=args, per_sample=r.get("per_sample", bool, default=True))
+    r.finish()
+    return loss
 
 
 def _data(r: "Reader", source_dir: Path) -> DataSpec:
     kind = r.choice("kind", DATA_KINDS, default="synthetic")
     path = r.get("path", str, default=None)
     factory = r.get("factory", str, default=None)
-    if factory is not None and not re.match(r"^[\w.]+:\w+$", factory):
+    if factory is not None and not _TARGET.fullmatch(factory):
         raise SpecError(f"data.factory: expected \"module.path:function\", got {factory!r}")
     data = DataSpec(
         kind=kind,

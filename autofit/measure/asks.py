@@ -1,10 +1,10 @@
 """The parent's questions to a pre-loaded worker that are not trials: the model's analysis
-(what the search space needs to know of it) and memory estimates. Each is answered in a
+(what the search space needs to know of it), the batch-dimension probe and memory estimates. Each is answered in a
 child of the worker, so the user's code (their model module, their forward on fake
 tensors) never runs in the asking process; an error in it is an `InputError` (exit 2)."""
 
 from autofit.base import stopping
-from autofit.base.errors import InputError, TrialError
+from autofit.base.errors import InputError, TrialError, TrialTimeoutError
 from autofit.config.spec import ModelSpec
 from autofit.config.train_config import TrainConfig
 from autofit.measure.estimate import EstimateError, MemoryEstimate
@@ -13,6 +13,8 @@ from autofit.measure.worker import TaskOutcome, Worker
 
 ESTIMATE_TASK = "autofit.measure.tasks:estimate"
 ANALYZE_TASK = "autofit.measure.tasks:analyze"
+PROBE_TASK = "autofit.measure.tasks:probe"
+_SKIP_PROBE = "declare model.batch_dim to skip the probe (0: forward takes the batch in dim 0)"
 
 
 def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kind: str,
@@ -37,6 +39,25 @@ def analyze(worker: Worker, spec: ModelSpec, nproc: int = 1, *, stop_event=None)
     if result.get("status") == "ok":
         return result
     raise TrialError(f"the model's analysis failed: {_reason(outcome, spec)}")
+
+
+def probe_batch_dim(worker: Worker, spec: ModelSpec, *, timeout_s: float | None = None, stop_event=None) -> None:
+    """Refuse the spec's model as `autofit.workload.probe.check_batch_dim` would, run in a
+    child of `worker` (it runs the user's forward): InputError (exit 2) for a model the probe
+    refuses or whose code raised; TrialError for a child that crashed, TrialTimeoutError for
+    one that hung. Nothing for a spec whose model needs no probe (`ModelSpec.probes_batch_dim`)."""
+    if not spec.probes_batch_dim:
+        return
+    timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
+    outcome = worker.run(PROBE_TASK, {}, timeout_s=timeout_s, stop_event=stop_event)
+    result = _answer(outcome, spec)
+    if result.get("status") == "ok":
+        return
+    if result:  # the child answered, with an error of its own
+        raise TrialError(f"model: the batch-dimension probe failed: {result.get('reason')}; {_SKIP_PROBE}")
+    _status, reason = failure_reason(outcome.ended, outcome.returncode, timeout_s, outcome.log_tail)
+    error = TrialTimeoutError if outcome.ended == "timeout" else TrialError
+    raise error(f"model: the batch-dimension probe (3 samples on the CPU) gave no answer: {reason}; {_SKIP_PROBE}")
 
 
 def _answer(outcome: TaskOutcome, spec: ModelSpec) -> dict:

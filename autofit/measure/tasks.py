@@ -17,6 +17,7 @@ from autofit.base.errors import AutofitError, InputError, SpecError
 from autofit.config.spec import ModelSpec, parse_spec
 from autofit.config.train_config import TrainConfig
 from autofit.workload import build_workload, TextData, Workload
+from autofit.workload.probe import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.measure.child import run_request
 from autofit.measure.estimate import estimate_memory, EstimateError, max_micro_batch_size
@@ -70,15 +71,30 @@ def analyze(request: dict, context: dict) -> dict:
         return _input_error(exc)
 
 
+def probe(request: dict, context: dict) -> dict:
+    """The batch-dimension probe (`autofit.workload.probe.check_batch_dim`): it runs the
+    user's forward on three CPU samples, so it is a task like a trial. A refusal, or an error
+    in the user's code, is an `input_error`; anything else the parent reports as a failure."""
+    try:
+        check_batch_dim(context["workload"])
+    except AutofitError as exc:
+        return _input_error(exc)
+    return {"status": "ok"}
+
+
 def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> dict:
     """The facts of `workload` the search space is built from: block count, the micro-batch
     floor of each rank's batch, whether its LM head can be chunked, whether sorting a step by
     length changes anything, and what the profile's figures assume of the data."""
     with torch.device("meta"):
         model = workload.build_model()
+    if not workload.per_sample and nproc > 1:
+        raise SpecError(f"loss.per_sample: false couples the samples of a batch, and with --nproc {nproc} each rank "
+                        f"sees only its share of them: tune with --nproc 1")
     rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
-    # A knob that changes the math is bounded: BatchNorm normalizes over each micro batch.
-    floor = micro_batch_floor(model, rank_batch, spec.search.min_micro_batch_size)
+    # A knob that changes the math is bounded: BatchNorm normalizes over each micro batch, a
+    # loss that couples samples over the whole batch.
+    floor = micro_batch_floor(model, rank_batch, spec.search.min_micro_batch_size, per_sample=workload.per_sample)
     data = workload.data
     # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
     bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing

@@ -122,6 +122,10 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
                      "state unless the model is cast first: model.to(torch.bfloat16)")
     if config.precision == "tf32":
         notes.append("tf32: TrainingArguments(tf32=True) needs an Ampere or newer GPU and fails elsewhere")
+    loss = _own_loss(profile)
+    if loss is not None:
+        notes.append(f"loss: measured with your {loss}; in the Trainer, override compute_loss(model, inputs) to "
+                     f"return it (or pass compute_loss_func)")
     if config.chunked_loss:
         notes.append(_CHUNKED_NOTE + "; in the Trainer, override compute_loss with it (use_liger_kernel=True "
                      "chunks too, on a GPU with liger-kernel, but is not what autofit measured)")
@@ -193,6 +197,19 @@ _CHUNKED_NOTE = ("chunked_loss: the peak was measured with the LM head and cross
                  "with autofit.chunked_lm_loss(model, batch)")
 
 
+def _own_loss(profile) -> str | None:
+    """The spec's own loss a profile was measured with, in words; None: the model's own."""
+    training = None if isinstance(profile, TrainConfig) else profile.training
+    loss = training.loss if training is not None else None
+    if not loss:
+        return None
+    args = "".join(f", {k}={v!r}" for k, v in (loss.get("args") or {}).items())
+    call = f"{loss['python']}(model, micro_batch{args})" if loss.get("python") else "model's own loss"
+    coupled = ("; it couples the samples of a batch (per_sample: false), so keep the whole batch in one micro batch"
+               if loss.get("per_sample") is False else "")
+    return call + coupled
+
+
 def to_hf_training_args(profile, *, n_blocks: int | None = None) -> dict:
     """Keyword arguments for `transformers.TrainingArguments` (add output_dir and the rest).
 
@@ -256,6 +273,9 @@ def lightning_notes(profile) -> list[str]:
     elif config.optimizer_bits == 8:  # (a bare config, or a profile from before the record)
         notes.append("optimizer_bits=8: return bitsandbytes.optim.AdamW8bit(...) from configure_optimizers(), "
                      "the 8-bit state autofit measured")
+    loss = _own_loss(profile)
+    if loss is not None:
+        notes.append(f"loss: measured with your {loss}; return it from training_step")
     if config.chunked_loss:
         notes.append(_CHUNKED_NOTE + " in training_step")
     if config.checkpoint_blocks or config.freeze_blocks or config.compile:

@@ -174,6 +174,8 @@ class TrainingSetup:
 
     optimizer: dict  # the spec's optimizer: name, lr, betas, weight_decay, momentum
     max_grad_norm: float | None  # None: no clipping
+    # The spec's own loss ({python, args, per_sample}) when it named one; None: the model's.
+    loss: dict | None = None
 
     def __post_init__(self):
         self.optimizer_spec()  # read as a model.yaml's optimizer section is: checked at load
@@ -237,7 +239,8 @@ class Profile:
             "config": self.config.to_dict(),
             "measured": self.measured.to_dict(),
         } | ({"frontier": [p.to_dict() for p in self.frontier]} if self.frontier else {}) | (
-            {"training": dataclasses.asdict(self.training)} if self.training is not None else {}) | {
+            {"training": {k: v for k, v in dataclasses.asdict(self.training).items() if k != "loss" or v}}
+            if self.training is not None else {}) | {
             "search": dataclasses.asdict(self.search),
             "created": self.created,
             "autofit": self.autofit,

@@ -194,6 +194,15 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return out / dist.get_world_size()
 
 
+def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor over the ranks (itself in one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    out = value.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
 def max_over_ranks(value: int | float, device: torch.device) -> int | float:
     """The worst rank's figure (peak memory is judged by the rank that holds the most)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

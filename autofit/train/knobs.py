@@ -2,6 +2,7 @@
 (whole blocks, or selective per op), freezing and compiling; and the micro-batch floor of
 models whose layers normalise over the batch."""
 
+import contextlib
 import os
 
 import torch
@@ -11,6 +12,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from autofit.base.errors import SpecError
 from autofit.config.spec import CHECKPOINT_POLICIES
 from autofit.config.train_config import MicroBatchFloor, TrainConfig
+from autofit.workload.blocks import Blocks, find_block_stack
+
+__all__ = ["find_block_stack"]  # re-exported: FSDP2's units and the estimator's shards cut the same stack
 
 # CHECKPOINT_POLICIES: what a checkpointed block keeps for backward. `full`: only its input
 # (the whole block is recomputed); `selective`: also the outputs of its matmul and attention
@@ -26,36 +30,16 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noq
 )
 
 
-def find_block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The largest `nn.ModuleList` whose modules all share one type: GPT blocks,
-    `transformer.h` in GPT-2, `bert.encoder.layer` in BERT."""
-    best = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        inner = [_unwrap(m) for m in module]
-        if len({type(m) for m in inner}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if best is None or (len(module), size) > (len(best[1]), best[2]):
-            best = (name, module, size)
-    return None if best is None else (best[0], best[1])
-
-
 def block_count(model: nn.Module) -> int:
     stack = find_block_stack(model)
     return 0 if stack is None else len(stack[1])
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
-
-
-def _require_stack(model: nn.Module, what: str) -> tuple[str, nn.ModuleList]:
+def _require_stack(model: nn.Module, what: str) -> tuple[str, Blocks]:
     stack = find_block_stack(model)
     if stack is None:
-        raise SpecError(f"{what}: this model has no block stack (an nn.ModuleList of same-type "
-                        f"modules), so {what} cannot be applied; set it to 0")
+        raise SpecError(f"{what}: this model has no block stack (same-type blocks in an nn.ModuleList or "
+                        f"nn.Sequential; model.blocks names one), so {what} cannot be applied; set it to 0")
     return stack
 
 
@@ -97,6 +81,52 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(save_matmul_attention)
 
 
+@contextlib.contextmanager
+def _running_stats_kept(norms: list[nn.Module]):
+    """Around a checkpointed block's recomputation: its BatchNorm layers update scratch
+    copies of their running statistics, so a step updates them once, as without
+    checkpointing. The ops and what they save are the forward's (a norm without running
+    statistics would save other tensors, which the checkpoint refuses)."""
+    kept = [(norm, {name: getattr(norm, name) for name in _RUNNING_STATS if getattr(norm, name) is not None})
+            for norm in norms]
+    for norm, buffers in kept:
+        for name, buffer in buffers.items():
+            setattr(norm, name, buffer.clone())
+    try:
+        yield
+    finally:
+        for norm, buffers in kept:
+            for name, buffer in buffers.items():
+                setattr(norm, name, buffer)
+
+
+_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _context_fn(block: nn.Module, policy: str):
+    """The checkpoint's (forward, recompute) contexts for `block`: the selective policy's,
+    and BatchNorm's statistics kept from a second update. None: torch's default."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not norms:
+        return _selective_contexts if policy == "selective" else None
+
+    def contexts():
+        forward, recompute = (_selective_contexts() if policy == "selective"
+                              else (contextlib.nullcontext(), contextlib.nullcontext()))
+        # The copies are made before the selective policy's recompute mode replays ops.
+        return forward, _joined(_running_stats_kept(norms), recompute)
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _joined(*contexts):
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
 def apply_checkpointing(model: nn.Module, n_blocks: int, *, first_block: int = 0, policy: str = "full") -> list[int]:
     """Wrap `n_blocks` blocks of the stack in non-reentrant activation checkpointing, spread
     over the blocks from `first_block` on (pass the frozen block count: a frozen block keeps
@@ -113,11 +143,12 @@ def apply_checkpointing(model: nn.Module, n_blocks: int, *, first_block: int = 0
         raise SpecError(f"checkpoint_blocks: this model has {len(stack) - first_block} blocks{frozen} "
                         f"in {name} to checkpoint, got {n_blocks}")
     chosen = spread_indices(len(stack), n_blocks, first_block)
-    # The selective policy's contexts are made afresh for every forward (the checkpoint
-    # calls context_fn each time): they hold that forward's saved outputs.
-    extra = {"context_fn": _selective_contexts} if policy == "selective" else {}
     for i in chosen:
         if not isinstance(stack[i], CheckpointWrapper):
+            # The contexts are made afresh for every forward (the checkpoint calls context_fn
+            # each time): the selective policy's hold that forward's saved outputs.
+            context_fn = _context_fn(stack[i], policy)
+            extra = {"context_fn": context_fn} if context_fn is not None else {}
             stack[i] = checkpoint_wrapper(stack[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
     return chosen
 
@@ -175,7 +206,7 @@ def apply_compile(model: nn.Module) -> list[str]:
     leaves eager is the time compiling was meant to save. Compiling happens at the first
     forward (and backward), not here."""
     stack = find_block_stack(model)
-    targets = [(f"{stack[0]}.{i}", block) for i, block in enumerate(stack[1])] if stack else [("", model)]
+    targets = list(zip(stack[1].names, stack[1])) if stack else [("", model)]
     for _, module in targets:
         module.compile(backend=compile_backend(), fullgraph=True)
     return [name for name, _ in targets]
@@ -207,10 +238,16 @@ BATCH_STATISTICS_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Sy
 BATCHNORM_MIN_MICRO_BATCH = 16
 
 
-def micro_batch_floor(model: nn.Module, rank_batch_size: int, requested: int | None) -> MicroBatchFloor | None:
-    """The floor for `model` whose ranks each take `rank_batch_size` samples a step:
-    `requested` (search.min_micro_batch_size) when set, else BATCHNORM_MIN_MICRO_BATCH for a
-    model with batch-statistics layers, else none. Never above the rank's batch."""
+def micro_batch_floor(model: nn.Module, rank_batch_size: int, requested: int | None, *,
+                      per_sample: bool = True) -> MicroBatchFloor | None:
+    """The floor for `model` whose ranks each take `rank_batch_size` samples a step: the
+    whole batch when the loss couples its samples (`per_sample` false: in-batch negatives),
+    else `requested` (search.min_micro_batch_size) when set, else BATCHNORM_MIN_MICRO_BATCH
+    for a model with batch-statistics layers, else none. Never above the rank's batch."""
+    if not per_sample:
+        return MicroBatchFloor(size=rank_batch_size, excludes_accumulation=True,
+                               reason="loss.per_sample is false: the loss couples the samples of a batch (in-batch "
+                                      "negatives), so a micro batch is the whole batch")
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, BATCH_STATISTICS_LAYERS):
@@ -226,4 +263,3 @@ def micro_batch_floor(model: nn.Module, rank_batch_size: int, requested: int | N
         return None
     size = min(requested or BATCHNORM_MIN_MICRO_BATCH, rank_batch_size)
     return MicroBatchFloor(size=size, excludes_accumulation=size >= rank_batch_size, reason=reason)
-

@@ -18,7 +18,7 @@ from autofit.workload.text import count_tokens
 from autofit.train import distributed
 from autofit.train.knobs import apply_config, micro_batch_floor, trainable_parameters
 from autofit.train.optim import build_optimizer
-from autofit.train.recover import accumulate, Demotion, demotion, release_memory
+from autofit.train.recover import accumulate, demotion, Demotion, release_memory
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -135,6 +135,7 @@ class Runner:
         gradients cleared: `demote` and the same step again recover (`train` does)."""
         n_micro = len(micro_batches)
         assert n_micro == self.config.grad_accum_steps, (n_micro, self.config.grad_accum_steps)
+        weights = self.micro_batch_weights(micro_batches)
 
         def forward_backward(indexed) -> torch.Tensor:
             i, micro_batch = indexed
@@ -142,15 +143,34 @@ class Runner:
                 with self.policy.autocast(self.device.type):
                     loss = self.loss_fn(self.model, micro_batch)
                 # Mean over micro batches == mean over the global batch: accumulation is
-                # exact, and DDP/FSDP2 average the ranks' gradients.
-                self.scaler.scale(loss / n_micro).backward()
+                # exact, and DDP/FSDP2 average the ranks' gradients. A token loss weighs each
+                # micro batch by its share of the global batch's labelled tokens.
+                share = loss / n_micro if weights is None else loss * weights[i]
+                self.scaler.scale(share).backward()
             # .float() is free for an fp32 loss and keeps a bf16 one from rounding the sum.
-            return loss.detach().float()
+            return (loss if weights is None else share).detach().float()
 
         loss_sum = accumulate(enumerate(micro_batches), forward_backward, self.optimizer, self.params)
         skipped = optimizer_step(self.optimizer, self.scaler, self.params, self.spec.train.max_grad_norm)
         self.skipped_steps += int(skipped)
-        return StepResult(loss=loss_sum / n_micro if n_micro > 1 else loss_sum, skipped=skipped)
+        loss = loss_sum if weights is not None else loss_sum / n_micro if n_micro > 1 else loss_sum
+        return StepResult(loss=loss, skipped=skipped)
+
+    def micro_batch_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
+        """Each micro batch's weight in the step's loss when the workload counts what its
+        loss is a mean over (labelled tokens), so the step's loss is the global batch's
+        mean whatever the micro batch size (Hugging Face's `num_items_in_batch`); None:
+        alike. Device tensors, no host sync; the ranks' counts are summed (DDP and FSDP2
+        average the ranks' gradients, hence the world size)."""
+        items_of = self.workload.loss_items
+        if items_of is None:
+            return None
+        counts = [items_of(self.model, mb) for mb in micro_batches]
+        if any(c is None for c in counts):
+            return None
+        total = distributed.sum_over_ranks(torch.stack(counts).sum()).clamp(min=1)
+        world = self.config.world_size if self.config.distributed else 1
+        return [c.float() * world / total.float() for c in counts]
 
     def demote(self, step: int, exc: BaseException) -> Demotion | None:
         """Half the micro batch, twice the accumulation, from this step on; None when the
@@ -159,7 +179,8 @@ class Runner:
             # The other ranks would wait forever in the all-reduce of a step this rank left.
             return None
         event = demotion(step, self.config, exc)
-        floor = micro_batch_floor(self.model, self.config.rank_batch_size, self.spec.search.min_micro_batch_size)
+        floor = micro_batch_floor(self.model, self.config.rank_batch_size, self.spec.search.min_micro_batch_size,
+                                  per_sample=self.workload.per_sample)
         if event is not None and floor is not None and event.to_config.micro_batch_size < floor.size:
             # Below the floor the step would train on other math (BatchNorm's statistics).
             logger.error("step {}: out of memory, and half the micro batch is below its floor ({})", step,

@@ -167,6 +167,9 @@ class _Tune:
         spec, device = self.spec, self.device
         # The user's code (model module, data, forward) runs only in the worker's children.
         self.trial_worker = cleanup.enter_context(trial_worker(spec, "cpu" if device.kind == "cpu" else self.execute_on))
+        # A model autofit did not write: is its batch where autofit splits it? (In a child: it
+        # runs the user's forward.)
+        asks.probe_batch_dim(self.trial_worker, spec, stop_event=self.stop_event)
         self.analysis = asks.analyze(self.trial_worker, spec, self.nproc, stop_event=self.stop_event)
         self.space: SearchSpace = search_space(spec, device, self.nproc, self.analysis)
         name = study_name(spec, device, self.emulated_budget_bytes)
@@ -377,7 +380,8 @@ class _Tune:
             autofit=VERSION,
             data=self.analysis["data_assumptions"],
             frontier=frontier,
-            training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm),
+            training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm,
+                                   loss=spec.to_dict().get("loss")),
         )
 
 

@@ -11,7 +11,9 @@ Everything is checked here, before any model is built: a model source and data s
 cannot work together, or a bad argument, is a `SpecError` naming the key.
 """
 
+import copy
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,15 +23,17 @@ import torch.nn.functional as F
 
 from autofit.base.errors import SpecError
 from autofit.workload import chunked, hf, text
-from autofit.workload.data import (Batch, batch_size_of, batch_to, check_kwargs, dataset_source, DatasetData,
-                                   DataSource, InputSpec, load_callable, split_batch, SyntheticData, TokenFileData,
-                                   user_code)
+from autofit.workload.binding import ModelLoss, UserLoss
+from autofit.workload.blocks import declare_blocks
+from autofit.workload.data import (Batch, batch_size_of, batch_to, BatchFn, check_kwargs, dataset_source, DatasetData,
+                                   DataSource, describe_batch, FunctionData, InputSpec, load_callable, split_batch,
+                                   SyntheticData, TokenFileData, user_code)
 from autofit.workload.text import text_lm_loss, TextData
 from autofit.workload.zoo import builtin_inputs, BUILTIN_MODELS
 
 __all__ = [
     "BUILTIN_MODELS", "Batch", "DataSource", "InputSpec", "TextData", "Workload",
-    "batch_size_of", "batch_to", "build_workload", "split_batch",
+    "batch_size_of", "batch_to", "build_workload", "make_workload", "split_batch",
 ]
 
 
@@ -44,6 +48,17 @@ class Workload:
     # The same loss with the LM head and cross-entropy chunked (`chunked_loss`); None where
     # the model has no LM head autofit can chunk.
     chunked_loss_fn: Callable[[nn.Module, Batch], torch.Tensor] | None = None
+    # What a micro batch's loss is a mean over (its labelled tokens), so that a step weighs
+    # its micro batches by them and the loss is the global batch's token mean at any micro
+    # batch size; None (or a None answer): micro batches weigh alike.
+    loss_items: Callable[[nn.Module, Batch], torch.Tensor | None] | None = None
+    # False: the loss couples the samples of a batch (in-batch negatives): one micro batch per step.
+    per_sample: bool = True
+    # Where the model takes the batch, when declared (inputs are moved there); None: dim 0.
+    batch_dim: int | None = None
+    # A model autofit did not write whose batch dimension nobody declared: `probe.check_batch_dim`
+    # checks it before training.
+    probe_batch_dim: bool = False
 
     def data_assumptions(self) -> dict:
         """What a profile's peak and speed assume of varying-length data (empty otherwise):
@@ -51,9 +66,67 @@ class Workload:
         return self.data.describe() if isinstance(self.data, TextData) else {}
 
 
+def make_workload(model: nn.Module | Callable[[], nn.Module], batch_fn: BatchFn | DataSource,
+                  loss_fn: Callable[[nn.Module, Batch], torch.Tensor] | None = None, *, name: str = "model",
+                  per_sample: bool = True, batch_dim: int | None = None, blocks: str | Sequence[str] | None = None,
+                  tokens_per_sample: int | None = None, sample_shape: str | None = None,
+                  chunked_loss_fn: Callable | None = None, loss_items: Callable | None = None,
+                  probe_batch_dim: bool | None = None, key_path: str = "model", target: str | None = None) -> Workload:
+    """A Workload from Python objects; the spec path (`build_workload`) ends here too.
+
+    `model`: an `nn.Module` (each build is a deep copy: the object itself is never changed)
+    or a factory `() -> nn.Module` (called once per build, under torch's seeded RNG).
+    `batch_fn(batch_size, generator)`: a batch of CPU tensors (a tensor, tuple/list or dict
+    of tensors, batch in dim 0), the same for the same generator state; or a `DataSource`.
+    `loss_fn(model, micro_batch) -> scalar tensor`: the micro batch's mean loss; None: the
+    model's own (`binding.ModelLoss`: the batch bound to forward by its signature, the loss
+    from its output, else cross-entropy of its logits against the targets).
+    `per_sample=False`: the loss couples the samples of a batch (in-batch negatives), so
+    every step runs the whole batch as one micro batch. `batch_dim`: where forward takes the
+    batch (autofit's batches hold it in dim 0 and move it there); None: dim 0, checked by a
+    probe (`probe.check_batch_dim`) unless `probe_batch_dim=False`. `blocks`: the dotted
+    paths of the block stack's containers (else found). The rest is what a spec also knows:
+    names for errors (`key_path`, `target`), token counts, the chunked loss, `loss_items`.
+    """
+    target = target or (type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__name__", "model"))
+    build = _Build(model, tuple([blocks] if isinstance(blocks, str) else blocks or ()) or None, key_path, target)
+    data = batch_fn if hasattr(batch_fn, "batch") else FunctionData(batch_fn)
+    if loss_fn is None:
+        default = ModelLoss(key_path=key_path, target=target, batch_dim=batch_dim or 0)
+        loss_fn, loss_items = default, loss_items or default.items
+    if probe_batch_dim is None:
+        probe_batch_dim = batch_dim is None and per_sample
+    return Workload(name=name, build_model=build, data=data, loss_fn=loss_fn, tokens_per_sample=tokens_per_sample,
+                    sample_shape=sample_shape or (data.describe() if hasattr(data, "describe") else "unknown"),
+                    chunked_loss_fn=chunked_loss_fn,
+                    loss_items=loss_items, per_sample=per_sample, batch_dim=batch_dim, probe_batch_dim=probe_batch_dim)
+
+
+class _Build:
+    """`Workload.build_model`: the model (a copy of an object, or the factory's), with its
+    block stack declared when named. Plain data, so a Workload pickles."""
+
+    def __init__(self, model, blocks: tuple[str, ...] | None, key_path: str, target: str):
+        self.model, self.blocks, self.key_path, self.target = model, blocks, key_path, target
+
+    def __call__(self) -> nn.Module:
+        if isinstance(self.model, nn.Module):
+            model = copy.deepcopy(self.model)
+        else:
+            with user_code(self.key_path, self.target, "building the model"):
+                model = self.model()
+            if not isinstance(model, nn.Module):
+                raise SpecError(f"{self.key_path}: {self.target} must return a torch.nn.Module, "
+                                f"got {type(model).__name__}")
+        return declare_blocks(model, self.blocks)
+
+
 def build_workload(spec) -> Workload:
-    """Model source x data source of a ModelSpec; incompatible pairs raise SpecError."""
+    """Model source x data source x loss of a ModelSpec; incompatible pairs raise SpecError."""
     source, data = spec.model, spec.data
+    if source.kind != "python" and source.batch_dim not in (None, 0):
+        raise SpecError(f"model.batch_dim: only for python models; {source.kind} models take the batch in dim 0")
+    loss_items = None
     if source.kind == "builtin":
         inputs = builtin_inputs(source.target, source.args)
         if data.seq_len is not None:
@@ -63,35 +136,58 @@ def build_workload(spec) -> Workload:
             if data.seq_len > inputs.seq_len:
                 raise SpecError(f"data.seq_len: at most model.args.seq_len ({inputs.seq_len}), got {data.seq_len}")
             inputs = inputs.with_seq_len(data.seq_len)
-        build_model = functools.partial(BUILTIN_MODELS[source.target], dict(source.args))
+        factory = functools.partial(BUILTIN_MODELS[source.target], dict(source.args))
         loss_fn = _lm_loss if inputs.task == "causal_lm" else _classify_loss
         chunkable = inputs.task == "causal_lm" and chunked.available()
         where = f"model.builtin {source.target}"
     elif source.kind == "hf":
-        resolved = hf.resolve(source.target, dict(source.args), seq_len=data.seq_len)
-        inputs, build_model = resolved.inputs, resolved.build
-        # Python datasets may give tuple batches; the generic loss handles both kinds.
-        loss_fn = hf.loss if data.kind != "python" else _generic_loss
-        chunkable = inputs.task == "causal_lm" and data.kind != "python" and chunked.hf_chunkable(resolved.config)
+        resolved = hf.resolve(source.target, dict(source.args), seq_len=data.seq_len, synthetic=data.kind != "python")
+        inputs, factory = resolved.inputs, resolved.build
+        # Any batch: the model computes its loss from the labels, micro batches weighted by them.
+        hf_loss = ModelLoss(key_path="model.hf", target=source.target, label_shift=resolved.label_shift,
+                            users_code=False)
+        loss_fn, loss_items = hf_loss, hf_loss.items
+        chunkable = resolved.task == "causal_lm" and data.kind != "python" and chunked.hf_chunkable(resolved.config)
         where = f"model.hf {source.target}"
     elif source.kind == "python":
         fn = load_callable(source.target, "model.python", spec.source_dir)
         check_kwargs(fn, source.args, "model.args", source.target)
+        _check_constructors(source.args, "model.args", spec.source_dir)
         inputs = None  # unknown until the user's model runs
-        build_model = functools.partial(_build_python, fn, dict(source.args), source.target)
-        loss_fn = functools.partial(_user_loss, source.target)
+        factory = functools.partial(_build_python, fn, dict(source.args), source.target, spec.source_dir)
+        loss_fn = None  # the model's own: bound by its signature (binding.ModelLoss)
         chunkable = False  # autofit cannot find the head of a model it did not build
         where = f"model.python {source.target}"
     else:
         raise SpecError(f"model: unknown source kind {source.kind!r}; allowed: builtin, hf, python")
+    source_data, tokens_per_sample, sample_shape = _data_source(spec, inputs, where)
+    if data.kind == "text":
+        loss_fn, loss_items = text_lm_loss, None  # a per-sample mean: micro batches weigh alike
+        chunked_loss_fn = chunked.chunked_text_lm_loss if chunkable else None
+    else:
+        chunked_loss_fn = chunked.chunked_lm_loss if chunkable and data.kind != "python" else None
+    if spec.loss.python is not None:
+        fn = load_callable(spec.loss.python, "loss.python", spec.source_dir)
+        check_kwargs(fn, spec.loss.args, "loss.args", spec.loss.python, positional=2)  # fn(model, micro_batch, ...)
+        loss_fn, loss_items, chunked_loss_fn = UserLoss(fn, dict(spec.loss.args), "loss.python", spec.loss.python), \
+            None, None
+    return make_workload(factory, source_data, loss_fn, name=spec.name, per_sample=spec.loss.per_sample,
+                         batch_dim=source.batch_dim if source.kind == "python" else 0, blocks=source.blocks,
+                         tokens_per_sample=tokens_per_sample, sample_shape=sample_shape,
+                         chunked_loss_fn=chunked_loss_fn, loss_items=loss_items,
+                         probe_batch_dim=spec.probes_batch_dim,
+                         key_path=f"model.{source.kind}", target=source.target)
 
+
+def _data_source(spec, inputs: InputSpec | None, where: str) -> tuple[DataSource, int | None, str]:
+    """The spec's data source, checked against the model: (source, tokens per sample, sample shape)."""
+    data = spec.data
     if data.kind == "synthetic":
         if inputs is None:
             raise SpecError(f"data.kind: synthetic data needs a builtin or hf model to know the input "
                             f"shapes; {where} needs data.kind python (or tokens for a causal LM)")
-        source_data = SyntheticData(inputs)
-        tokens_per_sample, sample_shape = inputs.seq_len, inputs.sample_shape
-    elif data.kind == "tokens":
+        return SyntheticData(inputs), inputs.seq_len, inputs.sample_shape
+    if data.kind == "tokens":
         if inputs is None:
             if data.seq_len is None:
                 raise SpecError(f"data.seq_len: required with data.kind tokens and {where} "
@@ -100,24 +196,15 @@ def build_workload(spec) -> Workload:
         if inputs.task != "causal_lm":
             raise SpecError(f"data.kind: tokens data is next-token windows for causal language models; "
                             f"{where} is a {inputs.task.replace('_', ' ')} model (use synthetic or python)")
-        source_data = TokenFileData(data.path, inputs)
-        tokens_per_sample, sample_shape = inputs.seq_len, inputs.sample_shape
-    elif data.kind == "text":
-        source_data = _text_source(spec, inputs, where)
-        loss_fn, tokens_per_sample = text_lm_loss, None  # tokens are counted per step: lengths vary
-        chunked_loss_fn = chunked.chunked_text_lm_loss if chunkable else None
-        sample_shape = f"tokens[<={source_data.longest_tokens}]"
-    elif data.kind == "python":
-        source_data = dataset_source(data.factory, data.args, spec.source_dir)
-        sample_shape = source_data.describe()
-        tokens_per_sample = _dataset_seq_len(source_data) if inputs is not None and inputs.seq_len else None
-    else:
-        raise SpecError(f"data.kind: unknown kind {data.kind!r}; allowed: synthetic, tokens, python, text")
-
-    if data.kind != "text":
-        chunked_loss_fn = chunked.chunked_lm_loss if chunkable and data.kind != "python" else None
-    return Workload(name=spec.name, build_model=build_model, data=source_data, loss_fn=loss_fn,
-                    tokens_per_sample=tokens_per_sample, sample_shape=sample_shape, chunked_loss_fn=chunked_loss_fn)
+        return TokenFileData(data.path, inputs), inputs.seq_len, inputs.sample_shape
+    if data.kind == "text":
+        source = _text_source(spec, inputs, where)
+        return source, None, f"tokens[<={source.longest_tokens}]"  # tokens are counted per step: lengths vary
+    if data.kind == "python":
+        source = dataset_source(data.factory, data.args, spec.source_dir)
+        tokens_per_sample = _dataset_seq_len(source) if inputs is not None and inputs.seq_len else None
+        return source, tokens_per_sample, source.describe()
+    raise SpecError(f"data.kind: unknown kind {data.kind!r}; allowed: synthetic, tokens, python, text")
 
 
 def _text_source(spec, inputs: InputSpec | None, where: str) -> TextData:
@@ -153,12 +240,41 @@ def _dataset_seq_len(data: DatasetData) -> int | None:
     return first.shape[-1] if first.ndim == 2 else None
 
 
-def _build_python(fn: Callable, args: dict, target: str) -> nn.Module:
+def _build_python(fn: Callable, args: dict, target: str, source_dir) -> nn.Module:
     with user_code("model.python", target, "building the model"):
-        model = fn(**args)
+        model = fn(**_construct(args, "model.args", source_dir))
     if not isinstance(model, nn.Module):
         raise SpecError(f"model.python: {target} must return a torch.nn.Module, got {type(model).__name__}")
     return model
+
+
+def _constructors(args: dict, key_path: str):
+    """(key path, target, its args) of every `{python: ..., args: ...}` value, outermost first."""
+    for key, value in args.items():
+        if isinstance(value, dict) and "python" in value:
+            where = f"{key_path}.{key}"
+            yield where, value["python"], value.get("args") or {}
+            yield from _constructors(value.get("args") or {}, f"{where}.args")
+
+
+def _check_constructors(args: dict, key_path: str, source_dir) -> None:
+    """Every constructor in a python model's args imports and takes its arguments."""
+    for where, target, kwargs in _constructors(args, key_path):
+        check_kwargs(load_callable(target, f"{where}.python", source_dir), kwargs, f"{where}.args", target)
+
+
+def _construct(args: dict, key_path: str, source_dir) -> dict:
+    """The args with each `{python: "module:Callable", args: {...}}` built (innermost first):
+    nanoGPT's `GPT(config)` gets a `GPTConfig`, built afresh for every model."""
+    out = {}
+    for key, value in args.items():
+        if isinstance(value, dict) and "python" in value:
+            where = f"{key_path}.{key}"
+            fn = load_callable(value["python"], f"{where}.python", source_dir)
+            with user_code(f"{where}.python", value["python"], "building an argument of the model"):
+                value = fn(**_construct(value.get("args") or {}, f"{where}.args", source_dir))
+        out[key] = value
+    return out
 
 
 # ---- losses: module level (not lambdas) so a Workload's parts can be pickled ---------------
@@ -175,30 +291,3 @@ def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 def _classify_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x).float(), y)
-
-
-def _user_loss(target: str, model: nn.Module, batch: Batch) -> torch.Tensor:
-    """The user's model's forward (and its loss), with their exceptions named as theirs."""
-    with user_code("model.python", target, "running forward"):
-        return _generic_loss(model, batch)
-
-
-def _generic_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """User models: dict batches are keyword inputs; in a tuple batch the last tensor is the
-    target and the rest are inputs (a one-tensor batch is all input)."""
-    if isinstance(batch, dict):
-        out = model(**batch)
-    else:
-        out = model(*batch[:-1]) if len(batch) > 1 else model(*batch)
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
-    if loss is not None:
-        return loss
-    if isinstance(out, torch.Tensor) and out.ndim == 0:
-        return out
-    if isinstance(out, torch.Tensor) and isinstance(batch, tuple) and len(batch) > 1:
-        # Logits [..., classes] against integer targets [...]: LMs and classifiers alike.
-        return F.cross_entropy(out.float().flatten(0, -2), batch[-1].flatten())
-    raise SpecError("model: cannot compute a loss: the model returned neither `.loss` nor a scalar, "
-                    "and the batch has no target (a tuple batch's last tensor)")

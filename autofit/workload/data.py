@@ -23,7 +23,9 @@ from autofit.device.oom import is_oom
 
 Batch = dict[str, torch.Tensor] | tuple[torch.Tensor, ...]
 
-TASKS = ("causal_lm", "masked_lm", "classify")
+# What a batch trains: next tokens, masked tokens, a label per sample, a label per token,
+# or target sequences for an encoder-decoder.
+TASKS = ("causal_lm", "masked_lm", "classify", "token_classify", "seq2seq")
 MASKED_FRACTION = 0.15  # BERT's share of positions that carry a masked-LM label
 TOKEN_DTYPE = np.dtype("<u2")  # flat little-endian uint16, as scripts/tokenize_bytes.py writes
 _SCAN_LIMIT_TOKENS = 1 << 28  # 512 MiB of tokens checked up front; larger files are checked per batch
@@ -32,6 +34,9 @@ _SCAN_CHUNK_TOKENS = 1 << 24
 
 class DataSource(Protocol):
     def batch(self, batch_size: int, generator: torch.Generator) -> Batch: ...
+
+
+BatchFn = Callable[[int, torch.Generator], Any]  # (batch_size, generator) -> a batch of CPU tensors
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,10 +79,10 @@ class SyntheticData:
         if spec.seq_len is None:
             x = torch.randn((batch_size, *spec.feature_shape), generator=generator)
             y = torch.randint(spec.n_classes, (batch_size,), generator=generator)
-            return (x, y)
+            return {"pixel_values": x, "labels": y} if spec.hf else (x, y)
         if spec.task == "causal_lm" and not spec.hf:
             window = torch.randint(spec.vocab_size, (batch_size, spec.seq_len + 1), generator=generator)
-            return (window[:, :-1], window[:, 1:])
+            return shifted(window)
         ids = torch.randint(spec.vocab_size, (batch_size, spec.seq_len), generator=generator)
         return hf_batch(ids, spec, generator)
 
@@ -123,8 +128,8 @@ class TokenFileData:
                 self._check_vocab(w, offset=s)
         window = torch.from_numpy(windows)
         if self.inputs.hf:
-            return hf_batch(window[:, :-1], self.inputs, generator)
-        return (window[:, :-1], window[:, 1:])
+            return hf_batch(window[:, :-1].contiguous(), self.inputs, generator)
+        return shifted(window)
 
 
 class DatasetData:
@@ -160,14 +165,52 @@ class DatasetData:
         return describe_batch(self.batch(1, torch.Generator().manual_seed(0)))
 
 
+def shifted(window: torch.Tensor) -> Batch:
+    """(inputs, next tokens) of token windows, each its own contiguous tensor: a model may
+    call `targets.view(-1)` (nanoGPT does), which a slice of the window refuses."""
+    return (window[:, :-1].contiguous(), window[:, 1:].contiguous())
+
+
+class FunctionData:
+    """Batches from a function, `batch_fn(batch_size, generator)` (the Python API's data):
+    a tensor, a tuple or list, or a dict of CPU tensors with the batch in dim 0."""
+
+    def __init__(self, batch_fn: BatchFn, key_path: str = "batch_fn"):
+        self.batch_fn, self.key_path = batch_fn, key_path
+        self.target = getattr(batch_fn, "__name__", type(batch_fn).__name__)
+
+    def batch(self, batch_size: int, generator: torch.Generator) -> Batch:
+        with user_code(self.key_path, self.target, "making a batch"):
+            batch = self.batch_fn(batch_size, generator)
+        if isinstance(batch, torch.Tensor):
+            batch = (batch,)
+        elif isinstance(batch, list):
+            batch = tuple(batch)
+        tensors = list(batch.values()) if isinstance(batch, dict) else list(batch) if isinstance(batch, tuple) else None
+        if not tensors or not all(isinstance(t, torch.Tensor) and t.ndim >= 1 for t in tensors):
+            raise SpecError(f"{self.key_path}: {self.target} must return a tensor, a tuple/list or a dict of tensors "
+                            f"with the batch in dim 0, got {type(batch).__name__}")
+        sizes = sorted({len(t) for t in tensors})
+        if sizes != [batch_size]:
+            raise SpecError(f"{self.key_path}: {self.target}({batch_size}, generator) returned tensors of "
+                            f"{', '.join(map(str, sizes))} samples in dim 0, not {batch_size}")
+        if any(t.device.type != "cpu" for t in tensors):
+            raise SpecError(f"{self.key_path}: {self.target} must return CPU tensors (autofit moves them)")
+        return batch
+
+    def describe(self) -> str:
+        return describe_batch(self.batch(1, torch.Generator().manual_seed(0)))
+
+
 def hf_batch(input_ids: torch.Tensor, inputs: InputSpec, generator: torch.Generator) -> Batch:
     """Hugging Face keyword batch with labels for the task (the model computes its loss)."""
-    if inputs.task == "causal_lm":
-        # HF shifts the labels inside the model, so labels are the inputs themselves.
+    if inputs.task in ("causal_lm", "seq2seq"):
+        # HF shifts the labels inside the model, so labels are the inputs themselves; an
+        # encoder-decoder learns to copy its input (its decoder reads the labels shifted).
         return {"input_ids": input_ids, "labels": input_ids.clone()}
-    if inputs.task == "classify":
-        return {"input_ids": input_ids, "labels": torch.randint(inputs.n_classes, (len(input_ids),),
-                                                                generator=generator)}
+    if inputs.task in ("classify", "token_classify"):
+        shape = input_ids.shape if inputs.task == "token_classify" else input_ids.shape[:1]
+        return {"input_ids": input_ids, "labels": torch.randint(inputs.n_classes, shape, generator=generator)}
     # Masked LM: the same number of labelled positions in every row, so the mean loss of
     # equal micro batches averages exactly to the mean loss of the whole batch.
     batch_size, seq_len = input_ids.shape
@@ -220,10 +263,11 @@ def load_callable(target: str, key_path: str, source_dir: Path | None) -> Callab
     return fn
 
 
-def check_kwargs(fn: Callable, kwargs: dict, key_path: str, target: str) -> None:
-    """Reject arguments the function cannot take before anything is built."""
+def check_kwargs(fn: Callable, kwargs: dict, key_path: str, target: str, *, positional: int = 0) -> None:
+    """Reject arguments the function cannot take (after `positional` ones autofit passes)
+    before anything is built."""
     try:
-        inspect.signature(fn).bind(**kwargs)
+        inspect.signature(fn).bind(*[None] * positional, **kwargs)
     except TypeError as exc:
         raise SpecError(f"{key_path}: {target} cannot take these arguments: {exc}") from None
     except ValueError:  # no signature (a C function): let the call itself complain

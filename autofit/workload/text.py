@@ -274,7 +274,7 @@ class TextData:
         labels = torch.from_numpy(np.where(real, rows, IGNORE_INDEX))
         if self.hf:  # HF causal LMs shift inside; the mask keeps padding out of attention
             return {"input_ids": ids, "attention_mask": torch.from_numpy(real.astype(np.int64)), "labels": labels}
-        return (ids[:, :-1], labels[:, 1:].contiguous())
+        return (ids[:, :-1].contiguous(), labels[:, 1:].contiguous())
 
     def step_indices(self, step: int, seed: int, global_batch_size: int) -> np.ndarray:
         epoch, k = divmod(step, self.steps_per_epoch(global_batch_size))
