@@ -21,7 +21,7 @@ from autofit.workload.probe import check_batch_dim
 from autofit.train.knobs import apply_checkpointing, find_block_stack
 from autofit.train.runner import Runner
 from autofit.tuning.space import search_space
-from conftest import FIXTURES, REPO, run_cli, run_main, write_spec
+from conftest import assert_tuned, FIXTURES, REPO, run_cli, run_main, write_spec
 
 TOKENS = str(REPO / "examples" / "data" / "train.bin")
 NANO_CONFIG = {"python": "byom_models:GPTConfig", "args": {"n_layer": 2, "n_embd": 32, "block_size": 32}}
@@ -394,9 +394,9 @@ def test_prints_of_the_users_code_never_reach_stdout(tmp_path):
         assert noise in result.stderr and noise not in result.stdout
     result = run_cli("tune", path, "--trials", "2", "--memory-budget", "64MiB", "--out", tmp_path / "profiles",
                      "--state-dir", tmp_path / "state", "--no-report", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+    assert_tuned(result)
+    # The model's prints went to its trials' logs (shown when a trial fails), never to stdout.
     assert result.stdout.splitlines() == [str(tmp_path / "profiles" / "byom--cpu-budget-64_00mib.yaml")]
-    assert "number of parameters" in result.stderr
 
 
 def test_a_profile_records_the_own_loss_and_the_exports_name_it(tmp_path):

@@ -23,6 +23,9 @@ PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
 # What a checkpointed block keeps (autofit/knobs.py): its input only, or its matmul and attention outputs too.
 CHECKPOINT_POLICIES = ("full", "selective")
 MODEL_SOURCES = ("builtin", "hf", "python")
+# A model handed to `autofit.tune()` as a Python object: its spec names the class and a
+# fingerprint of its structure (model.args) and is never read from a file.
+OBJECT_SOURCE = "object"
 DATA_KINDS = ("synthetic", "tokens", "python", "text")
 TEXT_FORMATS = ("jsonl", "txt")
 TEXT_PADDINGS = ("dynamic", "max_length")
@@ -51,7 +54,7 @@ _TARGET = re.compile(r"[\w.]+:\w+")  # "module.path:function" (fullmatch)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSource:
-    kind: str  # "builtin" | "hf" | "python"
+    kind: str  # "builtin" | "hf" | "python" | "object" (autofit.tune's model object)
     target: str  # builtin name, HF class name, or "module.path:function" (a function or a class)
     # builtin args / HF config dict / kwargs for the python callable; in a python source a
     # value `{python: "module:Callable", args: {...}}` is built first (a config object).
@@ -210,7 +213,7 @@ class ModelSpec:
     def probes_batch_dim(self) -> bool:
         """A model autofit did not write, whose batch dimension nobody declared and whose
         loss is per sample: the batch-dimension probe runs before it trains."""
-        return self.model.kind == "python" and self.model.batch_dim is None and self.loss.per_sample
+        return self.model.kind in ("python", OBJECT_SOURCE) and self.model.batch_dim is None and self.loss.per_sample
 
     def micro_batch_sizes(self) -> list[int]:
         """Micro batch sizes that divide the global batch: the only candidates."""
@@ -300,7 +303,7 @@ def parse_spec(raw: Any, *, source_dir: Path) -> ModelSpec:
 
 
 def _model(r: "Reader") -> ModelSource:
-    given = [k for k in MODEL_SOURCES if k in r.raw]
+    given = [k for k in (*MODEL_SOURCES, OBJECT_SOURCE) if k in r.raw]
     if len(given) != 1:
         what = "none" if not given else " and ".join(given)
         raise SpecError(f"model: exactly one source of {', '.join(MODEL_SOURCES)} is needed, got {what}")

@@ -8,6 +8,7 @@ an error in the user's code is a result (`input_error`), never an exception out 
 """
 
 import dataclasses
+import pickle
 import traceback
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from autofit.base.errors import AutofitError, InputError, SpecError
 from autofit.config.spec import ModelSpec, parse_spec
 from autofit.config.train_config import TrainConfig
-from autofit.workload import build_workload, TextData, Workload
+from autofit.workload import build_workload, make_workload, TextData, Workload
 from autofit.workload.probe import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.measure.child import run_request
@@ -34,6 +35,21 @@ def setup(payload: dict) -> dict:
     spec = parse_spec(payload["spec"], source_dir=Path(payload["source_dir"]))
     workload = build_workload(spec)
     analysis(spec, workload)  # an error in building the user's model is the setup's, reported at once
+    return {"spec": spec, "workload": workload}
+
+
+def setup_objects(payload: dict) -> dict:
+    """`setup` for a model given to `autofit.tune()` as Python objects: the model (or its
+    factory), batch_fn and loss_fn unpickled from the file the caller wrote (cloudpickle, by
+    value), made a workload as the spec says (per_sample, batch_dim, blocks)."""
+    spec = parse_spec(payload["spec"], source_dir=Path(payload["source_dir"]))
+    with open(payload["objects"], "rb") as f:
+        objects = pickle.load(f)
+    workload = make_workload(objects["model"], objects["batch_fn"], objects["loss_fn"], name=spec.name,
+                             per_sample=spec.loss.per_sample, batch_dim=spec.model.batch_dim,
+                             blocks=spec.model.blocks, probe_batch_dim=spec.probes_batch_dim,
+                             target=spec.model.target.rsplit(".", 1)[-1])
+    analysis(spec, workload)
     return {"spec": spec, "workload": workload}
 
 

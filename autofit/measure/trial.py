@@ -11,6 +11,7 @@ none. The child runs the real `Runner` step, so what is measured is what `autofi
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from autofit.measure.worker import StopEither, TaskOutcome, Worker
 
 _LOG_TAIL_CHARS = 4000
 SETUP_TASK = "autofit.measure.tasks:setup"
+OBJECTS_SETUP_TASK = "autofit.measure.tasks:setup_objects"
 TRIAL_TASK = "autofit.measure.tasks:trial"
 
 
@@ -73,11 +75,24 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     return _measurement(outcome.result, outcome, config, budget_bytes, timeout_s)
 
 
-def trial_worker(spec: ModelSpec, device: str | int = "cpu") -> Worker:
+# What the worker imports once, not each child: the tasks, and what torch imports lazily on
+# a first fake-tensor step or optimizer step (dynamo, sympy: about 0.9 s of some 800
+# modules, paid by every estimate a tune makes, dozens of them, before its first trial).
+TRIAL_PRELOAD = ("autofit.measure.tasks", "torch._dynamo", "sympy")
+
+
+def trial_worker(spec: ModelSpec, device: str | int = "cpu", *, objects: Path | None = None) -> Worker:
     """A pre-loaded worker for `spec`'s trials, estimates and analysis on `device`: it has
-    parsed the spec and built the workload (the user's model module, the data) once."""
-    return Worker(setup=SETUP_TASK, payload={"spec": spec.to_dict(), "source_dir": str(spec.source_dir)},
-                  preload=("autofit.measure.tasks",), device=_device_arg(device), name=f"trials of {spec.name}")
+    parsed the spec and built the workload (the user's model module, the data) once.
+    `objects`: the pickled model, batch_fn and loss_fn of `autofit.tune()` (the worker gets
+    the caller's sys.path, so what they import by name imports there too)."""
+    payload = {"spec": spec.to_dict(), "source_dir": str(spec.source_dir)}
+    if objects is None:
+        return Worker(setup=SETUP_TASK, payload=payload, preload=TRIAL_PRELOAD,
+                      device=_device_arg(device), name=f"trials of {spec.name}")
+    return Worker(setup=OBJECTS_SETUP_TASK, payload=payload | {"objects": str(objects)},
+                  preload=TRIAL_PRELOAD, device=_device_arg(device), name=f"trials of {spec.name}",
+                  env={"PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
 
 
 def _measurement(result: dict | None, outcome, config: TrainConfig, budget_bytes: int | None,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit.base.errors import InputError, NothingFitsError, ProfileError, TrialError, TrialTimeoutError
+from autofit.base.errors import InputError, NothingFitsError, ProfileError, SpecError, TrialError, TrialTimeoutError
 from autofit.base.redact import redact_url
 from autofit.base.sizes import format_bytes
 from autofit.base.version import VERSION
@@ -92,7 +92,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
          emulated_budget_bytes: int | None = None, stop_event: threading.Event | None = None,
          on_trial: Callable[[TrialRecord, TrialRecord | None, int], None] | None = None,
          report: bool = True, nproc: int = 1, guard=None,
-         worker: str | None = None) -> TuneOutcome:
+         worker: str | None = None, objects: Path | None = None) -> TuneOutcome:
     """Search, validate and save. `execute_on` is where trials run ("cpu" or a CUDA index;
     default: the device itself; an emulated GPU runs on the CPU under its budget).
     `emulated_budget_bytes` (from --memory-budget) keys a study apart from the full card's.
@@ -100,11 +100,13 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
     launched through torchrun); `budget_bytes` is then each rank's. `guard` (the service's
     `service.guard.TrialGuard`) watches every trial child.
     `worker` names this worker in a study it shares with others (default: the host name).
+    `objects`: the pickled model, batch_fn and loss_fn of `autofit.tune()` (`tuning.notebook`),
+    which its trial worker loads instead of building the spec's workload.
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     run = _Tune(spec, device=device, budget_bytes=budget_bytes, out_dir=Path(out_dir), storage=storage,
                 execute_on=execute_on, max_trials=trials or spec.search.trials, timeout_s=timeout_s,
                 emulated_budget_bytes=emulated_budget_bytes, stop_event=stop_event, on_trial=on_trial,
-                nproc=nproc, guard=guard, worker=worker or socket.gethostname())
+                nproc=nproc, guard=guard, worker=worker or socket.gethostname(), objects=objects)
     with contextlib.ExitStack() as cleanup:  # the study's locks and the worker are released however it ends
         run.prepare(cleanup)
         result, shared = run.search()
@@ -143,7 +145,9 @@ class _Tune:
     def __init__(self, spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Path,
                  storage: str | None, execute_on: str | None, max_trials: int, timeout_s: float | None,
                  emulated_budget_bytes: int | None, stop_event: threading.Event | None, on_trial, nproc: int,
-                 guard, worker: str):
+                 guard, worker: str, objects: Path | None = None):
+        if objects is not None and nproc > 1:  # ranks rebuild the workload from a spec file
+            raise SpecError("a model given as a Python object is tuned in one process: nproc must be 1")
         self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget_bytes, out_dir, storage
         self.execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
         if emulated_budget_bytes is not None:
@@ -151,6 +155,7 @@ class _Tune:
         self.device, self.emulated_budget_bytes = device_for_ranks(device, nproc), emulated_budget_bytes
         self.max_trials, self.timeout_s, self.nproc = max_trials, timeout_s, nproc
         self.stop_event, self.on_trial, self.guard, self.worker = stop_event, on_trial, guard, worker
+        self.objects = objects
         self.timeouts: dict = {}  # config -> timeouts so far: a retry gets twice the time
         self.validations: dict = {}  # config -> its validation runs, which the frontier reuses
         # Every validation run trains the same batches from the same weights: a low-precision
@@ -166,7 +171,8 @@ class _Tune:
     def prepare(self, cleanup: contextlib.ExitStack) -> None:
         spec, device = self.spec, self.device
         # The user's code (model module, data, forward) runs only in the worker's children.
-        self.trial_worker = cleanup.enter_context(trial_worker(spec, "cpu" if device.kind == "cpu" else self.execute_on))
+        self.trial_worker = cleanup.enter_context(trial_worker(spec, "cpu" if device.kind == "cpu" else self.execute_on,
+                                                               objects=self.objects))
         # A model autofit did not write: is its batch where autofit splits it? (In a child: it
         # runs the user's forward.)
         asks.probe_batch_dim(self.trial_worker, spec, stop_event=self.stop_event)

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autofit.base.errors import SpecError
+from autofit.config.spec import OBJECT_SOURCE
 from autofit.workload import chunked, hf, text
 from autofit.workload.binding import ModelLoss, UserLoss
 from autofit.workload.blocks import declare_blocks
@@ -124,6 +125,9 @@ class _Build:
 def build_workload(spec) -> Workload:
     """Model source x data source x loss of a ModelSpec; incompatible pairs raise SpecError."""
     source, data = spec.model, spec.data
+    if source.kind == OBJECT_SOURCE:
+        raise SpecError(f"model.object: {source.target} was given to autofit.tune() as a Python object; a spec file "
+                        f"names a model with model.python: \"module.path:function\" (or builtin, hf)")
     if source.kind != "python" and source.batch_dim not in (None, 0):
         raise SpecError(f"model.batch_dim: only for python models; {source.kind} models take the batch in dim 0")
     loss_items = None

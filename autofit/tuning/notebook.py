@@ -1,0 +1,181 @@
+"""`autofit.tune` and `autofit.train_model` for a model that lives in Python (a notebook, a script),
+not in a spec file.
+
+    profile = autofit.tune(model, batch_fn, loss_fn, global_batch_size=32, memory_budget="8GiB")
+    with profile.apply(model, device="cuda") as plan:
+        for step in range(1000):
+            plan.step(batch=batch_fn(32, generator), loss_fn=loss_fn)
+
+Trials run in a pre-loaded worker like any tune's: a fresh interpreter that forks a child
+per trial. The model (or its factory), `batch_fn` and `loss_fn` reach it **pickled by value**
+(cloudpickle), not by forking this process: a process that has run a parallel CPU op cannot
+be forked safely (libgomp), and one that holds a CUDA context cannot give it to a child. So
+what they need must be picklable and self-contained at the time of the call: no open
+files, sockets, locks, threads or CUDA tensors in them or their closures, nothing that
+only this process's later state would make right. Tensors and modules they reference are
+copied with them: pass a factory (`lambda: GPT(config)`) rather than a large model, whose
+weights would be pickled.
+"""
+
+import hashlib
+import math
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from loguru import logger
+from torch.utils._pytree import tree_leaves
+
+from autofit.base.errors import SpecError
+from autofit.base.paths import default_state_dir, default_store_dir
+from autofit.base.sizes import parse_budget
+from autofit.config.spec import OBJECT_SOURCE, parse_spec
+from autofit.device.probe import select_device, usable_budget_bytes
+from autofit.workload import make_workload
+from autofit.workload.data import FunctionData
+from autofit.profiles.profile import Profile
+from autofit.tuning.tune import tune as tune_spec
+
+OBJECTS_FILE = "objects.pkl"
+
+
+def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn: Callable | None = None, *,
+         global_batch_size: int, device: str | int | None = None, memory_budget: str | int | None = None,
+         trials: int | None = None, optimizer: dict | None = None, name: str | None = None,
+         per_sample: bool = True, batch_dim: int | None = None, blocks: str | Sequence[str] | None = None,
+         max_grad_norm: float | None = 1.0, search: dict | None = None, timeout_s: float | None = None,
+         out_dir: str | Path | None = None, state_dir: str | Path | None = None, report: bool = True) -> Profile:
+    """Tune `model` as `autofit tune` tunes a spec's, and return the profile it wrote.
+
+    `model`: an `nn.Module` on the CPU (each trial trains its own copy; the object itself is
+    never changed) or a factory `() -> nn.Module`. `batch_fn(batch_size, generator)`: a batch
+    of CPU tensors (a tensor, a tuple/list or a dict of them, batch in dim 0), the same for
+    the same generator state. `loss_fn(model, micro_batch) -> scalar tensor`: the micro
+    batch's mean loss; None: the model's own (`.loss`, `["loss"]`, a scalar, else
+    cross-entropy of its logits against the batch's targets, bound to `forward` by name).
+    `per_sample=False`: the loss couples a batch's samples (in-batch negatives): every step
+    runs the batch whole. `batch_dim`: where `forward` takes the batch (default 0, probed).
+    `blocks`: dotted paths of the block stack (default: found). `optimizer`: the spec's
+    `optimizer:` section (`{"name": "adamw", "lr": 3e-4, ...}`); `search`: its `search:`
+    section. `memory_budget`: `"8GiB"` or bytes, as `--memory-budget`.
+
+    The study (state_dir) and the profile (out_dir, default ./profiles) are keyed by the
+    model's class, the shapes of its parameters and of a sample batch, so running the same
+    cell again resumes the study instead of measuring again."""
+    name = name or _default_name(model)
+    objects = {"model": model, "batch_fn": batch_fn, "loss_fn": loss_fn}
+    raw = {"name": name,
+           "model": {OBJECT_SOURCE: _target(model),
+                     "args": {"fingerprint": _fingerprint(model, batch_fn, loss_fn, batch_dim)},
+                     **({"blocks": [blocks] if isinstance(blocks, str) else list(blocks)} if blocks else {}),
+                     **({"batch_dim": batch_dim} if batch_dim is not None else {})},
+           "optimizer": optimizer or {}, "train": {"global_batch_size": global_batch_size,
+                                                   "max_grad_norm": max_grad_norm},
+           "loss": {"per_sample": per_sample}, "search": search or {}}
+    spec = parse_spec(raw, source_dir=Path.cwd())
+    info = select_device(None if device is None else str(device))
+    emulated = parse_budget(None if memory_budget is None else str(memory_budget),
+                            total_bytes=info.memory_total_bytes, device_name=info.name)
+    budget_bytes = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=emulated)
+    state = Path(state_dir) if state_dir is not None else default_state_dir()
+    state.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir) if out_dir is not None else default_store_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="autofit-objects-") as folder:
+        path = Path(folder) / OBJECTS_FILE
+        _pickle(objects, path)
+        outcome = tune_spec(spec, device=info, budget_bytes=budget_bytes, out_dir=out,
+                            storage=f"sqlite:///{state.resolve() / 'studies.db'}", trials=trials, timeout_s=timeout_s,
+                            emulated_budget_bytes=emulated, report=report, objects=path)
+    return outcome.profile
+
+
+def train_model(model: nn.Module, batch_fn: Callable, loss_fn: Callable | None = None, *, profile: Profile, steps: int,
+          device: str | int | None = None, seed: int = 0, memory_budget: str | int | None = None,
+          log_every: int = 10, on_step: Callable[[int, float], None] | None = None) -> nn.Module:
+    """Train `model` for `steps` optimizer steps with `profile` (the point of its frontier that
+    fits now), on batches of `batch_fn` drawn from a generator seeded with `seed`; returns
+    the trained model (the plan's: `model` itself, moved to `device` and cast as the profile
+    says). `on_step(step, loss)` hears each step's mean loss. A loop of your own is
+    `with profile.apply(model) as plan: plan.step(batch=..., loss_fn=...)`."""
+    if not isinstance(steps, int) or steps < 1:
+        raise SpecError(f"autofit.train_model: steps must be a positive integer, got {steps!r}")
+    workload = make_workload(model, batch_fn, loss_fn, name=profile.model.name, probe_batch_dim=False)
+    generator = torch.Generator().manual_seed(seed)
+    with profile.apply(model, device=device, memory_budget=memory_budget) as plan:
+        for step in range(1, steps + 1):
+            plan.step(batch=workload.data.batch(plan.config.rank_batch_size, generator), loss_fn=workload.loss_fn)
+            loss = float(plan.last_loss)
+            if not math.isfinite(loss):
+                raise SpecError(f"autofit.train_model: the loss is {loss} at step {step} ({plan.config.short()})")
+            if on_step is not None:
+                on_step(step, loss)
+            if log_every and (step % log_every == 0 or step == steps):
+                logger.info("step {}/{}  loss {:.4f}  ({})", step, steps, loss, plan.config.short())
+        return plan.model
+
+
+def _default_name(model) -> str:
+    raw = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__name__", "model")
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in raw).strip("-._")
+    return (cleaned or "model")[:64]
+
+
+def _target(model) -> str:
+    kind = type(model) if isinstance(model, nn.Module) else model
+    return f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', type(kind).__name__)}"
+
+
+def _fingerprint(model, batch_fn, loss_fn, batch_dim) -> str:
+    """What the tuning depends on and a resumed study must share: the model's structure
+    (class, module tree, parameter and buffer shapes and dtypes), a sample batch's shapes
+    and dtypes, and the loss by name. Weights are not in it: training them changes nothing
+    a profile says."""
+    built = _meta_model(model)
+    digest = hashlib.sha256()
+    digest.update(repr(built).encode())
+    for key, tensor in (*built.named_parameters(), *built.named_buffers()):
+        digest.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.requires_grad};".encode())
+    sample = FunctionData(batch_fn).batch(2, torch.Generator().manual_seed(0))  # checked: one line if wrong
+    for leaf in tree_leaves(sample):
+        if isinstance(leaf, torch.Tensor):
+            digest.update(f"{tuple(leaf.shape)}:{leaf.dtype};".encode())
+    loss_name = "model" if loss_fn is None else getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+    digest.update(f"loss={loss_name};batch_dim={batch_dim}".encode())
+    return "sha256:" + digest.hexdigest()[:32]
+
+
+def _meta_model(model) -> nn.Module:
+    if isinstance(model, nn.Module):
+        where = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+        off = sorted(str(d) for d in where if d.type != "cpu")
+        if off:
+            raise SpecError(f"autofit.tune: the model's tensors are on {', '.join(off)}; pass it on the CPU (each "
+                            f"trial trains a copy on the device it measures) or pass a factory, () -> model")
+        return model
+    if not callable(model):
+        raise SpecError(f"autofit.tune: model must be a torch.nn.Module or a factory () -> nn.Module, "
+                        f"got {type(model).__name__}")
+    with torch.device("meta"):
+        built = model()
+    if not isinstance(built, nn.Module):
+        raise SpecError(f"autofit.tune: the model factory must return a torch.nn.Module, got {type(built).__name__}")
+    return built
+
+
+def _pickle(objects: dict, path: Path) -> None:
+    """Pickle by value what the worker needs; one line naming the object that cannot be."""
+    import cloudpickle
+
+    for key, value in objects.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - any pickling error is the caller's object's
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise SpecError(f"autofit.tune: {key} cannot be sent to the trial worker ({type(exc).__name__}: "
+                            f"{first}); it and what it refers to must pickle: no open files, locks, threads, "
+                            f"generators or CUDA tensors") from None
+    with open(path, "wb") as f:
+        cloudpickle.dump(objects, f)
