@@ -54,6 +54,8 @@ def test_tune_imports_no_user_module_in_its_own_process(tmp_path, monkeypatch):
                          search={"trials": 2, "warmup_steps": 0, "measure_steps": 1, "validate_steps": 1,
                                  "frontier_points": 1, "precisions": ["32-true"]})
     spec["model"] = {"python": "mymodels:build"}
+    for name in ("mymodels", "faulty"):  # an earlier test's in-process `train` may have imported them
+        monkeypatch.delitem(sys.modules, name, raising=False)
     path = faulty_spec(tmp_path, "raise")  # copies faulty.py (the dataset) beside the spec
     path = write_spec(tmp_path, spec)
     tune(load_spec(path), device=cpu_device(), budget_bytes=2**30, out_dir=tmp_path / "profiles", storage=None,

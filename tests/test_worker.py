@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autofit.base.errors import InputError
-from autofit.measure.steps import STEADY_RTOL, Steps, _steady
+from autofit.measure.steps import _steady, STEADY_RTOL, Steps
 from autofit.measure.worker import START_ENV, Worker
 from conftest import alive
 
@@ -20,9 +20,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TASKS = "worker_tasks"
 
 
-def _worker(**kwargs) -> Worker:
+def _worker(preload=(TASKS,), **kwargs) -> Worker:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p)}
-    return Worker(preload=(TASKS,), env=env, **kwargs)
+    return Worker(preload=preload, env=env, **kwargs)
 
 
 def test_each_task_runs_in_a_fresh_child_of_its_own_session():
@@ -63,6 +63,17 @@ def test_a_hung_child_is_killed_and_its_folder_removed(tmp_path, monkeypatch):
         assert outcome.ended == "timeout"
         assert not alive(seen[0])  # killed (and reaped) before run() returned
     assert list(tmp_path.iterdir()) == []  # the task's folder and the worker's, removed
+
+
+def test_a_setup_that_computes_on_the_cpu_leaves_its_children_able_to():
+    """libgomp is not fork-safe: a worker whose setup ran parallel CPU ops would fork children
+    that hang in their first one. The setup runs on one thread; the children get them all."""
+    import torch
+
+    with _worker(setup=f"{TASKS}:setup_computes", preload=("torch", TASKS)) as worker:  # as a tune's worker
+        done = worker.run(f"{TASKS}:compute", {}, timeout_s=60)
+    assert done.ended == "exited" and done.result is not None, done.log_tail
+    assert done.result["threads"] == torch.get_num_threads()
 
 
 def test_a_stop_event_ends_the_task_at_once():

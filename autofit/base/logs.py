@@ -29,6 +29,12 @@ def event_line(message: str, exception=None, *, debug: bool = False, one_line: b
     return redact_text(message)
 
 
+def _current_stderr(message: str) -> None:
+    """sys.stderr as it is when a record is written, not when the handler was added (a caller
+    that swaps stderr, as pytest's capture does, may have closed the earlier one)."""
+    sys.stderr.write(message)
+
+
 def configure(level: str = "INFO", *, debug: bool = False, one_line: bool = False, sink=None) -> int:
     """Replace loguru's handlers with autofit's one (to stderr, or `sink`); its handler id."""
 
@@ -45,5 +51,5 @@ def configure(level: str = "INFO", *, debug: bool = False, one_line: bool = Fals
         return _FORMAT + "{extra[_trace]}"
 
     logger.remove()
-    return logger.add(sys.stderr if sink is None else sink, level=level, format=format_record,
+    return logger.add(_current_stderr if sink is None else sink, level=level, format=format_record,
                       diagnose=False, backtrace=False)

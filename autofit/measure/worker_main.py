@@ -74,7 +74,8 @@ class _Server:
         for module in message.get("preload", []):
             importlib.import_module(module)
         if message.get("setup"):
-            self.context = resolve(message["setup"])(message.get("payload") or {})
+            with serial_setup():
+                self.context = resolve(message["setup"])(message.get("payload") or {})
         torch = sys.modules.get("torch")
         fork_safe = torch is None or not torch.cuda.is_initialized()
         self.send({"ready": True, "pid": os.getpid(), "setup_s": time.perf_counter() - started,
@@ -137,6 +138,24 @@ class _Server:
                 os.killpg(pid, signal.SIGKILL)
             if remove_folders and folder.name.startswith("autofit-"):
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def serial_setup():
+    """torch on one intra-op thread while the setup runs. A parallel CPU op (a data factory
+    that normalises its tensors, a model copied) starts OpenMP's thread pool, and a process
+    forked after that hangs in its first parallel op (libgomp is not fork-safe): every trial
+    would time out. With one thread the pool is never started; the children get them all."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _run_child(sock: socket.socket, target, folder: Path, context) -> None:
@@ -220,7 +239,11 @@ def main(fd: str, folder: str) -> int:
             return 1
         server.serve()
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass  # the parent is gone
+        # The parent is gone. Its socket closes before the kernel reparents us, so this may
+        # come before the parent-death signal: its folders are ours to remove here too.
+        server.kill_children(remove_folders=True)
+        if Path(folder).name.startswith("autofit-worker-"):
+            shutil.rmtree(folder, ignore_errors=True)
     finally:
         server.kill_children()
     return 0
