@@ -37,6 +37,7 @@ def test_each_task_runs_in_a_fresh_child_of_its_own_session():
     assert a["context"] == {"made_by": worker_pid, "token": 7}  # the setup ran once, in the worker
 
 
+@pytest.mark.timing
 def test_a_child_that_exits_hangs_or_crashes_leaves_the_next_one_untouched():
     with _worker(setup=f"{TASKS}:setup") as worker:
         worker_pid = worker.run(f"{TASKS}:who", {}, timeout_s=60).result["ppid"]
@@ -53,6 +54,7 @@ def test_a_child_that_exits_hangs_or_crashes_leaves_the_next_one_untouched():
     assert again.ended == "exited" and again.result["ppid"] == worker_pid  # the same worker went on
 
 
+@pytest.mark.timing
 def test_a_hung_child_is_killed_and_its_folder_removed(tmp_path, monkeypatch):
     import tempfile
 
@@ -63,6 +65,40 @@ def test_a_hung_child_is_killed_and_its_folder_removed(tmp_path, monkeypatch):
         assert outcome.ended == "timeout"
         assert not alive(seen[0])  # killed (and reaped) before run() returned
     assert list(tmp_path.iterdir()) == []  # the task's folder and the worker's, removed
+
+
+_FORCED = """
+import signal, sys, threading, time
+from pathlib import Path
+from autofit.base import stopping
+from autofit.measure.worker import Worker
+
+tmp = Path(sys.argv[1])
+worker = Worker(preload=("worker_tasks",))
+threading.Thread(target=worker.run, args=("worker_tasks:hang", {}), kwargs={"timeout_s": 600}, daemon=True).start()
+while not list(tmp.glob("autofit-trial-*/log")):  # the task runs
+    time.sleep(0.05)
+stopping.force_exit(signal.SIGTERM)  # what a second Ctrl-C does
+"""
+
+
+@pytest.mark.timing
+def test_a_forced_exit_kills_the_task_and_the_worker_and_removes_their_folders(tmp_path):
+    """A second signal leaves at once, without unwinding: what it started must still go,
+    folders included (the worker is killed, so it cannot remove them)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(
+        p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", _FORCED, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    assert "(forced)" in done.stderr
+    deadline = time.monotonic() + 10
+    while list(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(tmp_path.iterdir()) == []  # the task's folder and the worker's
 
 
 def test_a_setup_that_computes_on_the_cpu_leaves_its_children_able_to():
@@ -76,6 +112,7 @@ def test_a_setup_that_computes_on_the_cpu_leaves_its_children_able_to():
     assert done.result["threads"] == torch.get_num_threads()
 
 
+@pytest.mark.timing
 def test_a_stop_event_ends_the_task_at_once():
     stop = threading.Event()
     with _worker() as worker:
@@ -86,6 +123,7 @@ def test_a_stop_event_ends_the_task_at_once():
     assert outcome.ended == "stopped" and time.monotonic() - started < 30
 
 
+@pytest.mark.timing
 def test_a_worker_that_died_is_replaced_for_the_next_task():
     with _worker() as worker:
         first = worker.run(f"{TASKS}:who", {}, timeout_s=60).result["ppid"]

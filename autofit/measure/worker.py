@@ -67,6 +67,7 @@ class Worker:
         self.folder: Path | None = None
         self.setup_s: float | None = None
         self._child, self._cleanup = None, None
+        self._task_folder: Path | None = None  # the running task's, for a forced exit to remove
 
     # --- the worker's lifetime -------------------------------------------------------------
 
@@ -138,7 +139,7 @@ class Worker:
             return TaskOutcome(ended="stopped", result=None, returncode=None, log_tail="",
                                wall_s=time.perf_counter() - started)
         with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-            folder = Path(tmp)
+            folder = self._task_folder = Path(tmp)
             # The task may need its folder (a trial claims its CUDA context there).
             (folder / "payload.json").write_text(json.dumps(payload | {"_folder": tmp}, default=str))
             if self.spawn:
@@ -149,6 +150,7 @@ class Worker:
             result = json.loads(result_path.read_text()) if ended == "exited" and result_path.exists() else None
             log_path = folder / "log"
             log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:] if log_path.exists() else ""
+            self._task_folder = None
         if result is not None and "setup_error" in result:  # the spawn path's setup failed
             _raise_setup_error(result["setup_error"])
         return TaskOutcome(ended=ended, result=result, returncode=returncode, log_tail=log_tail,
@@ -209,12 +211,14 @@ class Worker:
                 proc = subprocess.Popen([sys.executable, "-m", "autofit.measure.worker_main", "--once", str(folder)],
                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                         env=self.env, start_new_session=True)
+                self._child = proc.pid
                 if on_child is not None:
                     on_child(proc.pid, folder)
                 ended = wait_for_child(proc, timeout_s, StopEither(stop_event))
             finally:
                 if proc is not None:
                     kill_group(proc)
+                self._child = None
         return ended, proc.returncode
 
     # --- the socket ------------------------------------------------------------------------
@@ -272,11 +276,15 @@ class Worker:
         self.close()
 
     def _kill(self) -> None:
-        """A forced exit (a second Ctrl-C): the child's group and the worker's, now."""
+        """A forced exit (a second Ctrl-C): the child's group and the worker's, now, and their
+        folders (no one is left to remove them: the worker was killed, not told)."""
         for pid in (self._child, self.proc.pid if self.proc else None):
             if pid:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
+        for folder in (self._task_folder, self.folder):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _signal_name(signum: int) -> str:
