@@ -201,6 +201,36 @@ def pytest_configure(config):
     os.environ[_SESSION_MARKER] = folder
     tempfile.tempdir = None  # recomputed from TMPDIR
     config._autofit_session_tmp = folder
+    config._autofit_hogs = _start_cpu_hogs(config.getoption("cpu_hogs"))
+
+
+# ---- a busy host ------------------------------------------------------------------------------
+# `--cpu-hogs N` runs N CPU-burning processes beside the tests (as .ci/run does for the files
+# marked `timing`): a test that passes only on an idle machine fails there, not in a user's CI.
+# Each hog polls its parent, so one outlives no pytest, however it ended.
+
+_HOG = "import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n    sum(range(100_000))\n"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-hogs", type=int, default=0, metavar="N",
+                     help="run N CPU-burning processes beside the tests (a busy host)")
+
+
+def pytest_report_header(config):
+    count = config.getoption("cpu_hogs")
+    return f"{count} CPU-burning processes beside the tests" if count else None
+
+
+def _start_cpu_hogs(count: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())], stdin=subprocess.DEVNULL)
+            for _ in range(count)]
+
+
+def _stop_cpu_hogs(config) -> None:
+    for hog in getattr(config, "_autofit_hogs", []):
+        hog.kill()
+        hog.wait()
 
 
 def _our_processes(marker: str) -> list[str]:
@@ -232,6 +262,7 @@ def left_behind(folder: str, wait_s: float = _LEFT_BEHIND_WAIT_S) -> list[str]:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _stop_cpu_hogs(session.config)
     folder = getattr(session.config, "_autofit_session_tmp", None)
     if folder is None:
         return

@@ -73,6 +73,7 @@ def test_faults_are_read_in_the_check_children_a_crash_stays_in_its_own_and_exit
     assert report["ok"] is False and report["counts"] == {"ok": 0, "fail": 2, "skip": 0}
 
 
+@pytest.mark.timing
 def test_a_hanging_check_is_killed_at_its_timeout(monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "probe:hang")
     report = run_doctor(device="cpu", checks=["probe", "overhead"], timeout_s=2)

@@ -247,6 +247,7 @@ def test_two_services_sharing_postgres_and_a_store_make_one_profile_per_model(po
     assert sum("validated the winner of this study and wrote the profile" in m for m in messages) == 2
 
 
+@pytest.mark.timing
 def test_a_trial_whose_heartbeat_stops_is_failed_and_queued_again(tmp_path, monkeypatch):
     """The heartbeat thread (the one place autofit uses Optuna's private `_storage` and
     `_trial_id`) keeps a trial alive; once it stops, the trial is failed and its config

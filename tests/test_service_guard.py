@@ -37,6 +37,7 @@ def write_inventory(path, *processes):
     return path
 
 
+@pytest.mark.timing
 def test_a_foreign_process_stops_the_running_trial_within_2_s(tmp_path):
     """A real trial child (a model that hangs in forward), an emulated card: a process
     listed on the card while the trial runs gets the child's process group killed and the
@@ -163,6 +164,7 @@ def test_two_pids_appearing_while_a_child_creates_its_context_stop_the_tune(tmp_
     assert "3000000011, 3000000013" in reason and "cannot tell which is its own" in reason
 
 
+@pytest.mark.timing
 def test_a_claim_that_never_completes_is_judged_after_its_grace(tmp_path):
     nvml, guard, folder = _guard(tmp_path)
     guard.trial_started(os.getpid(), folder)
@@ -174,6 +176,7 @@ def test_a_claim_that_never_completes_is_judged_after_its_grace(tmp_path):
     assert guard.check(now_unix_s=now + CLAIM_GRACE_S) == f"another process appeared on gpu0 (pid {FOREIGN_PID})"
 
 
+@pytest.mark.timing
 def test_an_unreadable_process_list_stops_the_tune_only_when_it_lasts(tmp_path):
     nvml, guard, folder = _guard(tmp_path)
 

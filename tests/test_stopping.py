@@ -74,6 +74,7 @@ def test_a_stop_at_any_moment_of_a_tune_ends_it_cleanly(tmp_path, attempt):
     assert err.strip().splitlines()[-1] == "autofit: stopped by SIGINT"
 
 
+@pytest.mark.timing
 def test_a_second_signal_ends_the_command_at_once(tmp_path):
     spec = _tune_spec(tmp_path)
     proc, tmp = start_cli(tmp_path, "tune", spec, "--device", "cpu", "--out", tmp_path / "profiles",
@@ -109,6 +110,7 @@ def test_train_stops_between_steps_and_resumes(tmp_path):
     assert "resumed from" in resumed.stderr and json.loads(resumed.stdout.splitlines()[-1])["steps"] == saved + 2
 
 
+@pytest.mark.timing
 def test_the_flag_is_set_and_a_second_signal_forces_the_exit():
     """In process: the handler raises nothing; the second one calls the forced exit."""
     forced = []

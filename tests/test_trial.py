@@ -96,6 +96,7 @@ def test_oom_is_a_result_and_the_next_trial_measures_normally(tiny_spec):
     ("hang", "timeout", "killed", 6),
     ("nan", "unhealthy", "loss is nan at step 0", 120),
 ])
+@pytest.mark.timing
 def test_a_misbehaving_child_never_takes_the_parent_down(tmp_path, fault, status, reason, timeout_s):
     spec = load_spec(faulty_spec(tmp_path, fault))
     config = TrainConfig(precision="32-true", micro_batch_size=8)
@@ -107,6 +108,7 @@ def test_a_misbehaving_child_never_takes_the_parent_down(tmp_path, fault, status
         assert m.wall_s < 60  # killed, not waited for
 
 
+@pytest.mark.timing
 def test_stop_event_kills_the_child(tmp_path):
     spec = load_spec(faulty_spec(tmp_path, "hang"))
     stop = threading.Event()
@@ -158,6 +160,7 @@ def test_spec_round_trips_through_the_request(tmp_path):
     assert again == spec and again.spec_hash == spec.spec_hash
 
 
+@pytest.mark.timing
 def test_a_killed_parent_takes_its_trial_child_and_folder_with_it(tmp_path):
     """SIGKILL to the process measuring a trial (a killed `autofit tune`): the kernel's
     parent-death signal makes the child remove its autofit-trial-* folder and exit."""

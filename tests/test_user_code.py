@@ -30,6 +30,7 @@ def test_a_builder_that_ends_its_process_is_one_line_and_exit_2(tmp_path, comman
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.timing
 def test_a_builder_that_hangs_ends_the_tune_at_its_timeout(tmp_path):
     path = _faulty(tmp_path, "hang_build", timeout_s=5)
     started = time.monotonic()
