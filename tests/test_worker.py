@@ -101,6 +101,47 @@ def test_a_forced_exit_kills_the_task_and_the_worker_and_removes_their_folders(t
     assert list(tmp_path.iterdir()) == []  # the task's folder and the worker's
 
 
+_KILLED_WITH_THREADS = """
+import sys, threading, time
+from pathlib import Path
+from autofit.measure.worker import Worker
+
+tmp = Path(sys.argv[1])
+worker = Worker(preload=("worker_tasks",))
+for _ in range(4):  # threads alive when the process is killed, as a tune's heartbeats are
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+threading.Thread(target=worker.run, args=("worker_tasks:hang", {}), kwargs={"timeout_s": 600}, daemon=True).start()
+while not list(tmp.glob("autofit-trial-*/log")):
+    time.sleep(0.05)
+print("running", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timing
+def test_a_killed_parent_with_threads_leaves_no_folder(tmp_path):
+    """SIGKILL to a process with several threads: the kernel may hand the worker to a sibling
+    thread (the same pid) before the process is gone, and send the parent-death signal then.
+    The worker must still take the parent for dead, and remove the folders. Three rounds: the
+    order in which the threads die is the kernel's."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p)}
+    for round_ in range(3):
+        tmp = tmp_path / f"round-{round_}"
+        tmp.mkdir()
+        parent = subprocess.Popen([sys.executable, "-c", _KILLED_WITH_THREADS, str(tmp)], env={**env, "TMPDIR": str(tmp)},
+                                  stdout=subprocess.PIPE, text=True)
+        assert parent.stdout.readline().strip() == "running"
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while list(tmp.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(tmp.iterdir()) == [], f"round {round_}: left behind"
+
+
 def test_a_setup_that_computes_on_the_cpu_leaves_its_children_able_to():
     """libgomp is not fork-safe: a worker whose setup ran parallel CPU ops would fork children
     that hang in their first one. The setup runs on one thread; the children get them all."""

@@ -19,6 +19,7 @@ from pathlib import Path
 PARENT_PID_ENV = "AUTOFIT_TRIAL_PARENT_PID"  # set by `child_env` for the child it starts
 _POLL_S = 0.1
 _PARENT_POLL_S = 0.5
+_PARENT_GONE_WAIT_S = 2.0
 
 
 def child_env(device: str) -> dict:
@@ -100,6 +101,19 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def parent_gone(parent: int, wait_s: float = _PARENT_GONE_WAIT_S) -> bool:
+    """After a parent-death signal: has `parent` really gone? The kernel sends the signal when
+    the *thread* that started us dies, and while the rest of its process is still exiting it
+    first hands us to a sibling thread (the same pid: getppid() is unchanged). So wait a moment
+    for getppid() to change before taking the parent for alive."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def exit_with_parent(trial_dir: Path, parent: int | None = None) -> None:
     """A SIGKILLed `autofit tune` can neither kill its trial nor remove the trial's folder: the
     kernel sends this child SIGTERM when the parent dies, and the child removes the folder
@@ -110,7 +124,7 @@ def exit_with_parent(trial_dir: Path, parent: int | None = None) -> None:
         parent = int(os.environ.get(PARENT_PID_ENV) or os.getppid())
 
     def on_term(signum, frame):
-        if os.getppid() != parent and trial_dir.name.startswith("autofit-trial-"):
+        if trial_dir.name.startswith("autofit-trial-") and parent_gone(parent):
             shutil.rmtree(trial_dir, ignore_errors=True)
         os._exit(128 + signum)
 

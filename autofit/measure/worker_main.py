@@ -41,7 +41,7 @@ from loguru import logger
 
 from autofit.base.atomic import atomic_write_text
 from autofit.base.errors import InputError, SpecError
-from autofit.measure.process import exit_with_parent, parent_death_signal
+from autofit.measure.process import exit_with_parent, parent_death_signal, parent_gone
 from autofit.measure.wire import LineSocket
 
 _POLL_S = 0.05
@@ -130,13 +130,15 @@ class _Server:
             self.reported.add(pid)
             self.send({"exited": pid, "status": status})
 
-    def kill_children(self, *, remove_folders: bool = False) -> None:
-        """Kill every child's group; with `remove_folders` (the parent is gone: it cannot), their
-        folders too."""
-        for pid, folder in self.children.items():
+    def kill_children(self) -> None:
+        for pid in self.children:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-            if remove_folders and folder.name.startswith("autofit-"):
+
+    def remove_folders(self, own: str) -> None:
+        """The parent is gone, so it cannot: the children's folders and this worker's."""
+        for folder in (*self.children.values(), Path(own)):
+            if folder.name.startswith("autofit-"):
                 shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -218,10 +220,9 @@ def main(fd: str, folder: str) -> int:
     _name_process(b"autofit-worker")
 
     def on_term(signum, frame):  # the parent died (parent-death signal) or killed us
-        orphaned = os.getppid() != parent  # then its folders are ours to remove
-        server.kill_children(remove_folders=orphaned)
-        if orphaned and Path(folder).name.startswith("autofit-worker-"):
-            shutil.rmtree(folder, ignore_errors=True)
+        server.kill_children()
+        if parent_gone(parent):
+            server.remove_folders(folder)
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -241,9 +242,8 @@ def main(fd: str, folder: str) -> int:
     except (EOFError, BrokenPipeError, ConnectionResetError):
         # The parent is gone. Its socket closes before the kernel reparents us, so this may
         # come before the parent-death signal: its folders are ours to remove here too.
-        server.kill_children(remove_folders=True)
-        if Path(folder).name.startswith("autofit-worker-"):
-            shutil.rmtree(folder, ignore_errors=True)
+        server.kill_children()
+        server.remove_folders(folder)
     finally:
         server.kill_children()
     return 0
