@@ -49,29 +49,40 @@ def ensure_reference(tuner) -> None:
 
 
 def remeasure_contenders(tuner) -> tuple[float | None, int]:
-    """Re-measure the configs within noise of the best, interleaved, until the leader's
-    lead exceeds the noise seen (MIN_ROUNDS to MAX_ROUNDS rounds). Repeats are stored,
-    so a resumed study does not take them again. Returns (noise seen, rounds)."""
+    """Re-measure the configs within noise of the best, interleaved, round after round: a
+    contender whose lead is lost beyond doubt (`choice.behind`) leaves the field, a config
+    measured once that comes to lead the re-measured ones joins it, and the rounds stop
+    when the lead is settled or the leaders are tied under the noise seen
+    (`choice.settled`), or when the noise is too large for any number of rounds to settle
+    it (`choice.futile`: a loaded host); MIN_ROUNDS to MAX_ROUNDS rounds. Repeats are
+    stored, so a resumed study does not take them again. Returns (noise seen, rounds)."""
     records, budget_bytes = tuner.records(), tuner.budget_bytes
     # The field is drawn from the search's own measurements, so a resumed study draws
     # the same one and finds its repeats already taken.
     first = choice.rank(records, budget_bytes, repeats=False)
-    field = choice.contenders(first, choice.prior_noise(first))
+    prior = choice.prior_noise(first)
+    field = [r.record.config for r in choice.contenders(first, prior)]
     if len(field) < 2:
         return choice.observed_noise(records), 0
-    taken = {r.record.config: r.measurements for r in choice.rank(records, budget_bytes)}
-    rounds = min(taken.get(f.record.config, 1) for f in field) - 1
-    while rounds < choice.MAX_ROUNDS:
+    while True:
+        ranked = choice.rank(records, budget_bytes)
+        if ranked[0].record.config not in field:
+            # One lucky run is no lead: it is measured as often as the others first (the
+            # winner's curse, otherwise).
+            field.append(ranked[0].record.config)
+        race = [r for r in ranked if r.record.config in field]
+        rounds = min(r.measurements for r in race) - 1
         if rounds >= choice.MIN_ROUNDS:
-            ranked = choice.rank(records, budget_bytes)
-            observed = choice.observed_noise(records)
-            noise = choice.NOISE_PRIOR if observed is None else observed
-            if choice.settled([r for r in ranked if r.record.config in {f.record.config for f in field}], noise):
-                break
-        for contender in field:
-            if tuner.should_stop():
+            noise = choice.decision_noise(records, prior)
+            race = [r for r in race if not choice.behind(r, race[0], noise)]
+            field = [c for c in field if c in {r.record.config for r in race}]
+            if (len(race) < 2 or choice.settled(race, noise) or choice.futile(noise)
+                    or rounds >= choice.MAX_ROUNDS):
                 return choice.observed_noise(records), rounds
-            tuner.measure_now(contender.record.config, records, repeat=True)
+        level = {r.record.config for r in race if r.measurements == rounds + 1}
+        for config in field:
+            if config in level:
+                if tuner.should_stop():
+                    return choice.observed_noise(records), rounds
+                tuner.measure_now(config, records, repeat=True)
         records = tuner.records()
-        rounds += 1
-    return choice.observed_noise(records), rounds
