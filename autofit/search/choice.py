@@ -20,7 +20,7 @@ from autofit.search.study import TrialRecord
 # shared GPU or a busy CPU moves by a few percent between calls.
 NOISE_PRIOR = 0.03
 MAX_CONTENDERS = 10
-MIN_ROUNDS, MAX_ROUNDS = 1, 10
+MIN_ROUNDS, MAX_ROUNDS = 1, 16
 # A lead is settled when it exceeds this many standard errors of the difference.
 SETTLE_Z = 2.0
 # Leaders whose difference is known to within this (SETTLE_Z standard errors) are a tie:

@@ -1,6 +1,7 @@
-"""After the search, before the winner is chosen: a full-precision reference if the study has
-none (low-precision trials are judged against it), and the contenders within noise of the
-best measured again, interleaved, until the leader's lead exceeds the noise seen.
+"""After the search, before the winner is chosen: a full-precision reference at the freezing
+depth of each contender that has none (low-precision trials are judged against it), and the
+contenders within noise of the best measured again, interleaved, until the leader's lead
+is beyond the noise seen.
 
 Both measure through the tuner (`Tuner.measure_now`), so their trials are stored in the
 study like any other: a resumed tune does not take them again.
@@ -11,31 +12,31 @@ import time
 from loguru import logger
 
 from autofit.search import choice, seeding
-from autofit.search.health import reference_for, REFERENCE_PRECISIONS
+from autofit.search.health import is_reference, reference_for, REFERENCE_PRECISIONS
 
 BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
-REFERENCE_ATTEMPTS = 3  # an OOM refits the model; the next frontier point is smaller
+# References measured at most after a search: an OOM refits the model (the next frontier
+# point is smaller), and contenders at several freezing depths need one each.
+REFERENCE_ATTEMPTS = 4
 
 
 def ensure_reference(tuner) -> None:
-    """Measure a full-precision reference if the study has none, so low-precision winners
-    can be checked: the fastest 32-true (else tf32) config predicted to fit, i.e. the
-    largest micro batch with the fewest checkpointed blocks, nothing frozen."""
-    space = tuner.space
-    precision = next((p for p in REFERENCE_PRECISIONS if p in space.precisions), None)
-    if 32 not in space.optimizer_bits:  # every config of the space has 8-bit state
-        precision = None
-    attempts = 0
+    """Measure a full-precision reference at the freezing depth of each config that could
+    win and has none (the mean loss is compared only at one depth: freezing changes what is
+    trained), and one at all if the study has none: the fastest 32-true (else tf32) config
+    with fp32 optimizer state predicted to fit at that depth, i.e. the largest micro batch
+    with the fewest checkpointed blocks. Called before the contenders' race and after it
+    (a config that joined the race may be the winner)."""
+    attempts, depth = 0, None
     while attempts < REFERENCE_ATTEMPTS:
         records = tuner.records()
-        if precision is None or reference_for(None, records, same_freeze=False) is not None:
+        depth = _unreferenced_depth(tuner, records)
+        if depth is None:
             return
-        line = [c for c in seeding.frontier(space, tuner.fits(records), precision, 0, limit=3,
-                                            strategy={"optimizer_bits": 32})
-                if tuner.known(c, records) is None]
-        if not line:
+        reference = seeding.reference_point(tuner.space, tuner.fits(records), depth)
+        if reference is None or tuner.known(reference, records) is not None:
             break
-        if tuner.measure_now(line[0], records, unless_busy=True) is None:
+        if tuner.measure_now(reference, records, unless_busy=True) is None:
             # Another worker sharing the study is measuring it: its result is the reference
             # (or, if that worker dies, the trial comes back to be measured here).
             if tuner.should_stop():
@@ -43,9 +44,27 @@ def ensure_reference(tuner) -> None:
             time.sleep(BUSY_WAIT_S)
             continue
         attempts += 1
-    logger.warning("no {} reference (fp32 optimizer state) fits: numeric health of 16-bit precisions and "
-                   "8-bit optimizer state is checked for finite losses and scaler skips only (no stagnation "
-                   "or loss-curve comparison)", precision)
+    if depth is not None:
+        logger.warning("no full-precision reference (fp32 optimizer state) fits at freezing depth {}: numeric "
+                       "health of 16-bit precisions and 8-bit optimizer state there is checked for finite losses, "
+                       "scaler skips and the first loss only (no mean-loss comparison)", depth)
+
+
+def _unreferenced_depth(tuner, records) -> int | None:
+    """The freezing depth of a contender for the win (within noise of the best) that is not
+    full numerics and has no healthy reference at its depth; with no reference in the study
+    at all, the best's depth (0 when nothing ranks). None: nothing to measure."""
+    space = tuner.space
+    if not any(p in space.precisions for p in REFERENCE_PRECISIONS) or 32 not in space.optimizer_bits:
+        return None
+    ranked = choice.rank(records, tuner.budget_bytes)
+    if reference_for(None, records, same_freeze=False) is None:
+        return ranked[0].record.config.freeze_blocks if ranked else 0
+    for r in choice.contenders(ranked, choice.prior_noise(ranked)):
+        config = r.record.config
+        if not is_reference(config) and reference_for(config, records, same_freeze=True) is None:
+            return config.freeze_blocks
+    return None
 
 
 def remeasure_contenders(tuner) -> tuple[float | None, int]:

@@ -156,14 +156,16 @@ class Tuner:
         return None
 
     def finish(self, searched: tuple[str, int, float]) -> SearchResult:
-        """After `search()`: a full-precision reference if the study has none, and the
-        contenders re-measured; the result. With workers sharing the study, one finishes."""
+        """After `search()`: a full-precision reference at each contender's freezing depth
+        that has none, and the contenders re-measured; the result. With workers sharing the
+        study, one finishes."""
         _, _, start = searched
         noise, rounds = None, 0
         if not self.should_stop():
             self.ensure_reference()
             if not self._timed_out(start):  # out of time: the longer validation still compares
                 noise, rounds = self.remeasure_contenders()
+                self.ensure_reference()  # a config that joined the race may lead without one
         return self.result(searched, noise, rounds)
 
     def result(self, searched: tuple[str, int, float], noise: float | None = None, rounds: int = 0) -> SearchResult:

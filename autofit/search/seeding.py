@@ -157,22 +157,23 @@ def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = 
     are left out, and the others come fastest first."""
     compiled = {"compile": best.compile} if len(space.compile) > 1 else {}
     mine = space.seed_group(best)
-    larger = [m for m in space.micro_batch_sizes if m > best.micro_batch_size][:1]
+    # The next larger micro batch, and the fewest blocks the best's own group needs there.
+    larger = [(m, fewest_checkpointed(space, fits, best.precision, m, best.freeze_blocks, space.kept(best),
+                                      best.checkpoint_policy))
+              for m in space.micro_batch_sizes if m > best.micro_batch_size][:1]
     ranked = []
     for precision, strategy, knobs in seed_groups(space, allowed):
-        kept = strategy | knobs
+        kept = strategy | knobs | compiled
         group = space.seed_group(space.config(precision, best.micro_batch_size, **kept))
         ratio = _speed_ratio(space, records, mine, group)
         if group == mine or (ratio is not None and ratio < TWIN_FLOOR):
             continue
-        at = fewest_checkpointed(space, fits, precision, best.micro_batch_size, best.freeze_blocks, kept | compiled,
+        at = fewest_checkpointed(space, fits, precision, best.micro_batch_size, best.freeze_blocks, kept,
                                  best.checkpoint_policy)
         bigger = []
-        for micro in larger:
-            theirs = fewest_checkpointed(space, fits, precision, micro, best.freeze_blocks, kept | compiled,
+        for micro, ours in larger:
+            theirs = fewest_checkpointed(space, fits, precision, micro, best.freeze_blocks, kept,
                                          best.checkpoint_policy)
-            ours = fewest_checkpointed(space, fits, best.precision, micro, best.freeze_blocks, space.kept(best),
-                                       best.checkpoint_policy)
             if theirs is not None and (ours is None or theirs.checkpoint_blocks < ours.checkpoint_blocks):
                 bigger.append(theirs)
         ranked.append((1.0 if ratio is None else ratio, [c for c in [at] if c is not None], bigger))
@@ -186,24 +187,26 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     ran against `mine`'s at a shape matched in strategy and memory knobs too. None when
     neither was measured. Precisions and memory knobs scale a config's speed about alike
     at every batch, so one matched pair says most of what a group can do."""
-    def ratio(key: Callable[[TrainConfig], tuple], shape: Callable[[TrainConfig], tuple]) -> float | None:
-        runs: dict[tuple, dict[tuple, float]] = {}
-        for r in records:
-            if r.status == "ok" and not r.repeat and r.samples_per_s > 0:
-                by_shape = runs.setdefault(key(r.config), {})
-                by_shape[shape(r.config)] = max(by_shape.get(shape(r.config), 0.0), r.samples_per_s)
-        theirs, ours = runs.get(key_of(group), {}), runs.get(key_of(mine), {})
-        return max((speed / ours[at] for at, speed in theirs.items() if at in ours), default=None)
-
     def size(config: TrainConfig) -> tuple:
         return config.micro_batch_size, config.freeze_blocks, config.compile
 
-    key_of = lambda g: g  # noqa: E731
-    found = ratio(space.seed_group, size)
+    found = _matched_ratio(records, space.seed_group, size, group, mine)
     if found is None:
-        key_of = lambda g: g[0]  # noqa: E731  the precision alone
-        found = ratio(lambda c: c.precision, lambda c: size(c) + space.seed_group(c)[1:])
+        found = _matched_ratio(records, lambda c: c.precision, lambda c: size(c) + space.seed_group(c)[1:],
+                               group[0], mine[0])
     return found
+
+
+def _matched_ratio(records: Sequence[TrialRecord], key: Callable, shape: Callable, theirs_key,
+                   ours_key) -> float | None:
+    """The largest ratio of `theirs_key`'s fastest run to `ours_key`'s at the same `shape`."""
+    runs: dict = {}
+    for r in records:
+        if r.status == "ok" and not r.repeat and r.samples_per_s > 0:
+            by_shape = runs.setdefault(key(r.config), {})
+            by_shape[shape(r.config)] = max(by_shape.get(shape(r.config), 0.0), r.samples_per_s)
+    theirs, ours = runs.get(theirs_key, {}), runs.get(ours_key, {})
+    return max((speed / ours[at] for at, speed in theirs.items() if at in ours), default=None)
 
 
 def reference_point(space: SearchSpace, fits: Fits, freeze_blocks: int) -> TrainConfig | None:
