@@ -22,6 +22,7 @@ _PUBLIC = {
     "ProfileError": "autofit.base.errors",
     "SpecError": "autofit.base.errors",
     "TrialError": "autofit.base.errors",
+    "WriteError": "autofit.base.errors",
     "ModelSpec": "autofit.config.spec",
     "load_spec": "autofit.config.spec",
     "TrainConfig": "autofit.config.train_config",

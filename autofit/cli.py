@@ -182,11 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _install_stop_handlers(command: str) -> dict:
-    """The previous handlers, to put back. `serve` has its own (SIGHUP reloads it)."""
-    if command == "serve" or threading.current_thread() is not threading.main_thread():
+def _install_handlers(command: str) -> dict:
+    """The previous handlers, to put back. `serve` has its own stop handlers (SIGHUP reloads it)."""
+    if threading.current_thread() is not threading.main_thread():
         return {}
-    return stopping.install()
+    # A file-size limit (ulimit -f) kills the process with SIGXFSZ by default, mid-write and
+    # with no word. Ignored, the write fails with EFBIG and is one line (base/atomic.py);
+    # trial children inherit the disposition across exec.
+    previous = {signal.SIGXFSZ: signal.signal(signal.SIGXFSZ, signal.SIG_IGN)}
+    if command != "serve":
+        previous |= stopping.install()
+    return previous
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,26 +201,43 @@ def main(argv: list[str] | None = None) -> int:
     level = "DEBUG" if args.verbose else "WARNING" if args.quiet else "INFO"
     # The service's log is a journal: one line per event there.
     configure_logging(level, debug=args.debug, one_line=args.command == "serve")
-    previous = _install_stop_handlers(args.command)
+    previous = _install_handlers(args.command)
+    try:
+        code = _dispatch(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if previous and stopping.requested.is_set():
+        # However the command ended once a stop was asked for (a trial cut short, a tune
+        # interrupted), the stop is what happened.
+        signum = stopping.signum or signal.SIGINT
+        print(f"autofit: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    return code
+
+
+def _dispatch(args) -> int:
+    """The command's exit code; an `AutofitError` is one line on stderr."""
     try:
         return importlib.import_module(HANDLERS[args.command]).main(args)
     except AutofitError as exc:
         if args.debug:
             _print_traceback(exc)
-        print(f"autofit: error: {exc}", file=sys.stderr)
+        if not stopping.requested.is_set():
+            print(f"autofit: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt as exc:
-        signum = getattr(exc, "signum", signal.SIGINT)
-        print(f"autofit: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+    except (KeyboardInterrupt, InterruptedError) as exc:
+        # Ctrl-C where no handler is ours (a thread other than the main one), or a command
+        # that stopped at a safe point after the stop flag was set.
+        signum = getattr(exc, "signum", None) or stopping.signum or signal.SIGINT
+        if not stopping.requested.is_set():
+            print(f"autofit: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
     except BrokenPipeError:
         # The reader (`| head`) went away: not an error of ours. Point stdout at devnull so
         # the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _print_traceback(exc: AutofitError) -> None:

@@ -70,6 +70,35 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+# `autofit tune` wrote its profile: 0, or 4 where the host was too busy for the speed-up to be
+# measured (autofit/tuning/speedup.py). On a loaded test machine either is right.
+TUNED = (0, 4)
+
+
+def assert_tuned(result) -> None:
+    assert result.returncode in TUNED, result.stderr[-4000:]
+
+
+def start_cli(tmp_path: Path, *args) -> tuple[subprocess.Popen, Path]:
+    """`autofit ARGS` started (not waited for) with a TMPDIR of its own, so its children's
+    folders and processes are known: (the process, that TMPDIR)."""
+    tmp = Path(tmp_path) / "tmp"
+    tmp.mkdir(exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "autofit", *map(str, args)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
+    return proc, tmp
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie, exited but not reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def run_cli_json(*args: str, **kwargs) -> dict:
     result = run_cli(*args, **kwargs)
     assert result.returncode == 0, result.stderr
@@ -98,6 +127,36 @@ def journal():
 
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture
+def read_only():
+    """`read_only(folder)`: a folder this process can no longer create, rename or remove files
+    in, as a read-only mount would be, undone after the test. An ordinary user gets mode
+    0555; root ignores modes, so it gets the immutable flag (`chattr +i`: ext4, xfs, btrfs).
+    Skips where neither holds."""
+    undo = []
+
+    def make(folder: Path) -> Path:
+        folder = Path(folder)
+        if os.geteuid() != 0:
+            folder.chmod(0o555)
+            undo.append(lambda: folder.chmod(0o755))
+        elif shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)],
+                                                       capture_output=True).returncode == 0:
+            undo.append(lambda: subprocess.run(["chattr", "-i", str(folder)], capture_output=True))
+        else:
+            pytest.skip("cannot make a folder read-only here (root, and no chattr +i on this file system)")
+        try:
+            (folder / ".probe").write_text("x")
+        except OSError:
+            return folder
+        (folder / ".probe").unlink()
+        pytest.skip(f"{folder} is still writable after making it read-only")
+
+    yield make
+    for step in reversed(undo):
+        step()
 
 
 def faulty_spec(folder: Path, fault: str) -> Path:
@@ -159,10 +218,11 @@ def _our_processes(marker: str) -> list[str]:
 
 
 def left_behind(folder: str, wait_s: float = _LEFT_BEHIND_WAIT_S) -> list[str]:
-    """Trial folders and processes this test session left; empty when clean."""
+    """Trial, worker and doctor folders and processes this test session left; empty when clean."""
     deadline = time.monotonic() + wait_s
     while True:
-        folders = sorted(p.name for p in Path(folder).glob("autofit-trial-*"))
+        folders = sorted(p.name for prefix in ("autofit-trial-*", "autofit-worker-*", "autofit-doctor-*")
+                         for p in Path(folder).glob(prefix))
         processes = _our_processes(folder) if Path("/proc/self/environ").exists() else []
         if not (folders or processes) or time.monotonic() > deadline:
             return [f"folder {folder}/{name}" for name in folders] + processes

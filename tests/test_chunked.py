@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from autofit.base.errors import SpecError
-from autofit.measure.estimate import estimate_memory
-from autofit.config.train_config import TrainConfig
-from autofit.train.runner import Runner
 from autofit.config.spec import load_spec, parse_spec
+from autofit.config.train_config import TrainConfig
 from autofit.workload import build_workload
 from autofit.workload.chunked import chunked_lm_loss, chunked_text_lm_loss, hf_chunkable
 from autofit.workload.text import IGNORE_INDEX, text_lm_loss
-from conftest import REPO, tiny_gpt_dict, write_spec
+from autofit.train.runner import Runner
+from autofit.measure.estimate import estimate_memory
+from conftest import assert_tuned, REPO, tiny_gpt_dict, write_spec
 from test_estimate import _tracked_peak
 
 # A vocabulary 16x the width: the logits dominate the temporaries, as in a real LM.
@@ -130,7 +130,7 @@ def test_a_budget_only_the_chunked_loss_meets_is_tuned_trained_and_applied(tmp_p
 
     result = run_cli("tune", spec_path, "--device", "cpu", "--memory-budget", "4MiB", "--out", tmp_path / "profiles",
                      "--state-dir", tmp_path / "state", "--json", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+    assert_tuned(result)
     profile_path = json.loads(result.stdout)["profile_path"]
     profile = Profile.load(profile_path)
     assert profile.config.chunked_loss and profile.measured.peak_memory_bytes <= budget

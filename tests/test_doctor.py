@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from autofit.doctor._base import FAULT_ENV
+from autofit.doctor.results import FAULT_ENV
 from autofit.doctor.names import CHECK_NAMES
 from autofit.doctor.run import run_doctor
-from autofit.doctor._base import Context, fault_mode, run_check
+from autofit.doctor._base import Context
+from autofit.doctor.results import fault_mode, run_check
 from autofit.doctor.checks import CHECKS, compare_inventories
 from autofit.doctor.training import adamw_step_difference, attention_backend, estimate_errors
 from conftest import run_main

@@ -12,17 +12,17 @@ import torch
 import yaml
 
 from autofit.base.errors import NothingFitsError, ProfileError
-from autofit.tuning.frontier import build_frontier, pareto, RECHECK_ROUNDS
-from autofit.profiles.fitting import choose
-from autofit.config.train_config import TrainConfig
-from autofit.profiles.profile import FrontierPoint, Measured, Profile
-from autofit.search.study import SearchResult, TrialRecord
 from autofit.config.spec import parse_spec
-from autofit.profiles.store import ProfileStore
-from autofit.commands.profiles import show_command
-from autofit.measure.measurement import Measurement
+from autofit.config.train_config import TrainConfig
 from autofit.workload import build_workload
-from conftest import REPO, run_main, tiny_gpt_dict, write_spec
+from autofit.measure.measurement import Measurement
+from autofit.search.study import SearchResult, TrialRecord
+from autofit.profiles.fitting import choose
+from autofit.profiles.profile import FrontierPoint, Measured, Profile
+from autofit.profiles.store import ProfileStore
+from autofit.tuning.frontier import build_frontier, pareto, RECHECK_ROUNDS
+from autofit.commands.profiles import show_command
+from conftest import assert_tuned, REPO, run_main, tiny_gpt_dict, write_spec
 from test_probe import _fake_nvml, _gpu
 from test_profile import make_profile
 from test_store import warnings  # noqa: F401 (a fixture: loguru warnings as strings)
@@ -91,7 +91,7 @@ def test_frontier_is_validated_bounded_and_ends_with_the_winner():
     # The written figures are the validation's, not the short trial's.
     assert frontier[0].measured == Measured(samples_per_s=40 * 0.97, tokens_per_s=40 * 0.97 * 16,
                                             peak_memory_bytes=11 * MiB, step_time_s=8 / (40 * 0.97),
-                                            validated_steps=3)
+                                            validated_steps=3, runs=1)
 
 
 def test_a_point_that_fails_validation_or_validates_too_fast_is_left_out():
@@ -370,7 +370,7 @@ def tuned(tmp_path_factory):
     result = run_cli("tune", EXAMPLES / "tiny-gpt.yaml", "--device", "cpu", "--memory-budget", "16MiB",
                      "--out", folder / "profiles", "--state-dir", folder / "state", "--no-report", "--json",
                      cwd=folder, timeout=1800)
-    assert result.returncode == 0, result.stderr
+    assert_tuned(result)
     return folder, json.loads(result.stdout)["profile_path"], result.stderr
 
 

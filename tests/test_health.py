@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import autofit.measure.child as trial_child
+import autofit.measure.steps as trial_steps
 import autofit.train.runner as runner_module
 from autofit.config.train_config import TrainConfig
 from autofit.device.precision import PrecisionPolicy
@@ -81,12 +82,14 @@ def test_fp16_scaler_is_warmed_up_before_timing(spec, monkeypatch):
     m = record.measurement
     assert record.status == "ok", m.reason
     assert m.scaler_warmup_skips > 10 and m.scaler_skipped_steps == 0
-    assert len(m.losses) == 4  # still one loss per step: a skipped warm-up step is done again, not counted
+    # Still one loss per step (2 tracked, 1 warm-up, 2 timed): a skipped warm-up step is done
+    # again, not counted.
+    assert len(m.losses) == 5
 
 
 def test_persistent_fp16_skipping_is_unhealthy(spec, monkeypatch):
     overflowing_scaler(monkeypatch)
-    monkeypatch.setattr(trial_child, "SCALER_WARMUP_SKIPS", 2)  # the scale never gets low enough
+    monkeypatch.setattr(trial_steps, "SCALER_WARMUP_SKIPS", 2)  # the scale never gets low enough
     record = measure_here(spec, TrainConfig(precision="16-mixed", micro_batch_size=8))
     assert record.status == "unhealthy"
     assert "skipped 2 of 2 timed steps after 2 warm-up skips" in record.reason

@@ -7,14 +7,14 @@ import torch
 
 import autofit
 from autofit.base.errors import ProfileError
+from autofit.config.spec import load_spec, parse_spec
 from autofit.config.train_config import TrainConfig
+from autofit.workload import build_workload, split_batch
+from autofit.train.loop import train
 from autofit.train.optim import build_optimizer, implementation
 from autofit.train.runner import step_generator
-from autofit.train.loop import train
-from autofit.config.spec import load_spec, parse_spec
 from autofit.profiles.store import ProfileStore
-from autofit.workload import build_workload, split_batch
-from conftest import REPO, run_cli, tiny_gpt_dict, write_spec
+from conftest import assert_tuned, REPO, run_cli, tiny_gpt_dict, write_spec
 from test_profile import make_profile
 
 STEPS = 4
@@ -132,7 +132,7 @@ def test_profile_from_autofit_tune_trains_like_autofit_train(tmp_path):
     store = tmp_path / "profiles"
     tuned = run_cli("tune", spec_path, "--device", "cpu", "--out", store, "--state-dir", tmp_path / "state",
                     "--no-report", cwd=tmp_path)
-    assert tuned.returncode == 0, tuned.stderr
+    assert_tuned(tuned)
     spec = load_spec(spec_path)
     profile = autofit.load_profile("tiny", store=store, device="cpu")
     assert profile.check_spec(spec)
@@ -183,7 +183,8 @@ def test_flags_changed_by_apply_are_restored_when_the_plan_is_closed():
     profile = dataclasses.replace(profile, measured=dataclasses.replace(
         profile.measured, flags=profile.measured.flags | {"cudnn_benchmark": not before["cudnn_benchmark"]}))
     with profile.apply(build_workload(spec).build_model(), device="cpu") as plan:
-        assert process_flags() == profile.measured.flags != before  # as measured, cudnn.benchmark included
+        now, measured = process_flags(), profile.measured.flags  # as measured, cudnn.benchmark included
+        assert {k: now[k] for k in measured} == measured != {k: before[k] for k in measured}
         assert plan.describe()["optimizer"] == "torch.AdamW/per-parameter"
     assert process_flags() == before
     plan.close()  # idempotent

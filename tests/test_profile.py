@@ -90,7 +90,7 @@ def _good_raw(spec) -> dict:
 
 
 BAD_PROFILES = {
-    "not-yaml": ("model: [unclosed\n", "not valid YAML"),
+    "not-yaml": ("model: [unclosed\n", "YAML syntax error at line 2"),
     "a-list": ("- 1\n- 2\n", "expected a mapping"),
     "old-schema": (lambda raw: {**raw, "schema": 0}, "schema"),
     "no-device": (lambda raw: {k: v for k, v in raw.items() if k != "device"}, "device"),

@@ -38,8 +38,9 @@ def test_ok_trial_reports_speed_memory_and_losses(tiny_spec):
     assert m.overhead_bytes == 0
     assert m.samples_per_s > 0 and m.tokens_per_s == pytest.approx(m.samples_per_s * 16)
     assert len(m.step_times_s) == 2 and m.step_time_s > 0
-    # Two tracked steps (they are the warm-up) and two timed ones, all from step 0.
-    assert len(m.losses) == 4 and all(3.0 < x < 5.0 for x in m.losses)
+    # Two tracked steps, one untracked warm-up step (warmup_steps 1: at most one), two timed
+    # ones, all from step 0.
+    assert m.warmup_steps == 1 and len(m.losses) == 5 and all(3.0 < x < 5.0 for x in m.losses)
     assert Measurement.from_dict(json.loads(json.dumps(m.to_dict()))) == m
 
 
@@ -181,7 +182,10 @@ def test_a_killed_parent_takes_its_trial_child_and_folder_with_it(tmp_path):
                 cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
             except OSError:
                 continue
-            if "autofit.measure.child" in cmdline and str(temp) in cmdline:
+            # The trial worker and the children it forks (which share its command line), or a
+            # spawned trial child.
+            if ("autofit.measure.worker_main" in cmdline or "autofit.measure.child" in cmdline) \
+                    and str(temp) in cmdline:
                 pids.append(int(entry))
         return pids
 
@@ -197,10 +201,11 @@ def test_a_killed_parent_takes_its_trial_child_and_folder_with_it(tmp_path):
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 10  # "within seconds"
-    while (children() or list(temp.glob("autofit-trial-*"))) and time.monotonic() < deadline:
+    while (children() or list(temp.glob("autofit-*"))) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = children()
     for pid in left:  # never leave one behind, even when the test fails
         os.kill(pid, signal.SIGKILL)
     assert not left, "the trial child outlived its killed parent"
     assert not list(temp.glob("autofit-trial-*")), "the trial folder outlived its killed parent"
+    assert not list(temp.glob("autofit-worker-*")), "the trial worker's folder outlived its killed parent"

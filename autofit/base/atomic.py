@@ -1,34 +1,71 @@
-"""Atomic file writes: a crash leaves the old file or the new one, never half of one."""
+"""Every file autofit writes goes through `atomic_write`: a crash leaves the old file or the
+new one, never half of one, and a write the disk refuses (read-only, full, a file-size limit,
+a folder it may not write) is one `WriteError` naming the file, with the previous file kept.
+
+    atomic_write_text("profiles/tiny--cpu.yaml", text)   # WriteError: cannot write ...: No space left on device
+    check_writable(Path("metrics.json"), "--metrics-out")  # before the work, not after it
+"""
 
 import contextlib
+import errno
 import json
 import math
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
+
+from autofit.base.errors import WriteError
+
+
+class _Recorded:
+    """A file object that remembers the OSError its write raised: torch.save turns it into a
+    RuntimeError ("unexpected pos ..."), and the cause must still be told."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
     """Write through `write(f)` into a temp file in the same folder, fsync it, rename it
-    over `path`, then fsync the folder so the rename itself survives a power cut."""
+    over `path`, then fsync the folder so the rename itself survives a power cut. An
+    OSError on the way is a WriteError; the temp file is removed and `path` is untouched."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    existed = os.path.lexists(path)
+    recorded = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _write_error(path, exc, existed) from None
     try:
         # mkstemp makes 0600 files; a profile written by the service's user must stay
         # readable to the training jobs of others, as a plain open() would have made it.
         os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            recorded = _Recorded(f)
+            write(recorded)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
+        cause = exc if isinstance(exc, OSError) else getattr(recorded, "error", None)
+        if cause is not None and isinstance(exc, Exception):
+            raise _write_error(path, cause, existed) from None
         raise
     with contextlib.suppress(OSError):
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -74,3 +111,49 @@ def finite(value):
 def write_json(path: str | Path, payload: dict) -> Path:
     """`payload` as indented JSON, atomically (non-finite floats as null)."""
     return atomic_write_text(path, json.dumps(finite(payload), indent=2, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def guarded_write(path: str | Path) -> Iterator[None]:
+    """For writes that cannot go through `atomic_write` (a sharded checkpoint's folder): an
+    OSError inside is a WriteError naming `path`."""
+    existed = os.path.lexists(path)
+    try:
+        yield
+    except OSError as exc:
+        raise _write_error(Path(path), exc, existed) from None
+
+
+def _write_error(path: Path, exc: OSError, existed: bool) -> WriteError:
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    name = errno.errorcode.get(exc.errno or 0)
+    kept = "the previous file is unchanged" if existed else "nothing was written"
+    hint = _HINTS.get(exc.errno, "")
+    return WriteError(f"cannot write {path}: {reason}{f' ({name})' if name else ''}; {kept}{hint}")
+
+
+_HINTS = {
+    errno.ENOSPC: "; free some space and run it again",
+    errno.EDQUOT: "; free some space and run it again",
+    errno.EFBIG: "; the file-size limit (ulimit -f) is too small for it",
+    errno.EROFS: "; the file system is read-only",
+}
+
+
+def check_writable(path: str | Path, what: str) -> Path:
+    """Before long work: `path` can be written atomically, i.e. its folder (or the first one
+    that exists above it, where the rest would be created) is a folder we may write, and
+    `path` itself is not a folder. A WriteError naming `what` otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise WriteError(f"{what}: {path} is a folder; give a file name")
+    folder = path.parent
+    while not folder.exists():
+        if folder == folder.parent:
+            break
+        folder = folder.parent
+    if not folder.is_dir():
+        raise WriteError(f"{what}: cannot write {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise WriteError(f"{what}: cannot write {path}: the folder {folder} is not writable")
+    return path

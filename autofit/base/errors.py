@@ -34,6 +34,11 @@ class UserCodeError(InputError):
     exception's type and message."""
 
 
+class WriteError(AutofitError):
+    """A file autofit could not write: a read-only or full disk, a file-size limit, a folder
+    it may not write. The message names the file and says that the previous one is kept."""
+
+
 class TrialError(AutofitError):
     """A trial that could not be started or whose result cannot be read."""
 

@@ -3,17 +3,43 @@
 import os
 from pathlib import Path
 
+from autofit.base.errors import AutofitError
+
 STATE_DIR_ENV = "AUTOFIT_STATE_DIR"
 STORE_ENV = "AUTOFIT_STORE"
+
+
+def home_dir(setting: str) -> Path:
+    """The user's home, asked for only when no variable names the folder: a service or a
+    container may run without HOME (and without a passwd entry), and with XDG_* or
+    AUTOFIT_* set it needs none. `setting` names the variables that would do instead."""
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError, OSError):  # no HOME, and no passwd entry to fall back on
+        home = None
+    if home is None or str(home) in ("", "~"):
+        raise AutofitError(f"no home folder (HOME is not set); set {setting}")
+    return home
 
 
 def default_state_dir() -> Path:
     """Where studies live: $AUTOFIT_STATE_DIR, else $XDG_STATE_HOME/autofit (~/.local/state/autofit)."""
     if os.environ.get(STATE_DIR_ENV):
         return Path(os.environ[STATE_DIR_ENV])
-    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "autofit"
+    if os.environ.get("XDG_STATE_HOME"):
+        return Path(os.environ["XDG_STATE_HOME"]) / "autofit"
+    return home_dir(f"{STATE_DIR_ENV} or XDG_STATE_HOME, or pass --state-dir") / ".local" / "state" / "autofit"
 
 
 def default_store_dir() -> Path:
     """The profile store: $AUTOFIT_STORE, else ./profiles."""
     return Path(os.environ.get(STORE_ENV) or "profiles")
+
+
+def default_cache_dir() -> Path:
+    """$AUTOFIT_CACHE_DIR, else $XDG_CACHE_HOME/autofit (~/.cache/autofit)."""
+    if os.environ.get("AUTOFIT_CACHE_DIR"):
+        return Path(os.environ["AUTOFIT_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "autofit"
+    return home_dir("AUTOFIT_CACHE_DIR or XDG_CACHE_HOME") / ".cache" / "autofit"

@@ -6,6 +6,7 @@ import math
 import os
 from pathlib import Path
 
+from autofit.base.atomic import check_writable
 from autofit.base.errors import SpecError
 from autofit.config.spec import MAX_TIMEOUT_S
 
@@ -43,9 +44,10 @@ def check_seconds(name: str, value: float | None) -> None:
 
 
 def check_output_file(path: str | None, what: str) -> None:
-    """A file the command will write at its end, checked before the work."""
-    if path is not None and Path(path).is_dir():
-        raise SpecError(f"{what}: {path} is a folder; give a file name")
+    """A file the command will write at its end, checked before the work: not a folder,
+    and in a folder that exists (or can be made) and that we may write."""
+    if path is not None:
+        check_writable(Path(path), what)
 
 
 def check_run_folder(folder: Path, *, resume: bool, overwrite: bool) -> None:

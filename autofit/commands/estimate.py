@@ -5,12 +5,14 @@
 
 import json
 
+from autofit.base import stopping
 from autofit.base.sizes import format_bytes, parse_budget
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig, with_overrides
 from autofit.device.probe import select_device, usable_budget_bytes
 from autofit.device.support import require_supported
-from autofit.measure.estimate import estimate_memory, max_micro_batch_size
+from autofit.measure import asks
+from autofit.measure.trial import trial_worker
 from autofit.commands.args import parse_sets
 
 
@@ -24,15 +26,19 @@ def estimate_command(spec_path, *, overrides: dict[str, str] | None = None, memo
     info = select_device(device)
     require_supported(config.precision, info)
     requested = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
-    estimate = estimate_memory(spec, config, device_kind=info.kind)
+    # What `tune` would allow under the same budget: search.memory_headroom is kept free.
+    budget = None if requested is None else usable_budget_bytes(info, headroom=spec.search.memory_headroom,
+                                                                memory_budget=requested)
+    # The user's model runs (on fake tensors) in a child, as in a tune: never in this process.
+    with trial_worker(spec, "cpu") as worker:
+        estimate, max_micro = asks.estimate(worker, spec, config, device_kind=info.kind, budget_bytes=budget,
+                                            stop_event=stopping.requested)
     out = {"config": config.to_dict(), "device_kind": info.kind, **estimate.to_dict()}
-    if requested is not None:
-        # What `tune` would allow under the same budget: search.memory_headroom is kept free.
-        budget = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=requested)
+    if budget is not None:
         out["requested_budget_bytes"] = requested
         out["budget_bytes"] = budget
         out["fits"] = estimate.peak_bytes <= budget
-        out["max_micro_batch_size"] = max_micro_batch_size(spec, config, budget, device_kind=info.kind)
+        out["max_micro_batch_size"] = max_micro
     return out
 
 

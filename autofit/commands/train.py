@@ -10,15 +10,18 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from loguru import logger
 
+from autofit.base import stopping
 from autofit.base.atomic import finite, write_json
 from autofit.base.errors import AutofitError, NothingFitsError, SpecError
 from autofit.base.paths import default_store_dir
 from autofit.base.sizes import format_bytes, parse_budget
 from autofit.config.spec import load_spec, MAX_STEPS, ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
+from autofit.device.memory import MemoryGrewError
+from autofit.device.oom import is_oom
+from autofit.device.precision import set_process_flags
 from autofit.device.probe import DeviceInfo, select_device
 from autofit.device.support import require_supported
 from autofit.workload import build_workload
@@ -51,6 +54,9 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     budget_bytes = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
     config, loaded, profile_path = _config(spec, profile, info, world, memory_budget, budget_bytes)
     require_supported(config.precision, info)
+    if loaded is not None and loaded.measured.flags:
+        # What was measured is what runs: TF32/cuDNN flags, and on a CPU the intra-op threads.
+        set_process_flags(loaded.measured.flags)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else Path("runs") / spec.name
     check_run_folder(ckpt_dir, resume=resume, overwrite=overwrite)
     if ranks:
@@ -72,17 +78,25 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
         metrics = train(spec, workload, config, device=torch_device, steps=steps, checkpoint_dir=ckpt_dir,
                         resume=resume, progress=progress, memory_budget_bytes=budget_bytes,
                         on_demotion=_demotion_recorder(record_at, spec),
-                        measured_optimizer=loaded.measured.optimizer if loaded is not None else None)
+                        measured_optimizer=loaded.measured.optimizer if loaded is not None else None,
+                        should_stop=stopping.requested.is_set)
         # On failure a rank exits with the error and torchrun stops its peers; a clean end
         # tears the group down here, so no rank waits on another at exit.
         distributed.destroy_process_group()
         return metrics
-    except torch.OutOfMemoryError:
-        where = f"the memory budget of {format_bytes(budget_bytes)}" if budget_bytes else "device memory"
-        raise NothingFitsError(f"out of memory: {config.short()} does not fit {where}; "
-                               f"`autofit tune {spec_path}` finds a config that does") from None
-    except ValueError as exc:  # e.g. every parameter frozen
-        raise AutofitError(str(exc)) from None
+    except MemoryGrewError as exc:  # not a config that is too large: a model whose memory grows every step
+        raise NothingFitsError(f"out of memory: {exc}") from None
+    except Exception as exc:
+        # torch.OutOfMemoryError, and the host out of RAM on the CPU device (a RuntimeError
+        # from torch's CPU allocator, a MemoryError from numpy): no config of ours fits.
+        if is_oom(exc):
+            where = (f"the memory budget of {format_bytes(budget_bytes)}" if budget_bytes else
+                     "the host's memory" if torch_device.type == "cpu" else "device memory")
+            raise NothingFitsError(f"out of memory: {config.short()} does not fit {where}; "
+                                   f"`autofit tune {spec_path}` finds a config that does") from None
+        if isinstance(exc, ValueError) and not isinstance(exc, AutofitError):  # e.g. every parameter frozen
+            raise AutofitError(str(exc)) from None
+        raise
 
 
 def _config(spec: ModelSpec, profile: str | Path | None, info: DeviceInfo, world, memory_budget: str | None,
@@ -119,7 +133,7 @@ def _demotion_recorder(record_at: Path, spec: ModelSpec):
     def on_demotion(event) -> None:
         try:
             path = record_demotion(record_at, event, spec_hash=spec.spec_hash)
-        except OSError as exc:  # the run goes on; only the record is lost
+        except (OSError, AutofitError) as exc:  # the run goes on; only the record is lost
             logger.warning("cannot record the demotion next to {}: {}", record_at, exc)
         else:
             logger.warning("recorded in {}; the next `autofit tune` starts from {}", path, event.to_config.short())
@@ -133,8 +147,8 @@ def main(args) -> int:
     metrics = train_command(args.spec, profile=args.profile, steps=args.steps, resume=args.resume,
                             overwrite=args.overwrite, device=args.device, checkpoint_dir=args.checkpoint_dir,
                             memory_budget=args.memory_budget, progress=not args.no_progress)
-    if metrics.get("rank", 0) != 0:
-        return 0  # under torchrun the metrics are rank 0's to report
+    if metrics.get("rank", 0) != 0 or stopping.requested.is_set():
+        return 0  # under torchrun the metrics are rank 0's to report; a stopped run's exit is the stop's
     metrics = finite(metrics)  # JSON has no NaN: a diverged loss is written as null
     if args.metrics_out is not None:
         write_json(args.metrics_out, metrics)

@@ -5,15 +5,21 @@
 """
 
 import json
+import sys
 from pathlib import Path
 
+from autofit.base import stopping
 from autofit.base.errors import SpecError
 from autofit.base.paths import default_state_dir, default_store_dir
 from autofit.base.sizes import parse_budget
 from autofit.config.spec import load_spec, MAX_TRIALS
 from autofit.device.probe import select_device, usable_budget_bytes
+from autofit.search.study import storage_errors
 from autofit.tuning.tune import tune, TuneOutcome
 from autofit.commands.args import check_count, check_seconds, ensure_folder
+
+
+EXIT_NO_CLAIM = 4  # the profile is written, but the host was too busy for its figures to be a claim
 
 
 def tune_command(spec_path: str | Path, *, device: str | None = None, memory_budget: str | None = None,
@@ -34,8 +40,12 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
         folder = ensure_folder(Path(state_dir) if state_dir is not None else default_state_dir(), "--state-dir")
         storage = f"sqlite:///{folder.resolve() / 'studies.db'}"
     out_dir = ensure_folder(Path(out_dir) if out_dir is not None else default_store_dir(), "--out")
-    return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
-                trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated, nproc=nproc)
+    # Ctrl-C (the CLI's stop flag) ends the search at the next safe point, kills the trial
+    # under way and leaves the study to resume.
+    with storage_errors(storage):
+        return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
+                    trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated, nproc=nproc,
+                    stop_event=stopping.requested)
 
 
 def main(args) -> int:
@@ -47,4 +57,8 @@ def main(args) -> int:
         print(json.dumps(outcome.summary(), default=str))
     else:
         print(outcome.profile_path)  # the last line of stdout, for scripts
+    if not outcome.claims:  # written, but the host was too busy to measure a speed-up
+        print(f"autofit: the host was too busy to measure a speed-up ({outcome.speedup.text()}); the profile is "
+              f"written, its figures are no claim: tune again on a quiet host", file=sys.stderr)
+        return EXIT_NO_CLAIM
     return 0

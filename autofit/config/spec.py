@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from autofit.base.documents import read_yaml
 from autofit.base.errors import SpecError
 from autofit.config.reader import choice_error, MISSING, Reader, shorten
 
@@ -102,7 +101,7 @@ class SearchSpec:
     memory_headroom: float = 0.05  # fraction of usable memory left free
     trials: int = 40  # most configurations measured (pruned proposals and repeats do not count)
     patience: int = 12  # stop after this many measured trials without a better one
-    warmup_steps: int = 2  # optimizer steps before timing, per trial
+    warmup_steps: int = 5  # most warm-up steps before timing, per trial: they stop once a step takes what the one before took
     measure_steps: int = 5  # timed optimizer steps per trial
     validate_steps: int = 50  # optimizer steps of the final validation run
     frontier_points: int = 4  # most points the profile keeps, winner included; each other costs a validation
@@ -168,12 +167,23 @@ class ModelSpec:
             "global_batch_size": d["train"]["global_batch_size"],
             "max_grad_norm": d["train"]["max_grad_norm"], "search": space,
         }
-        blob = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
+        blob = json.dumps(_str_keys(relevant), sort_keys=True, separators=(",", ":"), default=str)
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
     def micro_batch_sizes(self) -> list[int]:
         """Micro batch sizes that divide the global batch: the only candidates."""
         return divisors(self.train.global_batch_size)
+
+
+def _str_keys(value):
+    """`value` with every mapping key a string, as JSON writes them (an HF config's
+    `id2label: {0: neg}`): sorting keys of mixed types would raise. Depth is bounded by the
+    document reader."""
+    if isinstance(value, dict):
+        return {str(k): _str_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_str_keys(v) for v in value]
+    return value
 
 
 def divisors(n: int) -> list[int]:
@@ -196,15 +206,7 @@ def load_spec(path: str | Path) -> ModelSpec:
     if not path.is_file():
         raise SpecError(f"{path}: no such file" if not path.exists() else
                         f"{path}: is a folder, not a model.yaml" if path.is_dir() else f"{path}: not a file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"{path}: YAML syntax error{where}: {problem}") from None
-    except UnicodeDecodeError:
-        raise SpecError(f"{path}: not a text file") from None
+    raw = read_yaml(path, error=SpecError)  # bounded: aliases, nesting, size
     if raw is None:
         raise SpecError(f"{path}: the file is empty; see examples/tiny-gpt.yaml for a complete spec")
     try:
@@ -230,7 +232,7 @@ def parse_spec(raw: Any, *, source_dir: Path) -> ModelSpec:
         name=name,
         model=_model(top.section("model")),
         data=_data(top.section("data", required=False), source_dir),
-        optimizer=_optimizer(top.section("optimizer", required=False)),
+        optimizer=parse_optimizer(top.section("optimizer", required=False)),
         train=_train(top.section("train")),
         search=_search(top.section("search", required=False)),
         source_dir=source_dir,
@@ -262,13 +264,13 @@ def _model(r: "Reader") -> ModelSource:
     kind = given[0]
     if kind == "hf":
         hf = r.section("hf")
-        source = ModelSource(kind="hf", target=hf.get("class", str), args=hf.get("config", dict, default={}))
+        source = ModelSource(kind="hf", target=hf.get("class", str), args=hf.kwargs("config"))
         hf.finish()
     else:
         target = r.get(kind, str)
         if kind == "python" and not re.match(r"^[\w.]+:\w+$", target):
             raise SpecError(f"model.python: expected \"module.path:function\", got {target!r}")
-        source = ModelSource(kind=kind, target=target, args=r.get("args", dict, default={}))
+        source = ModelSource(kind=kind, target=target, args=r.kwargs("args"))
     r.finish()
     return source
 
@@ -284,7 +286,7 @@ def _data(r: "Reader", source_dir: Path) -> DataSpec:
         path=(source_dir / path).resolve() if path is not None else None,
         factory=factory,
         seq_len=r.positive_int("seq_len", default=None, maximum=MAX_SEQ_LEN),
-        args=r.get("args", dict, default={}),
+        args=r.kwargs("args"),
         **_text_options(r, kind, path, source_dir),
     )
     r.finish()
@@ -318,11 +320,12 @@ def _text_options(r: "Reader", kind: str, path: str | None, source_dir: Path) ->
     }
 
 
-def _optimizer(r: "Reader") -> OptimizerSpec:
+def parse_optimizer(r: "Reader") -> OptimizerSpec:
+    """The `optimizer` section (a profile's `training.optimizer` too)."""
     betas = r.get("betas", list, default=[0.9, 0.999])
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                   for b in betas):
-        raise SpecError(f"optimizer.betas: two numbers in [0, 1), got {betas!r}")
+        raise r.error(f"{r.prefix}.betas: two numbers in [0, 1), got {shorten(repr(betas))}")
     opt = OptimizerSpec(
         name=r.choice("name", OPTIMIZERS, default="adamw"),
         lr=r.number("lr", default=3e-4, minimum=0.0, exclusive=True),
@@ -380,7 +383,7 @@ def _search(r: "Reader") -> SearchSpec:
         memory_headroom=headroom,
         trials=r.positive_int("trials", default=40, maximum=MAX_TRIALS),
         patience=r.positive_int("patience", default=12, maximum=MAX_TRIALS),
-        warmup_steps=r.nonnegative_int("warmup_steps", default=2, maximum=MAX_TRIAL_STEPS),
+        warmup_steps=r.nonnegative_int("warmup_steps", default=5, maximum=MAX_TRIAL_STEPS),
         measure_steps=r.positive_int("measure_steps", default=5, maximum=MAX_TRIAL_STEPS),
         validate_steps=r.positive_int("validate_steps", default=50, maximum=MAX_TRIAL_STEPS),
         frontier_points=r.positive_int("frontier_points", default=4, maximum=MAX_TRIALS),

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autofit.base.errors import SpecError
+from autofit.config.reader import read_as
 from autofit.config.spec import CHECKPOINT_POLICIES, ModelSpec, PRECISIONS
 
 PARALLELISMS = ("none", "ddp", "fsdp")  # one process; DistributedDataParallel; FSDP2 fully_shard
@@ -124,18 +125,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, *, where: str = "config") -> "TrainConfig":
-        if not isinstance(raw, dict):
-            raise SpecError(f"{where}: expected a mapping, got {raw!r}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - fields)
-        if unknown:
-            raise SpecError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}")
-        try:
-            return cls(**raw)
-        except SpecError as exc:
-            raise SpecError(f"{where}.{exc}") from None
-        except TypeError as exc:  # a required field missing
-            raise SpecError(f"{where}: {exc}") from None
+        """A config as written in a profile, a checkpoint or a study; SpecError naming the key path."""
+        return read_as(raw, cls, path=where)
 
     @classmethod
     def default_for(cls, spec: ModelSpec) -> "TrainConfig":

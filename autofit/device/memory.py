@@ -8,6 +8,8 @@ The same tracker over fake tensors is how `estimate.py` predicts memory without 
 While it tracks, `torch.compile`d modules run eagerly: it measures the eager step.
 """
 
+import contextlib
+import ctypes
 import weakref
 from dataclasses import dataclass
 
@@ -130,3 +132,69 @@ def cap_cuda_memory(device: torch.device, budget_bytes: int) -> None:
     `budget_bytes` would (the emulation of a smaller GPU on a bigger one)."""
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class HeapMeter:
+    """Bytes this process's malloc has handed out and not freed (glibc's `mallinfo2`: chunks in
+    use plus mmapped blocks), read in microseconds. A CPU tensor's storage is malloc'd, so a
+    model that keeps tensors alive from step to step (a leak) shows here on every step, where
+    the tracker, which slows every op, watches only the first ones. `growth_bytes()` is the
+    growth since `mark()`. None where the C library has no mallinfo2 (not glibc, or before
+    2.33); glibc counts the main arena only, where a CPU step's tensors are made."""
+
+    def __init__(self):
+        self._mallinfo2 = None
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None)
+            self._mallinfo2 = libc.mallinfo2
+            self._mallinfo2.restype = _MallInfo2
+        self._mark = None
+
+    def in_use_bytes(self) -> int | None:
+        if self._mallinfo2 is None:
+            return None
+        info = self._mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+
+    def mark(self) -> None:
+        self._mark = self.in_use_bytes()
+
+    def growth_bytes(self) -> int:
+        now = self.in_use_bytes()
+        return 0 if now is None or self._mark is None else max(0, now - self._mark)
+
+    @contextlib.contextmanager
+    def excluding(self):
+        """What the block allocates and keeps is not growth (a measurement's own snapshots)."""
+        before = self.in_use_bytes()
+        yield
+        after = self.in_use_bytes()
+        if self._mark is not None and before is not None and after is not None:
+            self._mark += after - before
+
+
+class MemoryGrewError(torch.OutOfMemoryError):
+    """Live memory grew past the budget after the tracked steps: the model keeps tensors alive
+    from step to step. Still an out-of-memory error, as the budget's card would have had one."""
+
+
+# Growth below this is Python's own churn (log lines, a list of losses), not a model's tensors.
+GROWTH_FLOOR_BYTES = 1 << 20
+
+
+def check_growth(meter: HeapMeter, tracked_peak_bytes: int, budget_bytes: int | None, step: int) -> int:
+    """The run's peak so far: the tracked steps' peak plus what live memory grew since (a
+    steady run grows by nothing); `MemoryGrewError` when that crosses the budget."""
+    growth = meter.growth_bytes()
+    growth = growth if growth >= GROWTH_FLOOR_BYTES else 0
+    peak = tracked_peak_bytes + growth
+    if budget_bytes is not None and peak > budget_bytes:
+        raise MemoryGrewError(f"memory budget exceeded at step {step}: live memory grew by {growth} bytes since the "
+                              f"tracked steps (a model that keeps tensors from step to step?), {peak} bytes with "
+                              f"their peak, over the budget of {budget_bytes} bytes")
+    return peak

@@ -42,7 +42,9 @@ def process_flags() -> dict:
     return {"cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
             "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            # On a CPU a figure holds for the intra-op threads it was measured with.
+            "cpu_threads": torch.get_num_threads()}
 
 
 def set_process_flags(flags: dict) -> None:
@@ -57,6 +59,8 @@ def set_process_flags(flags: dict) -> None:
         torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
     if "float32_matmul_precision" in flags:
         torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    if flags.get("cpu_threads"):
+        torch.set_num_threads(flags["cpu_threads"])
 
 
 _POLICIES = {

@@ -29,8 +29,9 @@ from autofit.device.probe import cpu_device, probe_devices
 from autofit.train.recover import release_memory
 from autofit.measure import child, cuda_overhead
 from autofit.doctor import training
-from autofit.doctor._base import Context, example_spec, fail, MIB, ok, skip
+from autofit.doctor._base import Context, example_spec, MIB
 from autofit.doctor.names import CHECK_NAMES, CPU_SKIPS
+from autofit.doctor.results import fail, ok, skip
 
 # ---- probe -------------------------------------------------------------------------------------
 

@@ -5,29 +5,27 @@ with its child; the parent records why and goes on to the next check. The parent
 never creates a CUDA context, as `autofit tune` never does.
 """
 
+import contextlib
 import datetime as dt
 import json
 import os
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from autofit.base import stopping
 from autofit.base.errors import SpecError
 from autofit.base.version import VERSION
 from autofit.device.probe import select_device
-from autofit.measure.process import child_env, failure_reason, kill_group, wait_for_child
+from autofit.measure.process import failure_reason
+from autofit.measure.worker import Worker
 from autofit.commands.args import check_seconds
-from autofit.doctor._base import skip
 from autofit.doctor.names import CHECK_NAMES, CPU_SKIPS
 from autofit.doctor.report import format_header, format_line, format_summary
+from autofit.doctor.results import skip
 
 CHECK_TIMEOUT_S = 300.0  # one check; on a GPU the slowest (the estimator's two trials) takes seconds
-_LOG_TAIL_CHARS = 4000
+CHECK_TASK = "autofit.doctor._child:run"
 
 
 def run_doctor(*, device: str | int | None = None, checks: list[str] | tuple[str, ...] | None = None,
@@ -49,55 +47,49 @@ def run_doctor(*, device: str | int | None = None, checks: list[str] | tuple[str
               "host": socket.gethostname(), "device": info.to_dict(), "checks": []}
     if progress is not None:
         progress(format_header(report))
-    for name in names:
-        result = run_one(name, device_arg, timeout_s=timeout_s or CHECK_TIMEOUT_S)
-        report["checks"].append(result)
-        if progress is not None:
-            progress(format_line(result))
+    with doctor_worker(device_arg) as worker:
+        for name in names:
+            if stopping.requested.is_set():
+                break
+            result = run_one(name, device_arg, timeout_s=timeout_s or CHECK_TIMEOUT_S, worker=worker)
+            report["checks"].append(result)
+            if progress is not None:
+                progress(format_line(result))
     report["counts"] = {s: sum(c["status"] == s for c in report["checks"]) for s in ("ok", "fail", "skip")}
     report["ok"] = report["counts"]["fail"] == 0
     report["wall_s"] = round(time.perf_counter() - started, 3)
     return report
 
 
-def run_one(name: str, device: str, *, timeout_s: float) -> dict:
-    """One check in its own child; never raises for what happens inside it."""
+def doctor_worker(device: str) -> Worker:
+    """The worker whose children run the checks: torch and the checks imported once."""
+    # The probe compares NVML with torch.cuda even for a CPU run: a GPU that NVML sees and
+    # this torch cannot (a CPU-only build) is what it is there to catch, so the CPU's children
+    # see the GPUs too. On a CPU the example model is too small to gain from threads, and on a
+    # loaded host OpenMP's spin-waiting threads make its steps ten times slower.
+    env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    return Worker(preload=(CHECK_TASK.partition(":")[0],), device=device, env=env, name="doctor")
 
+
+def run_one(name: str, device: str, *, timeout_s: float, worker: Worker | None = None) -> dict:
+    """One check in its own child; never raises for what happens inside it."""
     if device == "cpu" and name in CPU_SKIPS:
         return {"name": name, **skip(CPU_SKIPS[name]), "wall_s": 0.0}
-    started = time.perf_counter()
-    env = child_env(device)
-    if name == "probe":
-        # The probe compares NVML with torch.cuda even for a CPU run: a GPU that NVML sees and
-        # this torch cannot (a CPU-only build) is what it is there to catch.
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        if "CUDA_VISIBLE_DEVICES" in os.environ:
-            env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
-    if device == "cpu":
-        # The example model is too small to gain from threads, and on a loaded host OpenMP's
-        # spin-waiting threads make its steps ten times slower.
-        env.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="autofit-doctor-") as tmp:
-        result_path, log_path = Path(tmp, "result.json"), Path(tmp, "log")
-        with open(log_path, "wb") as log:
-            proc = None
-            try:
-                with stopping.spawning():  # a stop signal now is raised once `proc` is known
-                    proc = subprocess.Popen([sys.executable, "-m", "autofit.doctor._child", name, device,
-                                             str(result_path)], stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                ended = wait_for_child(proc, timeout_s, None)
-            finally:
-                if proc is not None:
-                    kill_group(proc)
-        log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
-        if ended == "exited" and result_path.exists():
-            # The process's time, start-up (torch's import) included: what the check costs the user.
-            return json.loads(result_path.read_text()) | {"wall_s": round(time.perf_counter() - started, 3)}
-    _, reason = failure_reason(ended, proc.returncode, timeout_s, log_tail)
+    with contextlib.ExitStack() as stack:
+        worker = worker or stack.enter_context(doctor_worker(device))
+        started = time.perf_counter()
+        outcome = worker.run(CHECK_TASK, {"name": name, "device": device}, timeout_s=timeout_s,
+                             prefix="autofit-doctor-", start_timeout_s=CHECK_TIMEOUT_S)
+    wall_s = round(outcome.wall_s, 3)
+    if outcome.result is not None:
+        # The check's own process time, from its fork to its end: what it costs the user.
+        return outcome.result | {"wall_s": wall_s}
+    _, reason = failure_reason(outcome.ended, outcome.returncode, timeout_s, outcome.log_tail)
     return {"name": name, "status": "fail", "reason": f"the check's process died: {reason}", "values": {},
             "advice": f"see the log tail in --json (`log_tail`); rerun it alone: autofit doctor --check {name}",
-            "summary": reason, "log_tail": log_tail, "wall_s": round(time.perf_counter() - started, 3)}
+            "summary": reason, "log_tail": outcome.log_tail, "wall_s": round(time.perf_counter() - started, 3)}
 
 
 def main(args) -> int:

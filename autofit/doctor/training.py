@@ -24,7 +24,8 @@ from autofit.measure.process import child_env
 from autofit.measure.trial import measure
 from autofit.search.health import FIRST_LOSS_RTOL
 from autofit.search.memory import UNCALIBRATED_MARGIN
-from autofit.doctor._base import Context, example_spec, fail, ok, skip
+from autofit.doctor._base import Context, example_spec
+from autofit.doctor.results import fail, ok, skip
 
 # ---- precisions ----------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.device.memory import cuda_memory_stats, LiveBytesTracker
 from autofit.device.oom import is_oom
 from autofit.device.precision import process_flags
-from autofit.workload import build_workload
+from autofit.workload import build_workload, Workload
 from autofit.train import distributed
 from autofit.train.knobs import compile_count
 from autofit.train.optim import implementation
@@ -37,23 +37,16 @@ from autofit.train.stagnation import UpdateProbe
 from autofit.measure.claims import claim_cuda_context
 from autofit.measure.cuda_overhead import create_context, nvml_before, nvml_overhead, nvml_pids, prepare_device
 from autofit.measure.process import die_with_parent, exit_with_parent
+from autofit.measure.steps import CompileFailed, StepLog, Steps
 
 _TRACEBACK_CHARS = 8000  # of a user's exception, for the parent's --debug
-TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist
-MAX_COMPILE_STEPS = 4  # compile=true: warm-up steps that may compile (forward, backward, another shape)
-# GradScaler starts at 2**16 and halves per overflow: 24 halvings reach 2**-8, below which
-# the gradients overflow fp16 at any scale and the skipping is the model's, not the warm-up's.
-SCALER_WARMUP_SKIPS = 24
-
-
-class CompileFailed(Exception):
-    """torch.compile failed on this config: the trial's status is compile_error."""
 
 
 class _Trial:
-    def __init__(self, request: dict):
+    def __init__(self, request: dict, workload: Workload | None = None):
         self.config = TrainConfig.from_dict(request["config"])
         self.spec = parse_spec(request["spec"], source_dir=Path(request["source_dir"]))
+        self.workload = workload  # built by the worker before the fork; else here
         self.budget_bytes = request["budget_bytes"]
         self.warmup_steps, self.measure_steps = request["warmup_steps"], request["measure_steps"]
         device = request["device"]
@@ -74,12 +67,13 @@ class _Trial:
         if world is not None and self.config.distributed:
             distributed.init_process_group(self.device, timeout_s=max(30.0, 0.8 * request.get("timeout_s", 600)))
         self.tracker = LiveBytesTracker(budget_bytes=self.budget_bytes) if self.device.type == "cpu" else None
+        self.steps: Steps | None = None
         self.overhead_bytes: int | None = 0 if self.device.type == "cpu" else None
 
     # ---- the measurement -----------------------------------------------------------------------
 
     def run(self) -> dict:
-        """Build, warm up, then time `measure_steps` optimizer steps: the phases in order."""
+        """Build, warm up, then time `measure_steps` optimizer steps (`autofit.measure.steps`)."""
         if self.device.type == "cuda":
             self.overhead_bytes, reason = prepare_device(self.device, self._nvml_before, self._nvml_pids,
                                                          self.budget_bytes)
@@ -89,112 +83,31 @@ class _Trial:
             # and its lazily created optimizer state and workspaces can make it the worst.
             torch.cuda.reset_peak_memory_stats(self.device)
         logger.info("trial: {} on {}", self.config.short(), self.device)
-        workload = build_workload(self.spec)
+        workload = self.workload if self.workload is not None else build_workload(self.spec)
         with self.tracker if self.tracker is not None else contextlib.nullcontext():
             runner = Runner(self.spec, workload, self.config, device=self.device)
-        losses: list = []
-        step, compile_s = self._warm_up(runner, losses)
-        probe = UpdateProbe(runner.model, runner.optimizer)  # before the timed steps: their updates are judged
+        self.steps = steps = Steps(runner, tracker=self.tracker, budget_bytes=self.budget_bytes,
+                                   warmup_steps=self.warmup_steps, measure_steps=self.measure_steps)
+        steps.warm_up()
+        with steps.heap.excluding():  # the probe's snapshot is ours, not the model's growth
+            probe = UpdateProbe(runner.model, runner.optimizer)  # before the timed steps: their updates are judged
         graphs_before = compile_count()
-        step_times_s, tokens, skipped = self._timed_steps(runner, step, losses)
+        steps.timed()
         self.stagnation = probe.compare()
-        self.setup = {"optimizer": implementation(runner.optimizer), "flags": process_flags()}
+        self.setup = {"optimizer": implementation(runner.optimizer), "flags": process_flags(),
+                      "threads": torch.get_num_threads()}
         # One collective for the whole run: the global batch's loss per step, for the health check.
-        losses = distributed.mean_over_ranks(torch.stack(losses).float()).tolist()
-        out = self._result(workload, losses, step_times_s, tokens, skipped)
+        losses = distributed.mean_over_ranks(torch.stack(steps.log.losses).float()).tolist()
+        out = self._result(workload, losses, steps.log)
         if self.config.compile:
-            out |= {"compile_s": compile_s, "timed_recompiles": compile_count() - graphs_before}
+            out |= {"compile_s": steps.log.compile_s, "timed_recompiles": compile_count() - graphs_before}
             if out["timed_recompiles"]:
                 logger.warning("{} graphs compiled during the timed steps (new shapes recompile)",
                                out["timed_recompiles"])
         return out
 
-    def _warm_up(self, runner: Runner, losses: list) -> tuple[int, float | None]:
-        """Steps before the clock: the CPU tracker's own pass, compiling, and the warm-up
-        (a GradScaler finding its scale). Returns the next step and the compile time."""
-        self.warmup_skips, step = 0, 0
-        # Memory is measured on the largest step the data can give (`peak_batch`: the longest
-        # samples at this micro batch), speed on the real steps that follow.
-        if self.tracker is not None:
-            # The tracker sees every op and slows them: a pass of its own, before timing. Its
-            # steps are real optimizer steps and count as warm-up.
-            with self.tracker:
-                for step in range(TRACKED_STEPS):
-                    logger.info("tracked step {}", step)
-                    losses.append(self._warm_step(runner, runner.peak_batch(step)))
-            step = TRACKED_STEPS
-        compile_s = None
-        if self.config.compile:
-            step, compile_s = self.warm_compiled(runner, step, losses)
-        # On CUDA the allocator's peak covers the whole run: one worst-case step at least; and
-        # a GradScaler is warmed up before the clock, whatever the warm-up asked for.
-        while step < max(self.warmup_steps, int(runner.varying_lengths), int(runner.scaler.is_enabled())):
-            logger.info("warm-up step {}", step)
-            losses.append(self._warm_step(runner, runner.peak_batch(step)))
-            step += 1
-        return step, compile_s
-
-    def _timed_steps(self, runner: Runner, step: int, losses: list) -> tuple[list[float], list, int]:
-        """`measure_steps` optimizer steps, each timed alone: (step times, tokens, scaler skips)."""
-        step_times_s, tokens, skipped = [], [], 0
-        for step in range(step, step + self.measure_steps):
-            logger.info("timed step {}", step)
-            batch = None  # the previous step's batch is freed before the next is built
-            batch = runner.global_batch(step)  # built (and copied to the device) before the clock
-            tokens.append(runner.tokens_in(batch))
-            runner.synchronize()
-            started = time.perf_counter()
-            result = runner.step(batch)
-            runner.synchronize()
-            step_times_s.append(time.perf_counter() - started)
-            losses.append(result.loss.detach())
-            skipped += int(result.skipped)
-        return step_times_s, tokens, skipped
-
-    def warm_compiled(self, runner: Runner, step: int, losses: list) -> tuple[int, float]:
-        """Warm-up steps until one compiles nothing (at most MAX_COMPILE_STEPS), so the timed
-        steps run what is compiled. Returns the next step and the compile time: the compiling
-        steps' time beyond what the first steady step took. A failure while compiling is
-        `CompileFailed`, unless it is an out-of-memory error."""
-        compiling_s, compiled_steps = 0.0, 0
-        for attempt in range(MAX_COMPILE_STEPS):
-            before = compile_count()
-            logger.info("compile step {}", step)
-            # The widest step first; then real steps: where lengths vary, a second shape makes
-            # Dynamo recompile with dynamic shapes here rather than in a timed step.
-            batch = runner.peak_batch(step) if attempt == 0 else runner.global_batch(step)
-            runner.synchronize()
-            started = time.perf_counter()
-            try:
-                losses.append(self._warm_step(runner, batch))
-                runner.synchronize()
-            except Exception as exc:
-                if is_oom(exc):
-                    raise
-                raise CompileFailed(f"torch.compile failed: {type(exc).__name__}: "
-                                    f"{(str(exc).strip().splitlines() or [''])[0][:300]}") from exc
-            elapsed = time.perf_counter() - started
-            step += 1
-            if compile_count() == before:  # steady: its time is what a compiled step costs
-                return step, max(0.0, compiling_s - compiled_steps * elapsed)
-            compiling_s, compiled_steps = compiling_s + elapsed, compiled_steps + 1
-        logger.warning("still compiling after {} steps: the timed steps may recompile", MAX_COMPILE_STEPS)
-        return step, compiling_s
-
-    def _warm_step(self, runner: Runner, batch: list) -> torch.Tensor:
-        """A warm-up step. fp16's GradScaler starts at a scale that usually overflows and halves
-        it on every skipped step: the step is done again (the skipped update changed nothing)
-        until one is taken or SCALER_WARMUP_SKIPS are spent, so the timed steps are real
-        updates and the losses still belong to their steps."""
-        while True:
-            result = runner.step(batch)
-            if not result.skipped or self.warmup_skips >= SCALER_WARMUP_SKIPS:
-                return result.loss.detach()
-            self.warmup_skips += 1
-            logger.info("GradScaler skipped the warm-up step (scale now {}); again", runner.scaler.get_scale())
-
-    def _result(self, workload, losses: list[float], step_times_s: list[float], tokens: list[int | None],
-                skipped: int) -> dict:
+    def _result(self, workload, losses: list[float], log: StepLog) -> dict:
+        step_times_s, tokens, skipped = log.step_times_s, log.tokens, log.skipped
         step_time_s = statistics.median(step_times_s)
         if tokens and tokens[0] is not None:
             # Steps of varying length: the rates over all timed steps, since the median step
@@ -208,8 +121,10 @@ class _Trial:
                             if samples_per_s is not None and workload.tokens_per_sample else None)
         out = {"status": "ok", "losses": losses, "step_times_s": step_times_s, "step_time_s": step_time_s,
                "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "scaler_skipped_steps": skipped,
-               "scaler_warmup_skips": self.warmup_skips, "unchanged_share": self.stagnation.unchanged_share,
-               "stalled_params": list(self.stagnation.stalled), **self.setup}
+               "scaler_warmup_skips": log.warmup_skips, "unchanged_share": self.stagnation.unchanged_share,
+               "stalled_params": list(self.stagnation.stalled), "warmup_steps": len(log.warmup_times_s),
+               "step_time_spread": log.spread, "foreign_cores": log.load.get("foreign_cores"),
+               "cores": log.load.get("cores"), **self.setup}
         bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
         if bad is not None:
             out |= {"status": "unhealthy", "reason": f"loss is {losses[bad]} at step {bad}"}
@@ -217,7 +132,7 @@ class _Trial:
             # After the warm-up a healthy scaler skips about one step in its growth interval
             # (2000): most of the timed steps skipped is overflow that does not go away.
             out |= {"status": "unhealthy", "reason": f"the GradScaler skipped {skipped} of {len(step_times_s)} "
-                                                     f"timed steps after {self.warmup_skips} warm-up skips "
+                                                     f"timed steps after {log.warmup_skips} warm-up skips "
                                                      f"(fp16 overflow in the gradients)"}
         return out
 
@@ -226,7 +141,9 @@ class _Trial:
         bytes on a CPU, the caching allocator's reserved and allocated peaks on CUDA."""
         out = {"overhead_bytes": self.overhead_bytes}
         if self.tracker is not None:
-            peak = self.tracker.peak_bytes  # no caching allocator on a CPU: reserved is allocated
+            # No caching allocator on a CPU: reserved is allocated. The tracked steps' peak, and
+            # what live memory grew by in the steps after them.
+            peak = max(self.tracker.peak_bytes, self.steps.log.peak_bytes if self.steps is not None else 0)
             return out | {"peak_memory_bytes": peak, "peak_allocated_bytes": peak}
         if not torch.cuda.is_initialized():
             return out
@@ -246,13 +163,14 @@ class _Trial:
 # ---- entry point ---------------------------------------------------------------------------
 
 
-def run_request(request: dict) -> dict:
-    """The Measurement fields for one request; every failure becomes a status."""
+def run_request(request: dict, workload: Workload | None = None) -> dict:
+    """The Measurement fields for one request; every failure becomes a status. `workload`:
+    built already (by the pre-loaded worker), else built here."""
     started = time.perf_counter()
     out = {"config": request["config"], "budget_bytes": request["budget_bytes"]}
     trial = None
     try:
-        trial = _Trial(request)
+        trial = _Trial(request, workload)
         out |= trial.run()
     except CompileFailed as exc:
         logger.opt(exception=exc.__cause__).error("compile failed")

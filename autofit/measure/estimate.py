@@ -82,28 +82,29 @@ class MemoryEstimate:
         return out
 
 
-def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = "cpu") -> MemoryEstimate:
+def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = "cpu",
+                    workload: Workload | None = None) -> MemoryEstimate:
     """Peak bytes of training `spec` with `config`, on a device of kind `device_kind`.
 
     "cpu" predicts what a CPU trial tracks, model construction included. "cuda" leaves out
     construction (the model is built in host memory, then moved) and uses the fused
-    optimizer the runner picks on CUDA.
+    optimizer the runner picks on CUDA. `workload`: built already (default: built here).
     """
     if device_kind not in DEVICE_KINDS:
         raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
     check_global_batch(config, spec.train.global_batch_size)
-    return _estimate(spec, build_workload(spec), config, device_kind)
+    return _estimate(spec, workload or build_workload(spec), config, device_kind)
 
 
 def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int, *,
-                         device_kind: str = "cpu") -> int | None:
+                         device_kind: str = "cpu", workload: Workload | None = None) -> int | None:
     """Largest divisor of the global batch whose estimated peak fits `budget_bytes`, with
     `config`'s precision, checkpointing and freezing (accumulation follows); None when even
     a micro batch of 1 does not fit. Memory grows with the micro batch, so a binary search
     over the divisors finds the boundary."""
     if device_kind not in DEVICE_KINDS:
         raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
-    workload = build_workload(spec)
+    workload = workload or build_workload(spec)
     rank_batch = spec.train.global_batch_size // config.world_size  # each rank's share
     sizes = divisors(rank_batch)
 

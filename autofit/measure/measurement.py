@@ -27,6 +27,13 @@ class Measurement:
     tokens_per_s: float | None = None
     step_time_s: float | None = None  # median over the timed steps
     step_times_s: list[float] = field(default_factory=list)
+    step_time_spread: float | None = None  # (max - min) / (2 x median) of the timed steps: the trial's own noise
+    warmup_steps: int | None = None  # untracked warm-up steps before the clock (until steady)
+    # The host's other work over the timed steps: cores it kept busy on average (CPU time of
+    # other processes, /proc), and the cores there are; None where it cannot be read.
+    foreign_cores: float | None = None
+    cores: int | None = None
+    threads: int | None = None  # torch's intra-op threads the steps ran with (a CPU figure holds for them)
     # compile=true: the seconds the compiling warm-up steps took beyond steady-state steps.
     # Never part of step_time_s or samples_per_s.
     compile_s: float | None = None

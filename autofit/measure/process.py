@@ -70,6 +70,8 @@ def failure_reason(ended: str, returncode: int | None, timeout_s: float, log_tai
     where = f"; last output: {last}" if last else ""
     if ended == "stopped":
         return "error", "stopped"
+    if ended == "lost":  # a pre-loaded worker died under its child (killed, or out of host memory)
+        return "error", f"the trial worker died while the child ran{where}"
     if ended == "timeout":
         return "timeout", f"no result after {timeout_s:g} s; the child was killed{where}"
     if returncode is not None and returncode < 0:
@@ -98,13 +100,14 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def exit_with_parent(trial_dir: Path) -> None:
+def exit_with_parent(trial_dir: Path, parent: int | None = None) -> None:
     """A SIGKILLed `autofit tune` can neither kill its trial nor remove the trial's folder: the
     kernel sends this child SIGTERM when the parent dies, and the child removes the folder
-    (the parent's job while it lives) and exits, instead of holding the device until its timeout."""
-    import shutil
-    # The parent names itself: it may have died while this child was still importing torch.
-    parent = int(os.environ.get(PARENT_PID_ENV) or os.getppid())
+    (the parent's job while it lives) and exits, instead of holding the device until its timeout.
+    `parent`: the pid to outlive (default: the one that started this interpreter, which names
+    itself in the environment: it may have died while this child was still importing torch)."""
+    if parent is None:
+        parent = int(os.environ.get(PARENT_PID_ENV) or os.getppid())
 
     def on_term(signum, frame):
         if os.getppid() != parent and trial_dir.name.startswith("autofit-trial-"):

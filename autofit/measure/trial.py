@@ -8,6 +8,7 @@ segfault dies with the child, and the parent reads a result file or records why 
 none. The child runs the real `Runner` step, so what is measured is what `autofit train` runs.
 """
 
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -18,27 +19,31 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit.base import stopping
 from autofit.base.errors import DeviceError, InputError
 from autofit.config.spec import ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.measure.measurement import Measurement
 from autofit.measure.process import child_env, failure_reason, kill_group, torchrun_args, wait_for_child
+from autofit.measure.worker import StopEither, TaskOutcome, Worker
 
 _LOG_TAIL_CHARS = 4000
+SETUP_TASK = "autofit.measure.tasks:setup"
+TRIAL_TASK = "autofit.measure.tasks:trial"
 
 
 def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
             warmup_steps: int | None = None, measure_steps: int | None = None, timeout_s: float | None = None,
-            stop_event=None, guard=None) -> Measurement:
+            stop_event=None, guard=None, worker: Worker | None = None) -> Measurement:
     """Measure `config` in a child process; never raises for what happens inside it.
 
     `device` is "cpu" or a CUDA index. `budget_bytes` is the device memory the trial may
     use in total: on CUDA the child measures its context overhead and caps PyTorch's
     allocator at the rest; on a CPU the tracked live bytes are held to it. Setting
-    `stop_event` (a threading.Event) kills the child: status error, reason "stopped".
-    `guard` (the service's `service.guard.TrialGuard`) is told of the child while it runs,
-    and the child claims its CUDA context in the trial folder for it to read.
+    `stop_event` (a threading.Event; the CLI's stop flag always counts) kills the child:
+    status error, reason "stopped". `guard` (the service's `service.guard.TrialGuard`) is
+    told of the child while it runs, and the child claims its CUDA context in the trial
+    folder for it to read. `worker`: the tune's pre-loaded worker, which forks the child
+    (default: one started for this trial alone); several ranks run under torchrun instead.
     """
     check_global_batch(config, spec.train.global_batch_size)
     device = _device_arg(device)
@@ -46,42 +51,77 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
         raise DeviceError(f"device: {device!r} lists {len(device.split(','))} GPUs for {config.world_size} rank(s)")
     timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
     request = trial_request(spec, config, device=device, budget_bytes=budget_bytes, warmup_steps=warmup_steps,
-                            measure_steps=measure_steps, timeout_s=timeout_s)
+                            measure_steps=measure_steps, timeout_s=timeout_s) | {"claim": guard is not None}
+    if config.world_size > 1:
+        return _measure_ranks(request, config, device=device, timeout_s=timeout_s, stop_event=stop_event, guard=guard)
+    children = []
+
+    def on_child(pid: int, folder: Path) -> None:
+        children.append(pid)
+        if guard is not None:
+            guard.trial_started(pid, folder)
+
+    with contextlib.ExitStack() as stack:
+        if worker is None:  # a worker for this trial alone
+            worker = stack.enter_context(trial_worker(spec, device))
+        try:
+            outcome = worker.run(TRIAL_TASK, request, timeout_s=timeout_s, stop_event=stop_event, on_child=on_child,
+                                 start_timeout_s=spec.search.trial_timeout_s)
+        finally:
+            if guard is not None and children:
+                guard.trial_ended(children[-1])
+    return _measurement(outcome.result, outcome, config, budget_bytes, timeout_s)
+
+
+def trial_worker(spec: ModelSpec, device: str | int = "cpu") -> Worker:
+    """A pre-loaded worker for `spec`'s trials, estimates and analysis on `device`: it has
+    parsed the spec and built the workload (the user's model module, the data) once."""
+    return Worker(setup=SETUP_TASK, payload={"spec": spec.to_dict(), "source_dir": str(spec.source_dir)},
+                  preload=("autofit.measure.tasks",), device=_device_arg(device), name=f"trials of {spec.name}")
+
+
+def _measurement(result: dict | None, outcome, config: TrainConfig, budget_bytes: int | None,
+                 timeout_s: float) -> Measurement:
+    if result is not None:
+        measurement = dataclasses.replace(Measurement.from_dict(result), wall_s=outcome.wall_s)
+    else:
+        status, reason = failure_reason(outcome.ended, outcome.returncode, timeout_s, outcome.log_tail)
+        measurement = Measurement(status=status, config=config, budget_bytes=budget_bytes, reason=reason,
+                                  wall_s=outcome.wall_s)
+    if measurement.status not in ("ok", "oom"):
+        logger.debug("trial {} log tail:\n{}", config.short(), outcome.log_tail)
+    return measurement
+
+
+def _measure_ranks(request: dict, config: TrainConfig, *, device: str, timeout_s: float, stop_event,
+                   guard) -> Measurement:
+    """Several ranks: `torch.distributed.run` in a fresh process (its ranks too), each rank
+    the trial child; their result files are merged."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
         request_path, result_path, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "log")
-        if guard is not None:
+        if request.pop("claim"):
             request["claim_dir"] = tmp
         request_path.write_text(json.dumps(request, default=str))
         with open(log_path, "wb") as log_file:
-            command = [sys.executable, "-m", "autofit.measure.child", str(request_path), str(result_path)]
-            if config.world_size > 1:
-                command[1:3] = torchrun_args(config.world_size)
+            command = [sys.executable, *torchrun_args(config.world_size), str(request_path), str(result_path)]
             proc = None
             try:
-                with stopping.spawning():  # a stop signal now is raised once `proc` is known
-                    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file,
-                                            stderr=subprocess.STDOUT, env=child_env(device), start_new_session=True)
+                proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file,
+                                        stderr=subprocess.STDOUT, env=child_env(device), start_new_session=True)
                 if guard is not None:
                     guard.trial_started(proc.pid, Path(tmp))
-                ended = wait_for_child(proc, timeout_s, stop_event)
+                ended = wait_for_child(proc, timeout_s, StopEither(stop_event))
             finally:
                 if proc is not None:
                     kill_group(proc)  # on every path, so nothing the child started outlives the trial
                     if guard is not None:
                         guard.trial_ended(proc.pid)
         log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
-        wall_s = time.perf_counter() - started
         result = _read_result(result_path, config.world_size) if ended == "exited" else None
-        if result is not None:
-            measurement = dataclasses.replace(Measurement.from_dict(result), wall_s=wall_s)
-        else:
-            status, reason = failure_reason(ended, proc.returncode, timeout_s, log_tail)
-            measurement = Measurement(status=status, config=config, budget_bytes=budget_bytes, reason=reason,
-                                      wall_s=wall_s)
-    if measurement.status not in ("ok", "oom"):
-        logger.debug("trial {} log tail:\n{}", config.short(), log_tail)
-    return measurement
+    outcome = TaskOutcome(ended=ended, result=result, returncode=proc.returncode, log_tail=log_tail,
+                          wall_s=time.perf_counter() - started)
+    return _measurement(result, outcome, config, request["budget_bytes"], timeout_s)
 
 
 def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,

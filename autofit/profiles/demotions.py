@@ -4,14 +4,33 @@ one; the next `autofit tune` of that spec starts from where training went on."""
 
 import json
 from pathlib import Path
+from typing import Literal, TypedDict
 
 from loguru import logger
 
-from autofit.base.atomic import atomic_write_text
-from autofit.base.errors import SpecError
+from autofit.base.atomic import atomic_write_text, guarded_write
+from autofit.base.documents import read_json
+from autofit.base.errors import AutofitError, ProfileError
+from autofit.config.reader import read_as
 from autofit.train.recover import Demotion
 
 DEMOTIONS_SUFFIX = ".demotions.json"  # beside a profile: its runs' out-of-memory recoveries
+
+
+class _Event(TypedDict):
+    """`Demotion.to_dict()` and the spec hash of the run it happened in."""
+
+    step: int
+    from_config: dict
+    to_config: dict
+    reason: str
+    time: str
+    spec_hash: str
+
+
+class _Document(TypedDict):
+    schema: Literal[1]
+    demotions: list[_Event]
 
 
 def demotions_path(profile_path: str | Path) -> Path:
@@ -33,7 +52,8 @@ def record_demotion(profile_path: str | Path, event: Demotion, *, spec_hash: str
     events = _demotion_events(path)
     if path.exists() and not events:
         # Unreadable: kept aside rather than overwritten.
-        path.replace(path.with_name(path.name + ".unreadable"))
+        with guarded_write(path):
+            path.replace(path.with_name(path.name + ".unreadable"))
     events.append(event.to_dict() | {"spec_hash": spec_hash})
     return atomic_write_text(path, json.dumps({"schema": 1, "demotions": events}, indent=2) + "\n")
 
@@ -42,10 +62,11 @@ def _demotion_events(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     try:
-        events = json.loads(path.read_text())["demotions"]
+        events = read_as(read_json(path, error=ProfileError), _Document, document=str(path),
+                         error=ProfileError)["demotions"]
         for e in events:
             Demotion.from_dict(e)  # every event must parse, or none is trusted
         return events
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, SpecError) as exc:
-        logger.warning("skipping unreadable demotions file {}: {}", path, exc)
+    except AutofitError as exc:
+        logger.warning("skipping unreadable demotions file: {}", exc)
         return []

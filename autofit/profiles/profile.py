@@ -7,15 +7,17 @@ import dataclasses
 import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import yaml
 from loguru import logger
 
 from autofit.base.atomic import atomic_write_text
-from autofit.base.errors import ProfileError, SpecError
+from autofit.base.documents import read_yaml
+from autofit.base.errors import ProfileError
 from autofit.base.paths import default_store_dir
-from autofit.config.spec import ModelSpec, OptimizerSpec
+from autofit.config.reader import read_as, Reader
+from autofit.config.spec import ModelSpec, OptimizerSpec, parse_optimizer
 from autofit.config.train_config import TrainConfig
 from autofit.train.optim import build_optimizer, implementation
 from autofit.train.plan import resolve_plan_device, TrainingPlan
@@ -24,6 +26,59 @@ from autofit.profiles.demotions import record_demotion
 from autofit.profiles.fitting import fit_now
 
 PROFILE_SCHEMA = 1
+
+
+# The shapes of a profile's free-form sections: `Profile.from_dict` reads every field by
+# these annotations (autofit.config.reader.read_as), so a wrongly typed one is an error
+# naming its key path at load, not a TypeError in `apply` later.
+
+
+class ProcessFlags(TypedDict, total=False):
+    """`autofit.device.precision.process_flags()`, as measured."""
+
+    cuda_matmul_allow_tf32: bool
+    cudnn_allow_tf32: bool
+    cudnn_benchmark: bool
+    float32_matmul_precision: Literal["highest", "high", "medium"]
+    cpu_threads: int  # torch's intra-op threads: a CPU figure holds for them
+
+
+class Baseline(TypedDict, total=False):
+    config: dict  # TrainConfig.to_dict() of the 32-true baseline: shown, never applied
+    samples_per_s: float | None
+
+
+class LossCurve(TypedDict, total=False):
+    """`search.health.LossCurveCheck.summary()`."""
+
+    reference: str | None
+    steps: int
+    window_steps: int
+    rtol: float
+    gap: float | None
+    note: str
+    rejected: dict[str, float]
+
+
+class MicroBatchFloorRecord(TypedDict, total=False):
+    """`MicroBatchFloor.to_dict()`; empty for a model without a floor."""
+
+    size: int
+    excludes_accumulation: bool
+    reason: str
+
+
+class DataAssumptions(TypedDict, total=False):
+    """`TextData.describe()`: the lengths a varying-length profile was measured for."""
+
+    kind: str
+    samples: int
+    longest_tokens: int
+    mean_tokens: float
+    max_length: int
+    padding: str
+    packing: bool
+    pad_to_multiple_of: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,13 +123,16 @@ class Measured:
     # implementation, e.g. torch.AdamW/fused) and the process-wide flags (precision.process_flags).
     # `apply` builds or checks the one, and sets (then restores) the others.
     optimizer: str | None = None
-    flags: dict = field(default_factory=dict)
+    flags: ProcessFlags = field(default_factory=dict)
     compile_s: float | None = None  # compile=true: seconds compiling took, apart from step_time_s
+    runs: int | None = None  # validation runs behind these figures (the median run's, the largest peak)
+    threads: int | None = None  # torch's intra-op threads the runs used: a CPU figure holds for them
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        if out["compile_s"] is None:  # eager configs: profiles as before compiling existed
-            del out["compile_s"]
+        for key in ("compile_s", "runs", "threads"):  # unknown: left out, as profiles were before
+            if out[key] is None:
+                del out[key]
         return out
 
 
@@ -89,8 +147,13 @@ class SearchSummary:
     wall_s: float
     sampler: str
     storage: str
-    baseline: dict = field(default_factory=dict)  # the 32-true largest-fitting baseline, if measured
-    speedup: float | None = None  # winner samples/s over that baseline
+    baseline: Baseline = field(default_factory=dict)  # the 32-true largest-fitting baseline, if measured
+    speedup: float | None = None  # winner over that baseline: the median of interleaved pairs' ratios
+    # The interval of the speed-up (the pairs' smallest and largest ratio) and the pairs behind
+    # it (autofit/tuning/speedup.py). A speed-up of None with an interval: not measurable.
+    speedup_interval: list[float] | None = None
+    speedup_pairs: int = 0
+    foreign_cores: float | None = None  # cores other work kept busy while validating (median)
     stop_reason: str = ""  # why the search stopped
     choice: str = ""  # how the winner was chosen among contenders within noise
     noise: float | None = None  # run-to-run relative spread of repeated measurements
@@ -98,10 +161,10 @@ class SearchSummary:
     note: str = ""  # why the profile is the baseline, or what to distrust in its figures
     # The winner's loss curve against the 32-true reference's over the same validation
     # batches: reference, steps, window_steps, rtol (the limit) and gap (the largest seen).
-    loss_curve: dict = field(default_factory=dict)
+    loss_curve: LossCurve = field(default_factory=dict)
     # The smallest micro batch the space held and why (a model with BatchNorm): size, reason.
-    micro_batch_floor: dict = field(default_factory=dict)
-    workers: dict = field(default_factory=dict)  # search trials measured by each worker sharing the study
+    micro_batch_floor: MicroBatchFloorRecord = field(default_factory=dict)
+    workers: dict[str, int] = field(default_factory=dict)  # search trials measured by each worker sharing the study
     validated_by: str = ""  # the worker that validated the winner and wrote the profile
 
 
@@ -112,11 +175,11 @@ class TrainingSetup:
     optimizer: dict  # the spec's optimizer: name, lr, betas, weight_decay, momentum
     max_grad_norm: float | None  # None: no clipping
 
+    def __post_init__(self):
+        self.optimizer_spec()  # read as a model.yaml's optimizer section is: checked at load
+
     def optimizer_spec(self) -> OptimizerSpec:
-        try:
-            return OptimizerSpec(**{**self.optimizer, "betas": tuple(self.optimizer.get("betas", (0.9, 0.999)))})
-        except TypeError as exc:
-            raise ProfileError(f"training.optimizer: {exc}") from None
+        return parse_optimizer(Reader(self.optimizer, "optimizer", error=ProfileError))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,7 +207,7 @@ class Profile:
     autofit: str
     # Varying-length data: the lengths the peak and speed were measured for (e.g. text's
     # longest_tokens, padding, packing). Empty for fixed-size data.
-    data: dict = field(default_factory=dict)
+    data: DataAssumptions = field(default_factory=dict)
     # The validated frontier, smallest peak first, the winner last (see autofit/frontier.py).
     # Empty in profiles written before it existed: `points` is then the winner alone.
     frontier: tuple[FrontierPoint, ...] = ()
@@ -188,32 +251,18 @@ class Profile:
 
     @classmethod
     def from_dict(cls, raw: Any, *, where: str = "profile") -> "Profile":
+        """A profile document, every field checked against its annotation (a ProfileError
+        naming `where` and the key path otherwise); unknown keys are refused."""
         if not isinstance(raw, dict):
             raise ProfileError(f"{where}: expected a mapping, got {type(raw).__name__}")
         model = raw.get("model")
         if isinstance(model, dict) and {"builtin", "hf", "python"} & set(model):
             raise ProfileError(f"{where}: this is a model.yaml, not a profile; make a profile with "
                                f"`autofit tune {where}`")
-        if raw.get("schema") != PROFILE_SCHEMA:
+        if raw.get("schema") != PROFILE_SCHEMA or isinstance(raw.get("schema"), bool):
             raise ProfileError(f"{where}: schema: this autofit reads profile schema {PROFILE_SCHEMA}, "
                                f"got {raw.get('schema')!r}")
-        try:
-            config = TrainConfig.from_dict(raw.get("config"), where="config")
-        except SpecError as exc:
-            raise ProfileError(f"{where}: {exc}") from None
-        profile = cls(
-            model=_section(ProfileModel, raw, "model", where),
-            device=_section(ProfileDevice, raw, "device", where),
-            budget_bytes=_field(raw, "budget_bytes", int, where),
-            config=config,
-            measured=_section(Measured, raw, "measured", where),
-            search=_section(SearchSummary, raw, "search", where),
-            created=_field(raw, "created", str, where),
-            autofit=_field(raw, "autofit", str, where),
-            data=_field(raw, "data", dict, where) if "data" in raw else {},
-            frontier=_frontier(raw, where) if "frontier" in raw else (),
-            training=_section(TrainingSetup, raw, "training", where) if "training" in raw else None,
-        )
+        profile = read_as(raw, cls, document=where, error=ProfileError)
         _check_frontier(profile, where)
         return profile
 
@@ -224,11 +273,7 @@ class Profile:
             raise ProfileError(f"{path}: is a folder, not a profile file")
         if not path.is_file():
             raise ProfileError(f"{path}: no such profile file")
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise ProfileError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-        return cls.from_dict(raw, where=str(path))
+        return cls.from_dict(read_yaml(path, error=ProfileError), where=str(path))
 
     def check_spec(self, spec: ModelSpec) -> bool:
         """False (with a warning) when the profile was tuned for another version of the spec."""
@@ -356,44 +401,6 @@ class Profile:
 
 def _major(version: str | None) -> str | None:
     return None if version is None else version.split(".")[0]
-
-
-def _field(raw: dict, key: str, kind, where: str):
-    value = raw.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise ProfileError(f"{where}: {key}: expected {kind.__name__}, got {value!r}")
-    return value
-
-
-def _section(cls, raw: dict, key: str, where: str):
-    value = raw.get(key)
-    if not isinstance(value, dict):
-        raise ProfileError(f"{where}: {key}: expected a mapping, got {value!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - names)
-    if unknown:
-        raise ProfileError(f"{where}: {key}.{unknown[0]}: unknown key")
-    try:
-        return cls(**value)
-    except TypeError as exc:
-        raise ProfileError(f"{where}: {key}: {exc}") from None
-
-
-def _frontier(raw: dict, where: str) -> tuple[FrontierPoint, ...]:
-    points = _field(raw, "frontier", list, where)
-    out = []
-    for i, item in enumerate(points):
-        at = f"frontier[{i}]"
-        if not isinstance(item, dict):
-            raise ProfileError(f"{where}: {at}: expected a mapping with config and measured, got {item!r}")
-        if set(item) - {"config", "measured"}:
-            raise ProfileError(f"{where}: {at}.{sorted(set(item) - {'config', 'measured'})[0]}: unknown key")
-        try:
-            config = TrainConfig.from_dict(item.get("config"), where=f"{at}.config")
-        except SpecError as exc:
-            raise ProfileError(f"{where}: {exc}") from None
-        out.append(FrontierPoint(config=config, measured=_section(Measured, item, "measured", f"{where}: {at}")))
-    return tuple(out)
 
 
 def _check_frontier(profile: "Profile", where: str) -> None:

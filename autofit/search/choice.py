@@ -20,6 +20,9 @@ from autofit.search.study import TrialRecord
 # shared GPU or a busy CPU moves by a few percent between calls.
 NOISE_PRIOR = 0.03
 MAX_CONTENDERS = 10
+# A resumed study measures at least this many of its leaders again (`leaders`): one leader
+# measured alone would rank first however slow it now is.
+MIN_LEADERS = 3
 MIN_ROUNDS, MAX_ROUNDS = 1, 16
 # A lead is settled when it exceeds this many standard errors of the difference.
 SETTLE_Z = 2.0
@@ -45,29 +48,56 @@ def central(values: list[float]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Ranked:
-    record: TrialRecord  # the config's first measured record
-    samples_per_s: float  # central value of its measurements, repeats included (`central`)
-    measurements: int
+    record: TrialRecord  # the config's first measured record (its first fresh one, where it has one)
+    samples_per_s: float  # central value of its measurements (its fresh ones only, where it has any), repeats included
+    measurements: int  # how many went into samples_per_s
+    fresh: bool = True  # measured in this session: ranked ahead of every config known only from older ones
 
 
-def rank(records: list[TrialRecord], budget_bytes: int, *, repeats: bool = True) -> list[Ranked]:
+def rank(records: list[TrialRecord], budget_bytes: int, *, repeats: bool = True,
+         fresh_since: float | None = None) -> list[Ranked]:
     """Feasible, healthy configs, fastest first by the central value of their measurements
-    (the search's own measurements only, without `repeats`)."""
+    (the search's own measurements only, without `repeats`). With `fresh_since` (when this
+    session began), a config measured since is ranked by those measurements alone, ahead of
+    every config known only from older ones: a figure taken another day, under another load,
+    never decides over a fresh one."""
     by_config: dict[TrainConfig, list[TrialRecord]] = {}
     for r in records:
         if (repeats or not r.repeat) and r.feasible(budget_bytes) and health_problem(r, records) is None:
             by_config.setdefault(r.config, []).append(r)
-    out = [Ranked(runs[0], central([x.samples_per_s for x in runs]), len(runs))
-           for runs in by_config.values()]
-    return sorted(out, key=lambda x: x.samples_per_s, reverse=True)
+    out = []
+    for runs in by_config.values():
+        fresh = [x for x in runs if x.fresh(fresh_since)]
+        use = fresh or runs
+        out.append(Ranked(use[0], central([x.samples_per_s for x in use]), len(use), fresh=bool(fresh)))
+    return sorted(out, key=lambda x: (x.fresh, x.samples_per_s), reverse=True)
 
 
-def observed_noise(records: list[TrialRecord]) -> float | None:
+def observed_noise(records: list[TrialRecord], since: float | None = None) -> float | None:
     """The relative standard deviation of one measurement, pooled over the configs measured
-    more than once (each config's runs relative to their mean). None when nothing repeats."""
+    more than once (since `since`; each config's runs relative to their mean). None when
+    nothing repeats."""
+    squares, freedom = _pooled(records, since)
+    return math.sqrt(squares / freedom) if freedom else None
+
+
+def decision_noise(records: list[TrialRecord], prior: float, since: float | None = None) -> float:
+    """The noise a decision is made with: `prior` while nothing repeats (since `since`), then
+    the pooled observed spread raised to its upper confidence bound (a few repeats that agree
+    by chance are no proof of a quiet device), never below NOISE_FLOOR."""
+    squares, freedom = _pooled(records, since)
+    if not freedom:
+        return prior
+    # observed x sqrt(freedom / chi2): observed is sqrt(squares / freedom).
+    return max(NOISE_FLOOR, math.sqrt(squares / _chi2_lower(freedom)))
+
+
+def _pooled(records: list[TrialRecord], since: float | None) -> tuple[float, int]:
+    """The squared relative deviations of repeated configs' runs from their mean, summed, and
+    their degrees of freedom (runs - 1 per config), over the records measured since `since`."""
     by_config: dict[TrainConfig, list[float]] = {}
     for r in records:
-        if r.status == "ok" and r.samples_per_s > 0:
+        if r.status == "ok" and r.samples_per_s > 0 and r.fresh(since):
             by_config.setdefault(r.config, []).append(r.samples_per_s)
     squares, freedom = 0.0, 0
     for runs in by_config.values():
@@ -75,27 +105,12 @@ def observed_noise(records: list[TrialRecord]) -> float | None:
             mean = statistics.fmean(runs)
             squares += sum((x / mean - 1) ** 2 for x in runs)
             freedom += len(runs) - 1
-    return math.sqrt(squares / freedom) if freedom else None
-
-
-def decision_noise(records: list[TrialRecord], prior: float) -> float:
-    """The noise a decision is made with: `prior` while nothing repeats, then the pooled
-    observed spread raised to its upper confidence bound (a few repeats that agree by
-    chance are no proof of a quiet device), never below NOISE_FLOOR."""
-    by_config: dict[TrainConfig, int] = {}
-    for r in records:
-        if r.status == "ok" and r.samples_per_s > 0:
-            by_config[r.config] = by_config.get(r.config, 0) + 1
-    freedom = sum(n - 1 for n in by_config.values())
-    observed = observed_noise(records)
-    if observed is None:
-        return prior
-    return max(NOISE_FLOOR, observed * math.sqrt(freedom / _chi2_lower(freedom)))
+    return squares, freedom
 
 
 def _chi2_lower(freedom: int) -> float:
-    """The chi-square quantile at NOISE_CONFIDENCE's lower tail (Wilson-Hilferty), so that
-    observed / sqrt(it / freedom) bounds the true spread from above at that confidence."""
+    """The chi-square quantile at the 10% lower tail (_Z_LOWER, Wilson-Hilferty), so that
+    observed / sqrt(it / freedom) bounds the true spread from above at 90% confidence."""
     k = freedom
     return k * max(1 - 2 / (9 * k) + _Z_LOWER * math.sqrt(2 / (9 * k)), 0.05) ** 3
 
@@ -118,6 +133,13 @@ def contenders(ranked: list[Ranked], noise: float) -> list[Ranked]:
         return []
     floor = ranked[0].samples_per_s * (1 - 2 * noise)
     return [r for r in ranked[:MAX_CONTENDERS] if r.samples_per_s >= floor]
+
+
+def leaders(ranked: list[Ranked]) -> list[Ranked]:
+    """The configs whose figures could decide: the contenders within the prior noise of the
+    best, and at least the MIN_LEADERS fastest."""
+    field = contenders(ranked, prior_noise(ranked))
+    return ranked[:max(MIN_LEADERS, len(field))]
 
 
 def behind(contender: Ranked, leader: Ranked, noise: float) -> bool:

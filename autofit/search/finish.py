@@ -1,10 +1,13 @@
 """After the search, before the winner is chosen: a full-precision reference at the freezing
 depth of each contender that has none (low-precision trials are judged against it), and the
 contenders within noise of the best measured again, interleaved, until the leader's lead
-is beyond the noise seen.
+is beyond the noise seen. In a resumed study the leaders known only from an older session
+(another day, another load) are measured again first, and only this session's figures
+decide.
 
 Both measure through the tuner (`Tuner.measure_now`), so their trials are stored in the
-study like any other: a resumed tune does not take them again.
+study like any other: a resumed tune does not take a reference again, and reads the old
+repeats back without letting them decide.
 """
 
 import time
@@ -57,7 +60,9 @@ def _unreferenced_depth(tuner, records) -> int | None:
     space = tuner.space
     if not any(p in space.precisions for p in REFERENCE_PRECISIONS) or 32 not in space.optimizer_bits:
         return None
-    ranked = choice.rank(records, tuner.budget_bytes)
+    # The configs that can win: this session's, once it has measured any (a resumed study).
+    budget_bytes = tuner.budget_bytes
+    ranked = _fresh_ranked(records, budget_bytes, tuner.session_start) or choice.rank(records, budget_bytes)
     if reference_for(None, records, same_freeze=False) is None:
         return ranked[0].record.config.freeze_blocks if ranked else 0
     for r in choice.contenders(ranked, choice.prior_noise(ranked)):
@@ -67,24 +72,62 @@ def _unreferenced_depth(tuner, records) -> int | None:
     return None
 
 
+def refresh_leaders(tuner, records: list) -> list:
+    """The leaders (the search's fastest configs, `choice.leaders`) whose figures are all old (read back from
+    another session: another day, another load) or taken under heavy foreign load, measured
+    again, interleaved, before any of those figures decides. Returns the records after."""
+    since = tuner.session_start
+    leaders = choice.leaders(choice.rank(records, tuner.budget_bytes, repeats=False))
+
+    def trusted(config) -> bool:
+        return any(r.config == config and r.measurement is not None and r.fresh(since) and not r.loaded
+                   for r in records)
+
+    stale = [r.record for r in leaders if not trusted(r.record.config)]
+    if not stale:
+        return records
+    old = [r.measured_at for r in stale if r.measured_at is not None and r.measured_at < since]
+    why = (f"measured {age_text(since - max(old))} to {age_text(since - min(old))} before this run" if old else
+           "measured while other work held the host")
+    logger.info("measuring the {} leaders again, interleaved, before their figures ({}) decide: {}", len(leaders),
+                why, ", ".join(r.record.config.short() for r in leaders))
+    for leader in leaders:
+        if tuner.should_stop():
+            break
+        tuner.measure_now(leader.record.config, records, repeat=True)
+    return tuner.records()
+
+
+def age_text(seconds: float) -> str:
+    """`3 min`, `2.5 h`, `4 days`: how old a figure is."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 36 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} days"
+
+
 def remeasure_contenders(tuner) -> tuple[float | None, int]:
     """Re-measure the configs within noise of the best, interleaved, round after round: a
     contender whose lead is lost beyond doubt (`choice.behind`) leaves the field, a config
     measured once that comes to lead the re-measured ones joins it, and the rounds stop
     when the lead is settled or the leaders are tied under the noise seen
     (`choice.settled`), or when the noise is too large for any number of rounds to settle
-    it (`choice.futile`: a loaded host); MIN_ROUNDS to MAX_ROUNDS rounds. Repeats are
-    stored, so a resumed study does not take them again. Returns (noise seen, rounds)."""
-    records, budget_bytes = tuner.records(), tuner.budget_bytes
-    # The field is drawn from the search's own measurements, so a resumed study draws
-    # the same one and finds its repeats already taken.
-    first = choice.rank(records, budget_bytes, repeats=False)
+    it (`choice.futile`: a loaded host); MIN_ROUNDS to MAX_ROUNDS rounds. Figures from this
+    session decide: old or loaded leaders are measured again first (`refresh_leaders`), and
+    the field, its ranking and the noise come from this session's measurements only.
+    Returns (noise seen in this session, rounds)."""
+    records, budget_bytes, since = tuner.records(), tuner.budget_bytes, tuner.session_start
+    records = refresh_leaders(tuner, records)
+    first = _fresh_ranked(records, budget_bytes, since)
     prior = choice.prior_noise(first)
     field = [r.record.config for r in choice.contenders(first, prior)]
     if len(field) < 2:
-        return choice.observed_noise(records), 0
+        return choice.observed_noise(records, since), 0
     while True:
-        ranked = choice.rank(records, budget_bytes)
+        ranked = _fresh_ranked(records, budget_bytes, since)
         if ranked[0].record.config not in field:
             # One lucky run is no lead: it is measured as often as the others first (the
             # winner's curse, otherwise).
@@ -92,16 +135,23 @@ def remeasure_contenders(tuner) -> tuple[float | None, int]:
         race = [r for r in ranked if r.record.config in field]
         rounds = min(r.measurements for r in race) - 1
         if rounds >= choice.MIN_ROUNDS:
-            noise = choice.decision_noise(records, prior)
+            noise = choice.decision_noise(records, prior, since)
             race = [r for r in race if not choice.behind(r, race[0], noise)]
             field = [c for c in field if c in {r.record.config for r in race}]
             if (len(race) < 2 or choice.settled(race, noise) or choice.futile(noise)
                     or rounds >= choice.MAX_ROUNDS):
-                return choice.observed_noise(records), rounds
+                return choice.observed_noise(records, since), rounds
         level = {r.record.config for r in race if r.measurements == rounds + 1}
         for config in field:
             if config in level:
                 if tuner.should_stop():
-                    return choice.observed_noise(records), rounds
+                    return choice.observed_noise(records, since), rounds
                 tuner.measure_now(config, records, repeat=True)
         records = tuner.records()
+
+
+def _fresh_ranked(records: list, budget_bytes: int, since: float | None) -> list:
+    """The configs measured in this session, ranked by those measurements: a config known only
+    from an older session neither races nor decides (`refresh_leaders` measured the ones that
+    could)."""
+    return [r for r in choice.rank(records, budget_bytes, fresh_since=since) if r.fresh]

@@ -64,6 +64,9 @@ class Tuner:
         self.on_trial = on_trial or (lambda record, best, total: None)
         self.should_stop = should_stop or (lambda: False)
         self.starts = starts  # measured first, before the seeds: e.g. where training was demoted to
+        # Records measured before this are another session's (another day, another load):
+        # read, not repeated, but their figures do not decide the winner (search/finish.py).
+        self.session_start = time.time()
 
     def records(self) -> list[TrialRecord]:
         return read_records(self.study)
@@ -78,8 +81,8 @@ class Tuner:
         records = self.records()
         resumed = self.spent(records)
         if records:
-            logger.info("resuming study {}: {} finished trials are not run again ({} measured under this budget)",
-                        self.study.study_name, len(records), resumed)
+            logger.info("resuming study {}: {} finished trials are not run again ({} measured under this budget){}",
+                        self.study.study_name, len(records), resumed, _ages(records, self.session_start))
         best = _best(records, self.budget_bytes)
         # Patience carries over a resume: a study that had stopped improving stays stopped.
         since_best = sum(1 for r in records if self._holds(r) and (best is None or r.number > best.number))
@@ -157,8 +160,9 @@ class Tuner:
 
     def finish(self, searched: tuple[str, int, float]) -> SearchResult:
         """After `search()`: a full-precision reference at each contender's freezing depth
-        that has none, and the contenders re-measured; the result. With workers sharing the
-        study, one finishes."""
+        that has none, and the contenders re-measured (old or loaded leaders first); the
+        result, ranked by this session's figures. With workers sharing the study, one
+        finishes."""
         _, _, start = searched
         noise, rounds = None, 0
         if not self.should_stop():
@@ -172,7 +176,7 @@ class Tuner:
         """The study's records as they are now, ranked."""
         stop_reason, resumed, start = searched
         records = _judged(self.records())
-        ranked = choice.rank(records, self.budget_bytes)
+        ranked = choice.rank(records, self.budget_bytes, fresh_since=self.session_start)
         return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=time.monotonic() - start,
                             resumed=resumed, stop_reason=stop_reason, ranked=[r.record for r in ranked],
                             noise=noise, choice=choice.describe(ranked, noise, rounds))
@@ -296,7 +300,8 @@ class Tuner:
             measurement = self.measure(config)
         record = TrialRecord(number=trial.number, config=config, status=measurement.status,
                              predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
-                             reason=measurement.reason, budget_bytes=self.budget_bytes, worker=self.worker)
+                             reason=measurement.reason, budget_bytes=self.budget_bytes, worker=self.worker,
+                             measured_at=time.time())
         if record.status == "ok" and record.peak_memory_bytes is not None and record.peak_memory_bytes > self.budget_bytes:
             record = record.replace(status="oom", reason="peak exceeded the budget")
         if record.status == "ok":
@@ -345,6 +350,15 @@ class Tuner:
         """Asked from the queue (a seed, refinement or neighbour), not proposed by the sampler."""
         frozen = self.study.get_trials(deepcopy=False)
         return trial.number < len(frozen) and "fixed_params" in frozen[trial.number].system_attrs
+
+
+def _ages(records: list[TrialRecord], now: float) -> str:
+    """How old the measurements read back are: `; measured 2.5 h to 10 min ago`."""
+    times = [r.measured_at for r in records if r.measured_at is not None and r.measurement is not None]
+    if not times:
+        return ""
+    return (f"; measured {finish.age_text(now - min(times))} to {finish.age_text(now - max(times))} ago, under that "
+            f"time's load: the leaders are measured again before their figures decide")
 
 
 def _judged(records: list[TrialRecord]) -> list[TrialRecord]:

@@ -4,7 +4,8 @@ its locks with its connection.
 
 - `creation_lock(url)`: Optuna creates its tables on first use. Workers that do it at the
   same moment on an empty database collide in PostgreSQL's catalog (UniqueViolation on
-  pg_type_typname_nsp_index), so opening a storage is serialised.
+  pg_type_typname_nsp_index), or in SQLite ("table studies already exists"), so opening a
+  storage is serialised: an advisory lock on PostgreSQL, an flock beside a SQLite file.
 - `StudyLocks.claim()`: deciding the next config and claiming it as a RUNNING trial is one
   step per study, so a config being measured by one worker is never chosen by another.
 - `StudyLocks.finish()`: the first worker to end its search validates and writes the
@@ -16,12 +17,16 @@ config can be measured twice.
 """
 
 import contextlib
+import fcntl
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import optuna
+from sqlalchemy.engine import make_url
 
 _POLL_S = 0.05  # how often a waiting worker tries a lock held by another
 _PROFILE_ATTR = "autofit:profile"  # study user attr: the last profile written from the study
@@ -69,9 +74,42 @@ def _wait_for(try_lock: Callable[[], bool], should_stop: Callable[[], bool] | No
         time.sleep(poll_s)
 
 
+def _sqlite_file(url: str | None) -> Path | None:
+    """The database file of a `sqlite:///path` URL; None for other storages and `:memory:`."""
+    if url is None or url.split("://", 1)[0].split("+", 1)[0] != "sqlite":
+        return None
+    try:
+        database = make_url(url).database
+    except Exception:  # a malformed URL: opening the storage says so
+        return None
+    return Path(database) if database and database != ":memory:" else None
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An flock on `path` (made if need be); the kernel drops it with the process. Where the
+    file cannot be made (a read-only folder), no lock: nothing can be created there either."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # several tunes start at once: each waits its turn
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 @contextlib.contextmanager
 def creation_lock(url: str | None) -> Iterator[None]:
-    """Held while a storage is opened (and its tables created) on PostgreSQL."""
+    """Held while a storage is opened (and its tables created): on PostgreSQL an advisory
+    lock in the database, on SQLite an flock on a dot file beside the database file."""
+    database = _sqlite_file(url)
+    if database is not None:
+        with _file_lock(database.with_name(f".{database.name}.lock")):
+            yield
+        return
     if not is_postgres(url):
         yield
         return

@@ -9,8 +9,9 @@ import warnings
 from dataclasses import dataclass, field
 
 import optuna
+import sqlalchemy.exc
 
-from autofit.base.errors import SpecError
+from autofit.base.errors import AutofitError, SpecError
 from autofit.base.redact import redact_text, redact_url
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
@@ -24,6 +25,11 @@ RECORD_ATTR = "autofit"  # user attr holding a trial's record
 HEARTBEAT_INTERVAL_S = 10
 GRACE_PERIOD_S = 60
 STALE_RETRIES = 2  # a config whose trials keep killing their worker is given up after this
+LOADED_SHARE = 0.5  # of the cores busy with other work while a trial ran: its figure is marked
+
+
+class StorageError(AutofitError):
+    """The study's database failed while it was read or written."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +43,7 @@ class TrialRecord:
     budget_bytes: int | None = None  # the budget it ran (or was pruned) under; None in older studies
     repeat: bool = False  # a re-measurement of a measured config (noise), not a search trial
     worker: str | None = None  # who measured it (host name, or the service's worker_name); None in older studies
+    measured_at: float | None = None  # unix seconds when it was measured; None in older studies
 
     @property
     def samples_per_s(self) -> float:
@@ -52,6 +59,18 @@ class TrialRecord:
             return None
         return m.peak_memory_bytes + (m.overhead_bytes or 0)
 
+    @property
+    def loaded(self) -> bool:
+        """Measured while other work kept at least LOADED_SHARE of the host's cores busy:
+        its figure is the host's, not the config's, until it is measured again."""
+        m = self.measurement
+        return (m is not None and m.foreign_cores is not None and bool(m.cores)
+                and m.foreign_cores >= LOADED_SHARE * m.cores)
+
+    def fresh(self, since: float | None) -> bool:
+        """Measured at or after `since` (this session), not read back from an older one."""
+        return since is None or (self.measured_at is not None and self.measured_at >= since)
+
     def feasible(self, budget_bytes: int) -> bool:
         peak = self.peak_memory_bytes
         return self.status == "ok" and peak is not None and peak <= budget_bytes
@@ -63,7 +82,7 @@ class TrialRecord:
         return {"status": self.status, "predicted_peak_bytes": self.predicted_peak_bytes, "reason": self.reason,
                 "budget_bytes": self.budget_bytes, "repeat": self.repeat, "config": self.config.to_dict(),
                 "measurement": None if self.measurement is None else self.measurement.to_dict(),
-                "worker": self.worker}
+                "worker": self.worker, "measured_at": self.measured_at}
 
     @classmethod
     def from_attr(cls, number: int, attr: dict) -> "TrialRecord":
@@ -71,7 +90,8 @@ class TrialRecord:
         return cls(number=number, config=TrainConfig.from_dict(attr["config"]), status=attr["status"],
                    predicted_peak_bytes=attr.get("predicted_peak_bytes"), reason=attr.get("reason"),
                    budget_bytes=attr.get("budget_bytes"), repeat=bool(attr.get("repeat", False)),
-                   measurement=None if m is None else Measurement.from_dict(m), worker=attr.get("worker"))
+                   measurement=None if m is None else Measurement.from_dict(m), worker=attr.get("worker"),
+                   measured_at=attr.get("measured_at"))
 
 
 @dataclass(kw_only=True)
@@ -123,6 +143,22 @@ def make_study(*, study_name: str, storage: str | None, seed: int = 0) -> optuna
     except Exception as exc:  # sqlalchemy: unknown scheme, unreachable or unwritable database
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SpecError(f"--storage {redact_url(storage)}: cannot open the study storage: {redact_text(first)[:200]}") from None
+
+
+@contextlib.contextmanager
+def storage_errors(storage: str | None):
+    """A study storage that fails under a tune (a SQLite file with a damaged page, a database
+    gone away) is one line naming it, not a traceback; the study is left as it is."""
+    try:
+        yield
+    except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError) as exc:
+        root = exc
+        while root.__cause__ is not None:  # optuna wraps SQLAlchemy, which wraps the driver
+            root = root.__cause__
+        first = (str(getattr(root, "orig", None) or root).strip().splitlines() or [type(root).__name__])[0]
+        raise StorageError(f"--storage {redact_url(storage)}: the study storage failed: {redact_text(first)[:200]}; "
+                           f"nothing in it was changed by this error. A damaged SQLite file can be moved aside "
+                           f"(a new study starts) or recovered with `sqlite3 FILE .recover`") from None
 
 
 def ask(study: optuna.Study) -> optuna.Trial:

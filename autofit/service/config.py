@@ -18,8 +18,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from autofit.base.documents import read_yaml
 from autofit.base.errors import SpecError
 from autofit.base.redact import redact_text, redact_url
 from autofit.config.reader import Reader
@@ -81,14 +80,7 @@ def load_service_config(path: str | Path | None) -> ServiceConfig:
     path = resolve_config_path(path)
     if not path.is_file():
         raise SpecError(f"{path}: no such config file" if not path.exists() else f"{path}: not a file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise SpecError(f"{path}: YAML syntax error{where}: {getattr(exc, 'problem', None) or exc}") from None
-    except UnicodeDecodeError:
-        raise SpecError(f"{path}: not a text file") from None
+    raw = read_yaml(path, error=SpecError)  # bounded: aliases, nesting, size
     try:
         return _parse(raw, path.resolve())
     except SpecError as exc:

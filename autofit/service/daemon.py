@@ -26,13 +26,15 @@ from loguru import logger
 from autofit.base.errors import AutofitError, SpecError
 from autofit.config.spec import load_spec, ModelSpec
 from autofit.profiles.profile import utc_now
+from autofit.commands.args import ensure_folder
 from autofit.service import pairs as pair_plan
 from autofit.service.config import load_service_config, resolve_config_path, ServiceConfig
 from autofit.service.inventory import FileInventory, Gpu, NvmlInventory
 from autofit.service.job import TuneJob
 from autofit.service.notify import Notifier
 from autofit.service.scheduler import Scheduler
-from autofit.service.state import PairState, read_state, STATE_SCHEMA, StateLock, write_state
+from autofit.service.state import (DamagedState, PairState, read_state, set_aside, STATE_SCHEMA, StateLock,
+                                   write_state)
 
 _TICK_S = 0.1  # how often the main loop looks at signals, finished tunes and the watchdog
 _HEARTBEAT_S = 10.0  # state.json is rewritten at least this often, so `status` sees a live service
@@ -72,6 +74,10 @@ class Service:
     # --- the main loop -----------------------------------------------------------------------
 
     def run(self) -> int:
+        # Folders it cannot write are a config error (exit 2, not restarted by the unit), found
+        # now rather than when the first tune's profile or state write fails.
+        for folder, key in ((self.config.state_dir, "state_dir"), (self.config.store_dir, "store_dir")):
+            ensure_folder(folder, key)
         self._lock.acquire()
         try:
             self._load_state()
@@ -260,7 +266,7 @@ class Service:
         try:
             write_state(self.config.state_dir, state)
             self._state_ok = True
-        except OSError as exc:  # a full or read-only disk: unhealthy, so systemd's watchdog steps in
+        except (OSError, AutofitError) as exc:  # a full or read-only disk: unhealthy, so systemd's watchdog steps in
             if self._state_ok:
                 logger.error("cannot write the state file in {}: {}", self.config.state_dir, exc)
             self._state_ok = False
@@ -270,15 +276,14 @@ class Service:
     def _load_state(self) -> None:
         try:
             state = read_state(self.config.state_dir) or {}
-        except AutofitError as exc:
-            # The state is a record; what matters (profiles, studies) lives elsewhere.
-            logger.warning("starting without the last run's state: {}", exc)
+        except DamagedState as exc:
+            # The state is a record; what matters (profiles, studies) lives elsewhere. Set
+            # aside, not overwritten: exiting instead would make systemd restart into it.
+            aside = set_aside(self.config.state_dir)
+            logger.warning("starting without the last run's state: {}; kept as {}", exc, aside)
             state = {}
         for raw in state.get("pairs", []):
-            try:
-                pair = PairState.from_dict(raw)
-            except (TypeError, AssertionError):
-                continue
+            pair = PairState.from_dict(raw)  # checked by read_state
             if pair.status == "tuning":  # the last run ended (or died) mid-tune
                 pair.status, pair.detail = "interrupted", "the service stopped during this tune; resumes from its study"
             self.pairs[pair.key] = pair

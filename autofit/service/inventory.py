@@ -20,8 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from autofit.base.documents import read_yaml
 from autofit.base.errors import DeviceError
 from autofit.base.sizes import parse_size
 from autofit.device.probe import DeviceInfo, emulated_device, MAX_DEVICE_NAME_CHARS, probe_devices
@@ -93,12 +92,9 @@ class FileInventory:
 
     def _entries(self) -> list:
         try:
-            raw = yaml.safe_load(self.path.read_text())  # YAML reads JSON too
-        except OSError as exc:
-            raise DeviceError(f"inventory {self.path}: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
-            raise DeviceError(f"inventory {self.path}: not valid YAML/JSON "
-                              f"({str(exc).splitlines()[0]})") from None
+            raw = read_yaml(self.path, error=DeviceError)  # YAML reads JSON too; bounded
+        except DeviceError as exc:
+            raise DeviceError(f"inventory {exc}") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("gpus"), list) or set(raw) != {"gpus"}:
             raise DeviceError(f"inventory {self.path}: expected {{\"gpus\": [{{\"name\": ..., "
                               f"\"memory_total_bytes\": ...}}, ...]}}")

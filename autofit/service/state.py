@@ -17,15 +17,63 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, TypedDict
 
-from autofit.base.atomic import atomic_write_text
+from autofit.base.atomic import atomic_write_text, guarded_write
+from autofit.base.documents import parse_json, read_text
 from autofit.base.errors import AutofitError
+from autofit.config.reader import read_as
 
 STATE_SCHEMA = 1
 STATE_FILE = "state.json"
 # "nothing fits" and "failed" are final (until the spec changes; "failed" also until a
 # reload); "retrying" waits out a back-off after a timeout, crash or interruption.
 PAIR_STATUSES = ("queued", "tuning", "ready", "nothing fits", "retrying", "failed", "interrupted", "inactive")
+
+
+class _ProfileSummaryRequired(TypedDict):
+    path: str
+    config: str  # TrainConfig.short()
+    samples_per_s: float
+
+
+class ProfileSummary(_ProfileSummaryRequired, total=False):
+    """`service.pairs.profile_summary`: the store's newest profile of a pair."""
+
+    spec_hash: str
+    created: str
+    stale: list[str]
+    workers: dict[str, int]
+    validated_by: str
+
+
+class NothingFits(TypedDict):
+    spec_hash: str
+    headroom: float
+    message: str
+
+
+class Failure(TypedDict, total=False):
+    """`service.job.record_retry`; `count` is `attempts` in state files before it was renamed."""
+
+    kind: str
+    error: str
+    spec_hash: str
+    attempts: int
+    count: int
+    max_attempts: int
+    interruptions: int
+    final: bool
+    retry_after_unix_s: float | None
+    next_try: str | None
+
+
+class LastTune(TypedDict, total=False):
+    gpu: str
+    started: str
+    ended: str | None
+    result: str | None
+    trials: int
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,17 +84,16 @@ class PairState:
     fingerprint: str  # the GPU kind (device fingerprint; `…-xN` for N ranks, as its profiles)
     device: str  # the GPU's name, for people
     world_size: int = 1  # GPUs of that kind a tune of this pair takes, one rank each
-    status: str = "queued"  # one of PAIR_STATUSES
+    status: Literal[PAIR_STATUSES] = "queued"
     detail: str | None = None  # why queued / interrupted / failed, in words
     spec_hash: str | None = None  # of the spec as last read
     tunes: int = 0  # tunes started, ever (a resumed study counts again)
     completed: int = 0  # tunes that ended with a profile
-    profile: dict | None = None  # the store's newest profile for the pair: path, config, speed, stale reasons
-    nothing_fits: dict | None = None  # {spec_hash, headroom, message}: not retried until either changes
-    # The last timeout, crash or interruption of this spec: {kind, error, spec_hash, attempts,
-    # max_attempts, interruptions, final, retry_after_unix_s, next_try} (service.job.record_retry).
-    failure: dict | None = None
-    last_tune: dict | None = None  # {gpu, started, ended, result, trials}
+    profile: ProfileSummary | None = None  # the store's newest profile for the pair: path, config, speed, stale reasons
+    nothing_fits: NothingFits | None = None  # not retried until the spec hash or the headroom changes
+    # The last timeout, crash or interruption of this spec (service.job.record_retry).
+    failure: Failure | None = None
+    last_tune: LastTune | None = None
 
     def __post_init__(self):
         assert self.status in PAIR_STATUSES, self.status
@@ -65,8 +112,7 @@ class PairState:
 
     @classmethod
     def from_dict(cls, d: dict) -> "PairState":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return read_as(d, cls, error=DamagedState)
 
 
 def pair_key(model: str, fingerprint: str) -> str:
@@ -77,21 +123,111 @@ def state_path(state_dir: Path) -> Path:
     return Path(state_dir) / STATE_FILE
 
 
+class DamagedState(AutofitError):
+    """A state file that is not one `autofit serve` wrote: `serve` sets it aside and starts
+    afresh (what matters, profiles and studies, lives elsewhere); `status` says so."""
+
+
+class _ServiceRow(TypedDict, total=False):
+    pid: int
+    running: bool
+    healthy: bool
+    started: str
+    updated: str
+    status: str
+
+
+class _GpuRow(TypedDict):
+    slot: str
+    name: str
+    fingerprint: str
+    memory_total_bytes: int
+    emulated: bool
+    state: str
+
+
+class _InventoryRow(TypedDict, total=False):
+    source: str
+    error: str | None
+    gpus: list[_GpuRow]
+
+
+class _ModelRow(TypedDict):
+    name: str
+    path: str
+    spec_hash: str
+
+
+class _SpecErrorRow(TypedDict):
+    path: str
+    error: str
+
+
+class _QueueRow(TypedDict):
+    model: str
+    device: str
+    fingerprint: str
+
+
+class _RunningRequired(TypedDict):
+    gpu: str
+    model: str
+    trial: int
+    trials: int
+    started: str
+
+
+class _RunningRow(_RunningRequired, total=False):
+    """`service.job.TuneJob.to_dict()`."""
+
+    device: str
+    world_size: int
+    fingerprint: str
+    trials_done: int
+    resumed_trials: int
+    stopping: str | None
+
+
+class _State(TypedDict):
+    """state.json as `Service._state` writes it."""
+
+    schema: Literal[1]
+    service: _ServiceRow
+    config: dict  # ServiceConfig.to_dict(): shown by `status --json` only
+    inventory: _InventoryRow
+    models: list[_ModelRow]
+    spec_errors: list[_SpecErrorRow]
+    queue: list[_QueueRow]
+    running: list[_RunningRow]
+    pairs: list[PairState]
+
+
 def read_state(state_dir: Path) -> dict | None:
-    """The last state written, or None when there is none yet."""
+    """The last state written, checked field by field, or None when there is none yet.
+    AutofitError when it cannot be read; DamagedState when it is not what the service writes."""
     path = state_path(state_dir)
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except OSError as exc:
-        raise AutofitError(f"cannot read {path}: {exc.strerror} (run as the service's user, or root)") from None
-    except ValueError:
-        raise AutofitError(f"{path}: not a state file written by autofit serve") from None
-    if not isinstance(state, dict) or state.get("schema") != STATE_SCHEMA:
-        raise AutofitError(f"{path}: state schema {state.get('schema') if isinstance(state, dict) else None!r}, "
-                           f"this autofit reads {STATE_SCHEMA}")
-    return state
+    text = read_text(path, error=AutofitError)
+    try:
+        raw = parse_json(text, str(path), error=DamagedState)
+        if not isinstance(raw, dict) or raw.get("schema") != STATE_SCHEMA:
+            schema = raw.get("schema") if isinstance(raw, dict) else None
+            raise DamagedState(f"{path}: state schema {schema!r}, this autofit reads {STATE_SCHEMA}")
+        state = read_as(raw, _State, document=str(path), error=DamagedState)
+    except DamagedState as exc:
+        raise DamagedState(f"{exc} (not a state file written by this autofit serve)") from None
+    return state | {"pairs": [p.to_dict() for p in state["pairs"]]}
+
+
+def set_aside(state_dir: Path) -> Path:
+    """Move a damaged state file to `state.json.damaged` (kept for a look, replacing an
+    older one), so the service can write a fresh one."""
+    path = state_path(state_dir)
+    aside = path.with_name(path.name + ".damaged")
+    with guarded_write(aside):
+        os.replace(path, aside)
+    return aside
 
 
 def write_state(state_dir: Path, state: dict) -> None:
@@ -111,8 +247,14 @@ class StateLock:
         self._file = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock_file = open(self.path, "a+")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock_file = open(self.path, "a+")
+        except OSError as exc:
+            # A config error (a path the service's user may not write), not a crash: exit 2,
+            # which the unit does not restart (RestartPreventExitStatus=2).
+            raise AutofitError(f"state_dir {self.path.parent}: cannot create or lock {self.path}: "
+                               f"{exc.strerror or exc}") from None
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autofit.base.atomic import atomic_write, guarded_write
 from autofit.base.errors import ProfileError
 from autofit.config.train_config import TrainConfig
 from autofit.train.knobs import find_block_stack
@@ -226,13 +227,14 @@ def save_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optim
     dist.barrier()
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
     if current_rank() == 0:
-        torch.save(extra, tmp / "autofit.pt")
+        atomic_write(tmp / "autofit.pt", lambda f: torch.save(extra, f))
         old = folder.with_name(folder.name + ".old")
-        if folder.exists():
-            folder.rename(old)
-        tmp.rename(folder)
+        with guarded_write(folder):  # the previous checkpoint stays whole in `.old` until the swap is done
+            if folder.exists():
+                folder.rename(old)
+            tmp.rename(folder)
         if old.exists():
-            shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 
 

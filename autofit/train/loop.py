@@ -19,7 +19,7 @@ from autofit.base.atomic import atomic_write
 from autofit.base.errors import AutofitError
 from autofit.config.spec import ModelSpec
 from autofit.config.train_config import TrainConfig
-from autofit.device.memory import cuda_memory_stats, LiveBytesTracker
+from autofit.device.memory import check_growth, cuda_memory_stats, HeapMeter, LiveBytesTracker
 from autofit.workload import Workload
 from autofit.train import distributed
 from autofit.train.knobs import compile_count
@@ -39,14 +39,16 @@ def save_atomic(obj, path: Path) -> None:
 def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: torch.device,
           steps: int | None = None, checkpoint_dir: Path | None = None, resume: bool = False,
           progress: bool = True, memory_budget_bytes: int | None = None,
-          on_demotion: Callable[[Demotion], None] | None = None, measured_optimizer: str | None = None) -> dict:
+          on_demotion: Callable[[Demotion], None] | None = None, measured_optimizer: str | None = None,
+          should_stop: Callable[[], bool] | None = None) -> dict:
     """The training loop around `Runner.step`; returns the metrics dict.
 
     A step that runs out of memory is done again with half the micro batch and twice the
     accumulation (`Runner.demote`), from its own beginning; `on_demotion` hears of each such
     event. `measured_optimizer`: the implementation a profile was measured with; another one
     here (another torch, no Triton) is warned about, since the profile's speed and peak were
-    measured with that one."""
+    measured with that one. `should_stop()` is asked between steps (the CLI's stop flag): the
+    run then ends with a checkpoint of the steps done, which `--resume` continues."""
     total_steps = steps if steps is not None else spec.train.steps
     # On a CPU the tracker is the only memory meter; it slows ops, so it watches the first
     # two steps (by the second, weights, grads and optimizer state all exist) and no more.
@@ -84,6 +86,12 @@ def train(spec: ModelSpec, workload: Workload, config: TrainConfig, *, device: t
         every = spec.train.checkpoint_every
         if every and (step + 1) % every == 0 and step + 1 < total_steps:
             checkpoint.save(step + 1, history)
+        # Every rank stops at the same step, or the others would wait in the next all-reduce.
+        if should_stop is not None and step + 1 < total_steps and distributed.max_over_ranks(
+                int(should_stop()), device):
+            logger.warning("stopped after step {} of {}: the checkpoint holds it; --resume continues", step + 1,
+                           total_steps)
+            break
     if not run.losses or math.isfinite(run.losses[-1]):  # never overwrite a good checkpoint with NaN weights
         checkpoint.save(len(run.losses), history)
     return run.metrics(memory_budget_bytes, checkpoint)
@@ -101,6 +109,9 @@ class _Run:
         self.compile_s = 0.0  # compile=true: the steps that compiled, whole (not in samples_per_s)
         self.demotions: list[Demotion] = []
         self.widest_tracked = 0  # varying lengths: the widest micro batch the tracker has seen
+        # CPU: after the tracked steps the malloc meter is read after every step, so memory
+        # that grows from step to step counts in the peak and crosses the budget.
+        self.heap, self.sampled_peak_bytes = HeapMeter(), 0
 
     @property
     def samples_per_s(self) -> float | None:
@@ -130,6 +141,10 @@ class _Run:
             batch = None
         if tracked:
             self.widest_tracked = max(self.widest_tracked, width)
+            self.heap.mark()
+        elif self.tracker is not None:
+            self.sampled_peak_bytes = max(self.sampled_peak_bytes, check_growth(
+                self.heap, self.tracker.peak_bytes, self.tracker.budget_bytes, step))
         # Reading the loss syncs, so the step time below is real.
         loss = distributed.mean_over_ranks(result.loss).item()
         self._time(step, time.perf_counter() - t0, batch, tracked,
@@ -164,7 +179,7 @@ class _Run:
         if device.type == "cuda":
             peak_memory_bytes = cuda_memory_stats(device).peak_reserved_bytes
         else:
-            peak_memory_bytes = self.tracker.peak_bytes
+            peak_memory_bytes = max(self.tracker.peak_bytes, self.sampled_peak_bytes)
         # Every rank must fit its device: the job's peak is the worst rank's.
         peak_memory_bytes = distributed.max_over_ranks(peak_memory_bytes, device)
         samples_per_s = self.samples_per_s
@@ -232,7 +247,12 @@ class Checkpoints:
             if state["spec_hash"] != spec.spec_hash:
                 logger.warning("checkpoint was written for a different model.yaml (spec hash differs)")
             saved = TrainConfig.from_dict(state["config"])
-            if _demoted_from(saved, self.runner.config):
+            if saved.global_batch_size != self.runner.config.global_batch_size:
+                # The weights and optimizer state go on; each step from here takes the new batch.
+                logger.warning("the checkpoint was written with global batch {}, train.global_batch_size is now {}: "
+                               "resuming at the new one", saved.global_batch_size,
+                               self.runner.config.global_batch_size)
+            elif _demoted_from(saved, self.runner.config):
                 logger.info("resuming at the demoted {} the checkpoint was written with", saved.short())
                 self.runner.config = saved
         except Exception as exc:  # unpickling and load_state_dict raise many kinds

@@ -46,8 +46,8 @@ def total_peak(m: Measurement) -> int:
 def measured_of(m: Measurement, validated_steps: int) -> Measured:
     return Measured(samples_per_s=m.samples_per_s, tokens_per_s=m.tokens_per_s, peak_memory_bytes=total_peak(m),
                     step_time_s=m.step_time_s, validated_steps=validated_steps, optimizer=m.optimizer,
-                    flags=dict(m.flags),
-                    compile_s=None if m.compile_s is None else round(m.compile_s, 2))
+                    flags=dict(m.flags), compile_s=None if m.compile_s is None else round(m.compile_s, 2),
+                    threads=m.threads)
 
 
 def pareto(result: SearchResult, demoted: set = frozenset()) -> list[tuple[TrialRecord, int, float]]:
@@ -193,7 +193,27 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[
             logger.info("frontier point {} left out: in validation a smaller point or the winner was as fast "
                         "({:.4g} samples/s, median of {} runs)", config.short(), speed(config),
                         len(runs_of[config]))
-    return tuple(_point(c, runs_of[c], validate_steps) for c in (*kept, winner.config))
+    return pareto_in_written_figures(tuple(_point(c, runs_of[c], validate_steps) for c in (*kept, winner.config)))
+
+
+def pareto_in_written_figures(points: tuple[FrontierPoint, ...]) -> tuple[FrontierPoint, ...]:
+    """The last pass, on the figures that are written (each point's median run, its largest
+    peak): every point smaller *and* slower than the next one up, the winner last. A re-validation
+    can move a figure after the order was checked (the winner validated again beside a
+    rival): a point that then is not below the next one is dropped, so the frontier the profile
+    writes is Pareto in its own numbers."""
+    kept: list[FrontierPoint] = []
+    for point in points:  # smallest peak first, the winner last
+        while kept and (kept[-1].measured.peak_memory_bytes >= point.measured.peak_memory_bytes
+                        or kept[-1].measured.samples_per_s >= point.measured.samples_per_s):
+            dropped = kept.pop()
+            logger.info("frontier point {} left out: in the written figures it is not smaller and slower than "
+                        "{} ({} at {:.4g} samples/s against {} at {:.4g})", dropped.config.short(),
+                        point.config.short(), format_bytes(dropped.measured.peak_memory_bytes),
+                        dropped.measured.samples_per_s, format_bytes(point.measured.peak_memory_bytes),
+                        point.measured.samples_per_s)
+        kept.append(point)
+    return tuple(kept)
 
 
 def _point(config: TrainConfig, runs: list[Measurement], validate_steps: int) -> FrontierPoint:
@@ -201,7 +221,7 @@ def _point(config: TrainConfig, runs: list[Measurement], validate_steps: int) ->
     the largest peak of any run, which is what must fit at start."""
     measured = measured_of(median_run(runs), validate_steps)
     return FrontierPoint(config=config, measured=dataclasses.replace(
-        measured, peak_memory_bytes=max(total_peak(m) for m in runs)))
+        measured, peak_memory_bytes=max(total_peak(m) for m in runs), runs=len(runs)))
 
 
 def _left_out_failed(config: TrainConfig, m: Measurement, failed: Callable[[Measurement], bool]) -> bool:

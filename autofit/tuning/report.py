@@ -25,6 +25,9 @@ def format_trial_line(record: TrialRecord, best: TrialRecord | None, considered:
     speed = f"{record.samples_per_s:9.1f} samples/s" if record.measurement is not None and record.status == "ok" else " " * 19
     best_text = f"best {best.samples_per_s:.1f}" if best is not None else "best -"
     reason = f"  [{record.reason}]" if record.reason and record.status != "ok" else ""
+    m = record.measurement
+    if record.loaded:
+        reason += f"  [host busy: {m.foreign_cores:.1f} of {m.cores} cores with other work]"
     compiled = record.measurement.compile_s if record.measurement is not None else None
     compile_text = f"  compile {compiled:.1f} s" if compiled is not None else ""
     return (f"trial {considered:>3}/{total:<3} {record.config.short():<40} {record.status:<9} "

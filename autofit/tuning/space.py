@@ -2,20 +2,21 @@
 multi-rank profile is keyed by, and the search space of a spec on a device.
 
 The space needs facts about the model (its block count, BatchNorm layers, an LM head for
-the chunked loss): they come from a model built on the meta device, which allocates nothing.
+the chunked loss): the tune's worker finds them from a model built on the meta device
+(`autofit.measure.tasks.analysis`), so the user's code never runs in the tuner's process.
 """
 
 import dataclasses
 
-import torch
 from loguru import logger
 
 from autofit.base.errors import DeviceError, SpecError
 from autofit.config.spec import divisors, ModelSpec
+from autofit.config.train_config import MicroBatchFloor
 from autofit.device.probe import DeviceInfo
 from autofit.device.support import supported_precisions, unsupported_reason
-from autofit.workload import build_workload, TextData
-from autofit.train.knobs import block_count, micro_batch_floor
+from autofit.workload import build_workload
+from autofit.measure.tasks import analysis as model_analysis
 from autofit.search import SearchSpace
 
 
@@ -36,40 +37,35 @@ def device_for_ranks(device: DeviceInfo, nproc: int) -> DeviceInfo:
     return dataclasses.replace(device, fingerprint=f"{device.fingerprint}-x{nproc}", slug=f"{device.slug}-x{nproc}")
 
 
-def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1) -> SearchSpace:
+def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: dict | None = None) -> SearchSpace:
+    """The space of `spec` on `device` over `nproc` ranks. `analysis`: the model's facts as the
+    tune's worker found them (`autofit.measure.tasks.analysis`); without it they are found in
+    this process, which runs the user's model code here (tests and tools only)."""
     precisions = supported_precisions(spec.search.precisions, device_kind=device.kind,
                                       compute_capability=device.compute_capability)
     if not precisions:  # the spec asks for what this device cannot do: the user's input
         reasons = "; ".join(unsupported_reason(p, device_kind=device.kind, compute_capability=device.compute_capability)
                             for p in spec.search.precisions)
         raise DeviceError(f"search.precisions: none runs on {device.name}: {reasons}")
-    # The block count comes from a model built on the meta device: no memory, any size.
-    # Only the model: a data source may sample real batches while it is built.
-    workload = build_workload(spec)
-    rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
-    with torch.device("meta"):
-        model = workload.build_model()
-    n_blocks = block_count(model)
-    # A knob that changes the math is bounded: BatchNorm normalizes over each micro batch.
-    floor = micro_batch_floor(model, rank_batch, spec.search.min_micro_batch_size)
-    data = workload.data
-    # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
-    bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing
-                 and spec.train.global_batch_size > 1)
+    if analysis is None:
+        analysis = model_analysis(spec, build_workload(spec), nproc)
+    n_blocks = analysis["n_blocks"]
+    floor = None if analysis["micro_batch_floor"] is None else MicroBatchFloor(**analysis["micro_batch_floor"])
     chunked = spec.search.chunked_loss
-    if True in chunked and workload.chunked_loss_fn is None:
+    if True in chunked and not analysis["chunkable"]:
         raise SpecError(f"search.chunked_loss: only for language-model heads autofit can chunk (builtin gpt, "
                         f"hf *ForCausalLM with synthetic, tokens or text data); {spec.name} has none; use [false]")
     if True in chunked and nproc > 1:
         logger.warning("search.chunked_loss: runs in one process only; not searched with --nproc {}", nproc)
         chunked = (False,)
+    rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
     return SearchSpace(
         global_batch_size=spec.train.global_batch_size, precisions=tuple(precisions),
         micro_batch_sizes=tuple(d for d in divisors(rank_batch) if floor is None or d >= floor.size),
         micro_batch_floor=floor, world_size=nproc,
         max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
-        length_bucketing=(False, True) if bucketing else (False,),
+        length_bucketing=(False, True) if analysis["bucketing"] else (False,),
         checkpoint_policies=spec.search.checkpoint_policies,
         optimizer_bits=spec.search.optimizer_bits, chunked_loss=chunked,
         compile=spec.search.compile,

@@ -22,26 +22,34 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit.base.errors import NothingFitsError, ProfileError, TrialError, TrialTimeoutError
+from autofit.base.errors import InputError, NothingFitsError, ProfileError, TrialError, TrialTimeoutError
 from autofit.base.redact import redact_url
 from autofit.base.sizes import format_bytes
 from autofit.base.version import VERSION
 from autofit.config.spec import ModelSpec
 from autofit.device.probe import DeviceInfo, with_memory_budget
-from autofit.workload import build_workload
-from autofit.measure.estimate import estimate_memory, EstimateError
+from autofit.measure import asks
+from autofit.measure.estimate import EstimateError, MemoryEstimate
 from autofit.measure.measurement import Measurement
-from autofit.measure.trial import measure, raise_input_error
+from autofit.measure.trial import measure, raise_input_error, trial_worker
+from autofit.measure.worker import Worker
 from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, Tuner
 from autofit.search.health import LossCurveCheck
 from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
 from autofit.profiles.demotions import read_demotions
 from autofit.profiles.profile import device_from_info, Profile, ProfileModel, SearchSummary, TrainingSetup, utc_now
 from autofit.profiles.store import ProfileStore
-from autofit.tuning.frontier import build_frontier, median_run
+from autofit.tuning.frontier import build_frontier, median_run, total_peak
 from autofit.tuning.report import format_trial_line, trials_table, write_html_report
 from autofit.tuning.space import device_for_ranks, search_space, study_name
-from autofit.tuning.validation import baseline_record, host_load, LOADED_HOST, never_worse, run_validation, validate
+from autofit.tuning.speedup import keeps_winner, measure_speedup, Speedup
+from autofit.tuning.validation import baseline_record, host_load, LOADED_HOST, run_validation, validate
+
+
+def estimate_memory(spec: ModelSpec, config, *, device_kind: str, worker: Worker, stop_event=None) -> MemoryEstimate:
+    """The estimator, in a child of the tune's worker (the user's forward runs there, on fake
+    tensors); a seam the tests replace with a simulated device's."""
+    return asks.estimate(worker, spec, config, device_kind=device_kind, stop_event=stop_event)[0]
 
 
 @dataclass(kw_only=True)
@@ -51,6 +59,12 @@ class TuneOutcome:
     report_path: Path | None
     result: SearchResult
     validated: Measurement
+    speedup: Speedup | None = None  # the interleaved pairs against the baseline, where there were any
+
+    @property
+    def claims(self) -> bool:
+        """Its figures are a claim: not a speed-up the host was too busy to measure."""
+        return self.speedup is None or self.speedup.measurable
 
     def summary(self) -> dict:
         return {
@@ -63,9 +77,14 @@ class TuneOutcome:
 
 
 def _record_dict(r: TrialRecord) -> dict:
+    m = r.measurement
     return {"number": r.number, "config": r.config.to_dict(), "status": r.status, "reason": r.reason,
             "predicted_peak_bytes": r.predicted_peak_bytes, "peak_memory_bytes": r.peak_memory_bytes,
-            "samples_per_s": r.samples_per_s if r.measurement is not None else None}
+            "samples_per_s": r.samples_per_s if m is not None else None, "repeat": r.repeat,
+            # What the trial cost: its child's wall time, and the timed steps within it.
+            "trial_wall_s": None if m is None else round(m.wall_s, 3),
+            "timed_s": None if m is None else round(sum(m.step_times_s), 4),
+            "foreign_cores": None if m is None else m.foreign_cores}
 
 
 def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Path, storage: str | None,
@@ -86,7 +105,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                 execute_on=execute_on, max_trials=trials or spec.search.trials, timeout_s=timeout_s,
                 emulated_budget_bytes=emulated_budget_bytes, stop_event=stop_event, on_trial=on_trial,
                 nproc=nproc, guard=guard, worker=worker or socket.gethostname())
-    with contextlib.ExitStack() as cleanup:  # the study's locks are released however it ends
+    with contextlib.ExitStack() as cleanup:  # the study's locks and the worker are released however it ends
         run.prepare(cleanup)
         result, shared = run.search()
         if shared is not None:
@@ -102,15 +121,20 @@ class _Chosen:
     """What validation decided: the winner and its runs, the baseline it beat (or became)."""
 
     winner: TrialRecord
-    winner_runs: list[Measurement]  # the frontier may validate the winner again beside a rival
+    winner_runs: list[Measurement]  # every passing validation run; the frontier may add more
     baseline: TrialRecord | None
-    baseline_m: Measurement | None
-    note: str  # why the profile is the baseline, if it is
+    baseline_runs: list[Measurement]  # the baseline's passing validation runs (none: it did not validate)
+    speedup: Speedup | None  # the interleaved pairs; None where there was nothing to compare
+    note: str  # why the profile is the baseline, or what to distrust in its figures
     host_load: float | None
 
     @property
     def validated(self) -> Measurement:
         return median_run(self.winner_runs)
+
+    @property
+    def baseline_m(self) -> Measurement | None:
+        return median_run(self.baseline_runs) if self.baseline_runs else None
 
 
 class _Tune:
@@ -141,7 +165,10 @@ class _Tune:
 
     def prepare(self, cleanup: contextlib.ExitStack) -> None:
         spec, device = self.spec, self.device
-        self.space: SearchSpace = search_space(spec, device, self.nproc)
+        # The user's code (model module, data, forward) runs only in the worker's children.
+        self.trial_worker = cleanup.enter_context(trial_worker(spec, "cpu" if device.kind == "cpu" else self.execute_on))
+        self.analysis = asks.analyze(self.trial_worker, spec, self.nproc, stop_event=self.stop_event)
+        self.space: SearchSpace = search_space(spec, device, self.nproc, self.analysis)
         name = study_name(spec, device, self.emulated_budget_bytes)
         self.study = make_study(study_name=name, storage=self.storage, seed=spec.train.seed)
         self.locks = cleanup.enter_context(StudyLocks(self.storage, name))
@@ -194,24 +221,40 @@ class _Tune:
         # The speed-up compares like with like: the baseline re-measured over as many steps as
         # the winner's validation, so one noisy short trial cannot make or break it. It runs
         # first: its loss curve is the reference the others are checked against.
-        baseline_m, note = None, ""
         if baseline is not None:
-            baseline_m = run_validation(spec, baseline, self.run_long)
-            self.curve.set_reference(baseline_m)
-        winner, validated = validate(spec, result, self.run_long, demoted=self.demoted, done=self.validations)
+            self.curve.set_reference(run_validation(spec, baseline, self.run_long))
+        winner, _ = validate(spec, result, self.run_long, demoted=self.demoted, done=self.validations)
         load = host_load()
-        if baseline_m is not None and (baseline_m.status != "ok" or not baseline_m.samples_per_s):
-            baseline_m = None
-        if baseline_m is not None and baseline.config != winner.config:
-            winner, validated, baseline_m, note = never_worse(spec, (winner, validated), (baseline, baseline_m),
-                                                              self.run_long)
+        if baseline is not None and not self._passed(baseline.config):
+            baseline = None  # it did not validate: no speed-up to claim
+        speedup, note = None, ""
+        if baseline is not None and baseline.config != winner.config:
+            speedup = measure_speedup(spec, winner, baseline, self.run_long, self.should_stop)
+            logger.info("speed-up of {} over the 32-true baseline {}: {}", winner.config.short(),
+                        baseline.config.short(), speedup.text())
+            kept = keeps_winner(speedup)
+            if not speedup.measurable:
+                which = "the search's winner" if kept else "the 32-true baseline, not the search's winner"
+                note = (f"the host was too busy to measure a speed-up ({speedup.text()}); by the median of the pairs "
+                        f"the profile is {which}, but its figures are no claim: tune again on a quiet host to know it")
+            elif not kept:
+                note = (f"the search's winner {winner.config.short()} validated slower than the 32-true baseline "
+                        f"({speedup.text()}): the profile is the baseline")
+            if not kept:
+                winner = baseline
         if winner.config == getattr(baseline, "config", None) and not note:
             note = (f"nothing measured beat the 32-true baseline (search stopped: {result.stop_reason}; "
                     f"{result.count('ok')} configs measured): the profile is the baseline")
         if note:
             logger.warning(note)
-        return _Chosen(winner=winner, winner_runs=[validated], baseline=baseline, baseline_m=baseline_m, note=note,
-                       host_load=load)
+        baseline_runs = self._passed(baseline.config) if baseline is not None else []
+        return _Chosen(winner=winner, winner_runs=self._passed(winner.config), baseline=baseline,
+                       baseline_runs=baseline_runs, speedup=speedup, note=note, host_load=load)
+
+    def _passed(self, config) -> list[Measurement]:
+        """`config`'s validation runs that passed (ok, a throughput, inside the budget)."""
+        return [m for m in self.validations.get(config, []) if m.status == "ok" and m.samples_per_s
+                and total_peak(m) <= self.budget_bytes]
 
     def frontier(self, result: SearchResult, chosen: _Chosen) -> tuple:
         spec = self.spec
@@ -219,9 +262,6 @@ class _Tune:
                                   validate_steps=spec.search.validate_steps, validations=self.validations,
                                   run_validation=lambda record: run_validation(spec, record, self.run_long),
                                   demoted=self.demoted, should_stop=self.should_stop)
-        if chosen.baseline is not None and chosen.baseline.config == chosen.winner.config \
-                and chosen.baseline_m is not None:
-            chosen.baseline_m = chosen.validated  # one config, one figure
         logger.info("frontier: {}", "; ".join(f"{p.config.short()} peak {format_bytes(p.measured.peak_memory_bytes)} "
                                               f"{p.measured.samples_per_s:.4g} samples/s" for p in frontier))
         if chosen.host_load is not None and chosen.host_load > LOADED_HOST:
@@ -237,11 +277,11 @@ class _Tune:
         if report:
             report_path = write_html_report(profile_path.with_suffix(".report.html"), profile, result, chosen.winner)
         logger.info("\n{}", trials_table(result, chosen.winner))
-        if chosen.baseline_m is not None:
-            logger.info("speed-up over {} (32-true, largest micro batch that fits; both validated): {:.2f}x",
-                        chosen.baseline.config.short(), profile.search.speedup)
+        if chosen.speedup is not None:
+            logger.info("speed-up over {} (32-true, largest micro batch that fits; interleaved validation runs): "
+                        "{}", chosen.baseline.config.short(), chosen.speedup.text())
         return TuneOutcome(profile=profile, profile_path=profile_path, report_path=report_path, result=result,
-                           validated=chosen.validated)
+                           validated=chosen.validated, speedup=chosen.speedup)
 
     def shared_outcome(self, profile_dict: dict, worker: str, *, result: SearchResult) -> TuneOutcome:
         """The profile another worker of the study validated and wrote: the same file here (a
@@ -266,7 +306,7 @@ class _Tune:
     def run_trial(self, config) -> Measurement:
         limit_s = self.spec.search.trial_timeout_s * 2 ** self.timeouts.get(config, 0)
         m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
-                    stop_event=self.stop_event, timeout_s=limit_s, guard=self.guard)
+                    stop_event=self.stop_event, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker)
         if m.status == "timeout":
             self.timeouts[config] = self.timeouts.get(config, 0) + 1
         raise_input_error(m)  # the user's code raised: every other config would fail alike
@@ -276,15 +316,15 @@ class _Tune:
         """A validation run: `steps` timed steps, held to the baseline's loss curve."""
         m = self.curve.check(measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
                                      stop_event=self.stop_event, measure_steps=steps, timeout_s=timeout_s,
-                                     guard=self.guard))
+                                     guard=self.guard, worker=self.trial_worker))
         self.validations.setdefault(config, []).append(m)
         return m
 
     def predict(self, config) -> int:
         """Predicted peak; 0 (unknown: measure it) for a config the estimator cannot run."""
         try:
-            return estimate_memory(self.spec, config,
-                                   device_kind="cuda" if self.device.kind == "cuda" else "cpu").peak_bytes
+            return estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
+                                   worker=self.trial_worker, stop_event=self.stop_event).peak_bytes
         except EstimateError as exc:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0
@@ -318,7 +358,7 @@ class _Tune:
             sampler=type(self.study.sampler).__name__, storage=redact_url(self.storage or "in-memory"),
             baseline={} if baseline_m is None else {"config": baseline.config.to_dict(),
                                                     "samples_per_s": baseline_m.samples_per_s},
-            speedup=None if baseline_m is None else round(validated.samples_per_s / baseline_m.samples_per_s, 3),
+            **_speedup_fields(chosen),
             stop_reason=result.stop_reason, choice=result.choice,
             noise=None if result.noise is None else round(result.noise, 4),
             host_load=None if chosen.host_load is None else round(chosen.host_load, 2), note=chosen.note,
@@ -335,10 +375,23 @@ class _Tune:
             search=summary,
             created=utc_now(),
             autofit=VERSION,
-            data=build_workload(spec).data_assumptions(),
+            data=self.analysis["data_assumptions"],
             frontier=frontier,
             training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm),
         )
+
+
+def _speedup_fields(chosen: _Chosen) -> dict:
+    """The profile's speed-up: the pairs' median ratio and interval; 1.0 where the profile is
+    the baseline itself; None where no baseline validated or the host was too busy to say."""
+    speedup = chosen.speedup
+    if chosen.baseline_m is None:
+        return {"speedup": None}
+    if chosen.winner.config == chosen.baseline.config:
+        return {"speedup": 1.0, "speedup_interval": [1.0, 1.0], "speedup_pairs": 0}
+    return {"speedup": None if speedup.ratio is None else round(speedup.ratio, 3),
+            "speedup_interval": None if speedup.low is None else [round(speedup.low, 3), round(speedup.high, 3)],
+            "speedup_pairs": speedup.pairs, "foreign_cores": speedup.foreign_cores}
 
 
 def _workers(records: list[TrialRecord]) -> dict[str, int]:

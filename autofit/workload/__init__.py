@@ -137,6 +137,9 @@ def _text_source(spec, inputs: InputSpec | None, where: str) -> TextData:
     if inputs.vocab_size is not None and corpus.vocab_size > inputs.vocab_size:
         raise SpecError(f"data.tokenizer: {data.tokenizer} has {corpus.vocab_size} tokens, more than the "
                         f"model's vocab_size ({inputs.vocab_size})")
+    if inputs.vocab_size is not None and corpus.highest_id >= inputs.vocab_size:
+        raise SpecError(f"data.tokenizer: {data.tokenizer} gives {data.path} token id {corpus.highest_id}, not "
+                        f"below the model's vocab_size ({inputs.vocab_size})")
     source = TextData(corpus, max_length=max_length, padding=data.padding, packing=data.packing,
                       pad_to_multiple_of=data.pad_to_multiple_of, hf=inputs.hf, path=data.path)
     source.check_global_batch(spec.train.global_batch_size)

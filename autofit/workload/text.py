@@ -17,7 +17,6 @@ the same model.
 import hashlib
 import io
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,8 @@ from loguru import logger
 from torch import nn
 
 from autofit.base.atomic import atomic_write
-from autofit.base.errors import SpecError
+from autofit.base.errors import AutofitError, SpecError
+from autofit.base.paths import default_cache_dir
 
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index: pad positions carry no target
 PADDINGS = ("dynamic", "max_length")
@@ -41,9 +41,7 @@ _PAD_TOKENS = ("<pad>", "[PAD]", "<|padding|>", "<|pad|>")
 
 def cache_root() -> Path:
     """$AUTOFIT_CACHE_DIR, else $XDG_CACHE_HOME/autofit (~/.cache/autofit)."""
-    if os.environ.get("AUTOFIT_CACHE_DIR"):
-        return Path(os.environ["AUTOFIT_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "autofit"
+    return default_cache_dir()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +57,12 @@ class TokenizedCorpus:
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    @property
+    def highest_id(self) -> int:
+        """The largest id a batch can hold (padding included): what the embedding must take.
+        A tokenizer's vocabulary size does not bound it (ids may leave gaps)."""
+        return max(int(self.ids.max()) if len(self.ids) else 0, self.pad_id, self.eos_id or 0)
 
 
 def _read_documents(path: Path, fmt: str, field: str | None) -> list[str]:
@@ -134,11 +138,10 @@ def tokenize(path: Path, fmt: str, field: str | None, tokenizer_path: Path) -> T
     cache_path = cache_root() / "text" / f"{key}.npz"
     if cache_path.is_file():
         try:
-            with np.load(cache_path) as z:
-                return TokenizedCorpus(ids=z["ids"], offsets=z["offsets"], vocab_size=int(z["vocab_size"]),
-                                       pad_id=int(z["pad_id"]), eos_id=None if int(z["eos_id"]) < 0 else int(z["eos_id"]))
-        except (OSError, KeyError, ValueError) as exc:
-            logger.warning("text cache {} is unreadable ({}); tokenizing again", cache_path, exc)
+            return _read_cache(cache_path)
+        except Exception as exc:  # a truncated or damaged zip (BadZipFile), odd arrays: rebuilt below
+            logger.warning("text cache {} is unreadable ({}: {}); tokenizing again", cache_path,
+                           type(exc).__name__, (str(exc).splitlines() or [""])[0][:200])
     texts = _read_documents(path, fmt, field)
     # encode_batch runs in the Rust thread pool; special tokens the tokenizer's post-processor
     # adds (BOS/EOS for some) are kept, as the model will see them at inference.
@@ -161,9 +164,25 @@ def tokenize(path: Path, fmt: str, field: str | None, tokenizer_path: Path) -> T
         np.savez(buffer, ids=corpus.ids, offsets=corpus.offsets, vocab_size=corpus.vocab_size,
                  pad_id=corpus.pad_id, eos_id=-1 if corpus.eos_id is None else corpus.eos_id)
         atomic_write(cache_path, lambda f: f.write(buffer.getvalue()))
-    except OSError as exc:  # a read-only cache costs speed, not correctness
+    except (OSError, AutofitError) as exc:  # a read-only or full cache costs speed, not correctness
         logger.warning("cannot write the text cache {}: {}", cache_path, exc)
     return corpus
+
+
+def _read_cache(path: Path) -> TokenizedCorpus:
+    """A cached corpus, checked as a document is: arrays of the kinds and shapes written,
+    offsets that cut `ids` into documents, ids inside the vocabulary. ValueError otherwise."""
+    with np.load(path, allow_pickle=False) as z:
+        ids, offsets = z["ids"], z["offsets"]
+        vocab_size, pad_id, eos_id = (int(z[k]) for k in ("vocab_size", "pad_id", "eos_id"))
+    if ids.ndim != 1 or ids.dtype != np.int32 or offsets.ndim != 1 or offsets.dtype != np.int64:
+        raise ValueError(f"arrays of {ids.dtype}{list(ids.shape)} and {offsets.dtype}{list(offsets.shape)}")
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != len(ids) or (np.diff(offsets) < 0).any():
+        raise ValueError("its offsets do not cut its ids into documents")
+    if len(ids) and int(ids.min()) < 0 or pad_id < 0:
+        raise ValueError("negative token ids")
+    return TokenizedCorpus(ids=ids, offsets=offsets, vocab_size=vocab_size, pad_id=pad_id,
+                           eos_id=None if eos_id < 0 else eos_id)
 
 
 class TextData:

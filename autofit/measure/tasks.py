@@ -1,0 +1,94 @@
+"""What a tune's pre-loaded worker (`worker_main.py`) runs: its setup, once (the spec parsed,
+the user's model module imported, the data loaded), and the tasks it forks a child for: a
+trial, a memory estimate, the model's analysis. The user's code runs only here, in children
+with a timeout, never in the tuner's own process.
+
+Each task takes the request (JSON) and the setup's context, and returns a JSON-able dict;
+an error in the user's code is a result (`input_error`), never an exception out of the task.
+"""
+
+import dataclasses
+import traceback
+from pathlib import Path
+
+import torch
+
+from autofit.base.errors import AutofitError, InputError, SpecError
+from autofit.config.spec import ModelSpec, parse_spec
+from autofit.config.train_config import TrainConfig
+from autofit.workload import build_workload, TextData, Workload
+from autofit.train.knobs import block_count, micro_batch_floor
+from autofit.measure.child import run_request
+from autofit.measure.estimate import estimate_memory, EstimateError, max_micro_batch_size
+
+_TRACEBACK_CHARS = 8000
+
+
+def setup(payload: dict) -> dict:
+    """Once per worker: the spec and its workload (model factory, data, loss), then the model
+    built once on the meta device, so that what torch imports and initialises on first use
+    (Dynamo, the decompositions: a second here) is there before the fork, not paid by every
+    child. Nothing runs on real tensors, and the user's forward not at all: the worker must
+    stay fit to fork, and a forward that crashes or hangs is a trial's result, in its child."""
+    spec = parse_spec(payload["spec"], source_dir=Path(payload["source_dir"]))
+    workload = build_workload(spec)
+    analysis(spec, workload)  # an error in building the user's model is the setup's, reported at once
+    return {"spec": spec, "workload": workload}
+
+
+def trial(request: dict, context: dict) -> dict:
+    """One trial: the fields of a `Measurement` (autofit.measure.child.run_request)."""
+    if request.pop("claim", False):  # the service's guard reads the CUDA claim in the trial folder
+        request["claim_dir"] = request["_folder"]
+    return run_request(request, workload=context["workload"])
+
+
+def estimate(request: dict, context: dict) -> dict:
+    """The predicted peak of `config` on fake tensors; with `budget_bytes`, also the
+    largest micro batch that fits it."""
+    spec, workload = context["spec"], context["workload"]
+    config = TrainConfig.from_dict(request["config"])
+    try:
+        found = estimate_memory(spec, config, device_kind=request["device_kind"], workload=workload)
+        out = {"status": "ok", "estimate": dataclasses.asdict(found)}
+        if request.get("budget_bytes") is not None:
+            out["max_micro_batch_size"] = max_micro_batch_size(spec, config, request["budget_bytes"],
+                                                               device_kind=request["device_kind"], workload=workload)
+        return out
+    except EstimateError as exc:  # fake tensors' limit (data-dependent shapes): measured instead
+        return {"status": "estimate_error", "reason": str(exc)}
+    except AutofitError as exc:
+        return _input_error(exc)
+
+
+def analyze(request: dict, context: dict) -> dict:
+    """What the search space needs to know of the model and data, from a model built on the
+    meta device (no memory, any size)."""
+    try:
+        return {"status": "ok", **analysis(context["spec"], context["workload"], request.get("nproc", 1))}
+    except AutofitError as exc:
+        return _input_error(exc)
+
+
+def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> dict:
+    """The facts of `workload` the search space is built from: block count, the micro-batch
+    floor of each rank's batch, whether its LM head can be chunked, whether sorting a step by
+    length changes anything, and what the profile's figures assume of the data."""
+    with torch.device("meta"):
+        model = workload.build_model()
+    rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
+    # A knob that changes the math is bounded: BatchNorm normalizes over each micro batch.
+    floor = micro_batch_floor(model, rank_batch, spec.search.min_micro_batch_size)
+    data = workload.data
+    # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
+    bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing
+                 and spec.train.global_batch_size > 1)
+    return {"n_blocks": block_count(model), "micro_batch_floor": None if floor is None else floor.to_dict(),
+            "chunkable": workload.chunked_loss_fn is not None, "bucketing": bucketing,
+            "data_assumptions": workload.data_assumptions()}
+
+
+def _input_error(exc: AutofitError) -> dict:
+    cause = exc.__cause__ or exc
+    return {"status": "input_error" if isinstance(exc, (InputError, SpecError)) else "error", "reason": str(exc),
+            "traceback": "".join(traceback.format_exception(cause))[-_TRACEBACK_CHARS:]}

@@ -1,0 +1,308 @@
+"""The parent's side of a pre-loaded worker (`worker_main.py`): start it once, then run each
+task (a trial, a validation run, an estimate, the model's analysis, a doctor check) in a
+fresh child it forks, with a timeout, a stop event and the child's folder; kill the child's
+process group on every path; read its result.
+
+    with Worker(setup="autofit.measure.tasks:setup", payload={"spec": ..., ...}, device="cpu") as worker:
+        outcome = worker.run("autofit.measure.tasks:trial", request, timeout_s=600)
+
+`AUTOFIT_TRIAL_START=spawn` (or a setup that initialised CUDA, which cannot be forked)
+runs every task in a fresh interpreter instead, as autofit did before the worker: the same
+isolation, start-up paid per task.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loguru import logger
+
+from autofit.base import stopping
+from autofit.base.errors import InputError, TrialError, TrialTimeoutError
+from autofit.measure.process import child_env, kill_group, wait_for_child
+from autofit.measure.wire import LineSocket
+
+START_ENV = "AUTOFIT_TRIAL_START"  # "fork" (default) or "spawn"
+_POLL_S = 0.05
+_REPLY_S = 30.0  # a worker answers a fork within this (it only forks)
+_LOG_TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskOutcome:
+    ended: str  # exited | timeout | stopped | lost (the worker died under it)
+    result: dict | None  # what the task wrote (result.json); None when it wrote nothing
+    returncode: int | None  # the child's exit status; negative: killed by that signal
+    log_tail: str
+    wall_s: float  # fork (or process start) to the child's end
+
+
+class WorkerStopped(Exception):
+    """A stop was asked for while the worker was starting (or forking)."""
+
+
+class Worker:
+    """One worker process and the task it runs at a time (a tune's thread owns it)."""
+
+    def __init__(self, *, setup: str | None = None, payload: dict | None = None, preload: tuple[str, ...] = (),
+                 device: str = "cpu", env: dict[str, str | None] | None = None, name: str = "worker"):
+        self.setup, self.payload, self.preload = setup, payload or {}, tuple(preload)
+        env = {**child_env(device), "TOKENIZERS_PARALLELISM": "false",
+               # torch.cuda.is_available() then asks NVML, not the driver: the worker stays forkable.
+               "PYTORCH_NVML_BASED_CUDA_CHECK": "1", **(env or {})}
+        self.env = {k: v for k, v in env.items() if v is not None}  # None in `env`: unset it
+        self.name = name
+        self.spawn = os.environ.get(START_ENV, "fork") == "spawn"
+        self.proc: subprocess.Popen | None = None
+        self.wire: LineSocket | None = None
+        self.folder: Path | None = None
+        self.setup_s: float | None = None
+        self._child, self._cleanup = None, None
+
+    # --- the worker's lifetime -------------------------------------------------------------
+
+    def start(self, *, timeout_s: float, stop_event=None) -> None:
+        """Start the worker and wait for its setup; an error in the user's code there is an
+        `InputError` (exit 2), anything else a `TrialError`."""
+        if self.proc is not None or self.spawn:
+            return
+        self.folder = Path(tempfile.mkdtemp(prefix="autofit-worker-"))
+        ours, theirs = socket.socketpair()
+        self._cleanup = stopping.on_force_exit(self._kill)
+        with open(self.folder / "log", "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "autofit.measure.worker_main", str(theirs.fileno()),
+                                          str(self.folder)],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        theirs.close()
+        self.wire = LineSocket(ours)
+        self._send({"preload": list(self.preload), "setup": self.setup, "payload": self.payload})
+        reply = self._wait_reply(timeout_s, stop_event, what="its setup")
+        if reply.get("error"):
+            self.close()
+            _raise_setup_error(reply)
+        self.setup_s = reply.get("setup_s")
+        if not reply.get("fork_safe", True):
+            logger.warning("the setup initialised CUDA, which a forked child cannot use: each task starts a "
+                           "fresh interpreter instead")
+            self.close()
+            self.spawn = True
+
+    def close(self) -> None:
+        """Stop the worker (and any child it still has) and remove its folder. Idempotent."""
+        if self.wire is not None:
+            with contextlib.suppress(OSError):
+                self._send({"op": "exit"})
+            self.wire.close()
+            self.wire = None
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+            kill_group(self.proc)
+            self.proc = None
+        if self._cleanup is not None:
+            stopping.forget(self._cleanup)
+            self._cleanup = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- one task --------------------------------------------------------------------------
+
+    def run(self, function: str, payload: dict, *, timeout_s: float, stop_event=None, on_child=None,
+            prefix: str = "autofit-trial-", start_timeout_s: float | None = None) -> TaskOutcome:
+        """Run `function(payload, context)` in a fresh child and return how it ended.
+        `on_child(pid, folder)` hears of the child once it runs (the service's GPU guard). A
+        worker that died since the last task (the kernel's OOM killer) is started again."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self._lost()
+        started = time.perf_counter()
+        try:
+            self.start(timeout_s=start_timeout_s or timeout_s, stop_event=stop_event)
+        except WorkerStopped:
+            return TaskOutcome(ended="stopped", result=None, returncode=None, log_tail="",
+                               wall_s=time.perf_counter() - started)
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            folder = Path(tmp)
+            # The task may need its folder (a trial claims its CUDA context there).
+            (folder / "payload.json").write_text(json.dumps(payload | {"_folder": tmp}, default=str))
+            if self.spawn:
+                ended, returncode = self._run_spawned(function, folder, timeout_s, stop_event, on_child)
+            else:
+                ended, returncode = self._run_forked(function, folder, timeout_s, stop_event, on_child)
+            result_path = folder / "result.json"
+            result = json.loads(result_path.read_text()) if ended == "exited" and result_path.exists() else None
+            log_path = folder / "log"
+            log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:] if log_path.exists() else ""
+        if result is not None and "setup_error" in result:  # the spawn path's setup failed
+            _raise_setup_error(result["setup_error"])
+        return TaskOutcome(ended=ended, result=result, returncode=returncode, log_tail=log_tail,
+                           wall_s=time.perf_counter() - started)
+
+    def _run_forked(self, function: str, folder: Path, timeout_s: float, stop_event, on_child) -> tuple[str, int | None]:
+        try:
+            self._send({"op": "fork", "function": function, "folder": str(folder)})
+        except OSError:  # the worker is gone: the task ends unrun, as a lost one
+            self._lost()
+            return "lost", None
+        reply = self._wait_reply(_REPLY_S, None, what="a fork", stoppable=False)  # the child's handle first
+        if "fork_error" in reply:
+            raise TrialError(f"the worker cannot run {function}: {reply['fork_error']}")
+        pid = self._child = reply["forked"]
+        ended, returncode = "lost", None
+        try:
+            if on_child is not None:
+                on_child(pid, folder)
+            ended, returncode = self._wait_exit(pid, timeout_s, stop_event)
+        finally:
+            # On every path, so nothing the child started outlives the task: its whole group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            if ended != "exited" and ended != "lost":
+                with contextlib.suppress(TrialError):
+                    self._wait_exit(pid, _REPLY_S, None)
+            with contextlib.suppress(OSError, AttributeError):
+                self._send({"op": "reap", "pid": pid})
+            self._child = None
+        return ended, returncode
+
+    def _wait_exit(self, pid: int, timeout_s: float, stop_event) -> tuple[str, int | None]:
+        """Until the worker reports the child's exit, the stop is asked for, or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                message = self._receive(_POLL_S)
+            except EOFError:
+                self._lost()
+                return "lost", None
+            if message is not None and message.get("exited") == pid:
+                return "exited", message["status"]
+            if _stop_asked(stop_event):
+                return "stopped", None
+            if time.monotonic() > deadline:
+                return "timeout", None
+
+    def _run_spawned(self, function: str, folder: Path, timeout_s: float, stop_event,
+                     on_child) -> tuple[str, int | None]:
+        """A fresh interpreter runs the setup, then the task (`worker_main --once`)."""
+        (folder / "setup.json").write_text(json.dumps({"preload": list(self.preload), "setup": self.setup,
+                                                       "payload": self.payload, "function": function},
+                                                      default=str))
+        proc = None
+        with open(folder / "log", "ab") as log:
+            try:
+                proc = subprocess.Popen([sys.executable, "-m", "autofit.measure.worker_main", "--once", str(folder)],
+                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        env=self.env, start_new_session=True)
+                if on_child is not None:
+                    on_child(proc.pid, folder)
+                ended = wait_for_child(proc, timeout_s, StopEither(stop_event))
+            finally:
+                if proc is not None:
+                    kill_group(proc)
+        return ended, proc.returncode
+
+    # --- the socket ------------------------------------------------------------------------
+
+    def _send(self, message: dict) -> None:
+        self.wire.send(message)
+
+    def _receive(self, timeout_s: float) -> dict | None:
+        return self.wire.receive(timeout_s)
+
+    def _wait_reply(self, timeout_s: float, stop_event, *, what: str, stoppable: bool = True) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                message = self._receive(_POLL_S)
+            except EOFError:
+                raise self._died(what) from None
+            if message is not None:
+                return message
+            if stoppable and _stop_asked(stop_event):
+                self.close()
+                raise WorkerStopped(what)
+            if time.monotonic() > deadline:
+                tail = self._log_tail()
+                self.close()
+                raise TrialTimeoutError(f"the trial worker gave no answer to {what}: it timed out after {timeout_s:g} s "
+                                        f"(importing torch and the model's module, loading the data; raise "
+                                        f"search.trial_timeout_s){': ' + tail if tail else ''}")
+
+    def _died(self, what: str) -> Exception:
+        """The worker died while `what`: an exit of its own during its setup is the user's code
+        ending the process (their module, data factory or model called os._exit or exit):
+        InputError; a signal (the kernel's OOM killer, someone's kill) is not."""
+        tail = self._log_tail()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        code = self.proc.returncode
+        self._lost()
+        where = f"; last output: {tail}" if tail else ""
+        if code is not None and code >= 0 and what == "its setup":
+            return InputError(f"the trial worker exited with code {code} while loading the model and data "
+                              f"(the model's or data's code ended the process){where}")
+        how = f"was killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exited ({code})"
+        return TrialError(f"the trial worker {how} during {what}{where}")
+
+    def _log_tail(self) -> str:
+        path = None if self.folder is None else self.folder / "log"
+        text = path.read_text(errors="replace") if path is not None and path.exists() else ""
+        return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+
+    def _lost(self) -> None:
+        """The worker died (killed from outside, out of host memory): the next task starts another."""
+        logger.warning("the trial worker (pid {}) died; another starts for the next task",
+                       self.proc.pid if self.proc else "?")
+        self.close()
+
+    def _kill(self) -> None:
+        """A forced exit (a second Ctrl-C): the child's group and the worker's, now."""
+        for pid in (self._child, self.proc.pid if self.proc else None):
+            if pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _raise_setup_error(error: dict) -> None:
+    """The setup failed: the user's input (their code raised) is exit 2, anything else exit 1."""
+    if error.get("input_error"):
+        raise InputError(error["error"], traceback_text=error.get("traceback"))
+    raise TrialError(f"the trial worker's setup failed: {error['error']}")
+
+
+def _stop_asked(stop_event) -> bool:
+    return (stop_event is not None and stop_event.is_set()) or stopping.requested.is_set()
+
+
+class StopEither:
+    """`is_set()` of the caller's stop event or of the CLI's stop flag."""
+
+    def __init__(self, stop_event):
+        self.stop_event = stop_event
+
+    def is_set(self) -> bool:
+        return _stop_asked(self.stop_event)
+

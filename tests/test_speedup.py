@@ -1,0 +1,152 @@
+"""Figures a user can trust: the speed-up is an interval from interleaved pairs, old or loaded
+figures are measured again before they decide, and the frontier written is Pareto in its own
+numbers. Measurements are fed through seams (`run_long`, records): no test here times anything."""
+
+import math
+import time
+
+import pytest
+
+from autofit.config.spec import load_spec
+from autofit.config.train_config import TrainConfig
+from autofit.measure.measurement import Measurement
+from autofit.search import choice, TrialRecord
+from autofit.profiles.profile import FrontierPoint, Measured
+from autofit.tuning.frontier import pareto_in_written_figures
+from autofit.tuning.speedup import keeps_winner, measure_speedup, PAIRS_MAX, PAIRS_MIN
+from conftest import tiny_gpt_dict, write_spec
+
+SEARCH = {"warmup_steps": 0, "measure_steps": 2, "validate_steps": 4, "trial_timeout_s": 60}
+
+
+@pytest.fixture
+def spec(tmp_path):
+    return load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
+
+
+def _record(config: TrainConfig, number: int = 0) -> TrialRecord:
+    m = Measurement(status="ok", config=config, samples_per_s=100.0, step_time_s=0.01, peak_memory_bytes=1, wall_s=1.0)
+    return TrialRecord(number=number, config=config, status="ok", predicted_peak_bytes=1, measurement=m)
+
+
+def _runs(speeds: dict, order: list):
+    """A `run_long` whose runs of each config give the fed speeds in turn; `order` records them."""
+    fed = {config: list(values) for config, values in speeds.items()}
+
+    def run_long(config, steps, timeout_s):
+        order.append(config)
+        values = fed[config]
+        sps = values.pop(0) if len(values) > 1 else values[0]
+        return Measurement(status="ok", config=config, samples_per_s=sps, step_time_s=1 / sps, peak_memory_bytes=1,
+                           foreign_cores=0.1, cores=2)
+    return run_long
+
+
+WINNER = TrainConfig(precision="bf16-mixed", micro_batch_size=8)
+BASELINE = TrainConfig(micro_batch_size=8)
+
+
+def test_a_clear_speed_up_is_an_interval_from_three_interleaved_pairs(spec):
+    order = []
+    s = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
+                        _runs({WINNER: [210, 200, 220], BASELINE: [100, 100, 100]}, order))
+    assert s.pairs == PAIRS_MIN and s.measurable and not s.holds_one
+    assert (s.low, s.ratio, s.high) == pytest.approx((2.0, 2.1, 2.2))
+    assert order == [WINNER, BASELINE, BASELINE, WINNER, WINNER, BASELINE]  # W B, B W, W B: drift cancels
+    assert s.text().startswith("2.10x (2.00-2.20x, 3 interleaved pairs") and keeps_winner(s)
+
+
+def test_a_wide_interval_holding_one_is_measured_further_and_says_no_speed_up(spec):
+    order = []
+    s = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
+                        _runs({WINNER: [90, 115, 100, 104, 96, 102, 99], BASELINE: [100]}, order))
+    assert s.pairs == PAIRS_MAX and s.holds_one and s.measurable
+    assert s.text().startswith("no measurable speed-up") and keeps_winner(s)  # the median ratio is 1.0
+
+
+def test_pairs_that_disagree_wildly_make_no_claim(spec):
+    s = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
+                        _runs({WINNER: [50, 300, 90, 250, 60, 280, 100], BASELINE: [100]}, []))
+    assert s.pairs == PAIRS_MAX and not s.measurable and s.ratio is None
+    assert s.text().startswith("not measurable: the pairs' ratios ranged 0.50-3.00x")
+
+
+def test_a_winner_slower_in_the_pairs_is_never_the_profile(spec):
+    s = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
+                        _runs({WINNER: [90, 92, 91], BASELINE: [100]}, []))
+    assert s.measurable and s.high < 1.0 and not keeps_winner(s)
+
+
+def test_fresh_figures_rank_ahead_of_old_ones_and_alone_make_the_noise():
+    now = time.time()
+    fast_old, slow_fresh = TrainConfig(micro_batch_size=8), TrainConfig(micro_batch_size=4, grad_accum_steps=2)
+
+    def rec(config, sps, at, number):
+        m = Measurement(status="ok", config=config, samples_per_s=sps, peak_memory_bytes=1, step_time_s=1.0)
+        return TrialRecord(number=number, config=config, status="ok", predicted_peak_bytes=1, measurement=m,
+                           measured_at=at)
+
+    records = [rec(fast_old, 500.0, now - 3600, 0), rec(fast_old, 100.0, now - 3500, 1),
+               rec(slow_fresh, 200.0, now, 2), rec(slow_fresh, 220.0, now, 3)]
+    ranked = choice.rank(records, 10, fresh_since=now - 60)
+    assert [r.record.config for r in ranked] == [slow_fresh, fast_old] and ranked[0].fresh and not ranked[1].fresh
+    # The pooled relative deviation of the fresh pair (200, 220 about 210) alone; with the old
+    # pair (500, 100) it would be about 0.47.
+    assert choice.observed_noise(records, since=now - 60) == pytest.approx(math.sqrt(2) * 10 / 210)
+    fresh_bound = choice.decision_noise(records, choice.NOISE_PRIOR, since=now - 60)
+    assert fresh_bound < choice.decision_noise(records, choice.NOISE_PRIOR)  # the old pair is left out there too
+    # Without a session to tell old from fresh, the old figures' median (300) would decide.
+    assert choice.rank(records, 10)[0].record.config == fast_old
+
+
+def _point(config: TrainConfig, peak: int, sps: float) -> FrontierPoint:
+    return FrontierPoint(config=config, measured=Measured(samples_per_s=sps, tokens_per_s=None, peak_memory_bytes=peak,
+                                                          step_time_s=1 / sps, validated_steps=4, runs=1))
+
+
+def test_the_written_frontier_is_pareto_in_its_own_figures():
+    a, b, c, w = (TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m) for m in (1, 2, 4, 8))
+    # After re-validations: b faster than the larger c and than the winner, c as fast as the winner.
+    points = (_point(a, 10, 100.0), _point(b, 20, 300.0), _point(c, 30, 250.0), _point(w, 40, 250.0))
+    kept = pareto_in_written_figures(points)
+    assert [p.config for p in kept] == [a, w]  # the winner stays last; what is not below it goes
+    peaks = [p.measured.peak_memory_bytes for p in kept]
+    speeds = [p.measured.samples_per_s for p in kept]
+    assert all(x < y for x, y in zip(peaks, peaks[1:])) and all(x < y for x, y in zip(speeds, speeds[1:]))
+
+
+def _tune(landscape, storage: str, measure=None):
+    from autofit.search import Tuner, make_study
+
+    study = make_study(study_name="sim", storage=storage, seed=0)
+    tuner = Tuner(landscape.space(), study=study, budget_bytes=landscape.budget_bytes,
+                  measure=measure or landscape.measure, estimate=landscape.estimate, max_trials=40, patience=12)
+    return tuner.run()
+
+
+def test_a_resumed_study_measures_its_leaders_again_and_only_fresh_figures_decide(tmp_path):
+    """The first session's leader was measured under a load that flattered it (here: it is in
+    fact half as fast as its old figure). Resumed, the study measures no search trial again, but
+    measures its leaders again, interleaved, and the fresh figures choose."""
+    from simulated import LANDSCAPES
+
+    landscape = next(l for l in LANDSCAPES if l.name == "noisy")
+    landscape.reset()
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = _tune(landscape, storage)
+    old_leader = first.ranked[0].config
+    searched_before = {r.number for r in first.records if r.measurement is not None and not r.repeat}
+
+    def today(config):  # the host today: the old leader is not what its old figure said
+        m = landscape.measure(config)
+        if config == old_leader:
+            m = Measurement.from_dict(m.to_dict() | {"samples_per_s": m.samples_per_s / 2})
+        return m
+
+    landscape.calls.clear()
+    second = _tune(landscape, storage, measure=today)
+    leaders = {r.record.config for r in choice.rank(first.records, first.budget_bytes, repeats=False)[:3]}
+    searched_after = {r.number for r in second.records if r.measurement is not None and not r.repeat}
+    assert searched_after == searched_before  # no search trial measured again
+    assert old_leader in landscape.calls and set(landscape.calls) <= leaders  # the leaders, measured again
+    assert second.ranked[0].config != old_leader  # its old figure did not decide
