@@ -1,6 +1,8 @@
 """Search quality on simulated devices at the spec's default budget, the memory model, and
 resume from a stored study."""
 
+import time
+
 import optuna
 import pytest
 
@@ -595,7 +597,7 @@ class _StubTuner:
         return False
 
     def measure_now(self, config, records, *, repeat=False, unless_busy=False):
-        record = _ok(len(self._records), config, self._measure(config), repeat=repeat)
+        record = _ok(len(self._records), config, self._measure(config), repeat=repeat).replace(measured_at=time.time())
         self._records.append(record)
         return record
 
@@ -645,6 +647,39 @@ def test_on_a_host_too_noisy_for_any_number_of_rounds_the_race_stops_after_one()
     tuner = _StubTuner(RACE, [_ok(0, a, 100.0), _ok(1, b, 99.0)], lambda config: next(runs[config]))
     noise, rounds = finish.remeasure_contenders(tuner)
     assert rounds == 1 and noise > 0.1
+
+
+def test_a_resumed_race_runs_on_this_session_s_figures_only():
+    """Five configs within noise and one far behind, all measured in an older session (under
+    a lighter load: every old figure is twice today's), one of them with old repeats that
+    spread wildly. The five (the leaders) are measured again; the race, its noise and the
+    choice count only this session's runs: the close two race on (the old spread would have
+    stopped the race as futile after one round), and the config far behind, though its old
+    figure is above today's, is not measured at all."""
+    from autofit.search import choice, finish
+
+    a, b, c, d, e, far = (RACE.config("32-true", m, k) for m, k in ((64, 0), (32, 0), (16, 0), (8, 0), (4, 0), (2, 0)))
+    old = [_ok(0, a, 200.0), _ok(1, b, 199.6), _ok(2, c, 199.2), _ok(3, d, 198.8), _ok(4, e, 198.4), _ok(5, far, 150.0),
+           _ok(6, a, 300.0, repeat=True), _ok(7, a, 100.0, repeat=True)]
+    runs = {a: iter([100.2, 99.8] * 20), b: iter([99.0, 99.4] * 20)}
+    tuner = _StubTuner(RACE, [r.replace(measured_at=1.0) for r in old], lambda config: next(runs.get(config, iter([95.0]))))
+    tuner.session_start = 1000.0
+    noise, rounds = finish.remeasure_contenders(tuner)
+    repeats = _repeats(tuner)
+    assert far not in repeats and all(repeats[x] == 2 for x in (c, d, e))  # measured again, then out-raced
+    assert rounds > 1 and repeats[b] == rounds + 1 and repeats[a] == 2 + rounds + 1  # the old repeats count 2
+    assert noise < 0.01
+    assert choice.rank(tuner.records(), tuner.budget_bytes, fresh_since=tuner.session_start)[0].record.config == a
+
+
+def test_the_leaders_are_the_contenders_and_at_least_three():
+    from autofit.search import choice
+
+    configs = [RACE.config("32-true", m, k) for m in (64, 32, 16, 8) for k in (0, 1, 2)]
+    clear = choice.rank([_ok(0, configs[0], 200.0)] + [_ok(i, c, 100.0 - i) for i, c in enumerate(configs[1:], 1)], GiB)
+    assert len(choice.leaders(clear)) == choice.MIN_LEADERS  # one alone would rank first however slow it now is
+    close = choice.rank([_ok(i, c, 100.0 - 0.1 * i) for i, c in enumerate(configs)], GiB)
+    assert len(choice.leaders(close)) == choice.MAX_CONTENDERS
 
 
 def test_the_noise_decided_with_is_an_upper_bound_of_the_spread_seen():
