@@ -662,7 +662,8 @@ def test_a_resumed_race_runs_on_this_session_s_figures_only():
     old = [_ok(0, a, 200.0), _ok(1, b, 199.6), _ok(2, c, 199.2), _ok(3, d, 198.8), _ok(4, e, 198.4), _ok(5, far, 150.0),
            _ok(6, a, 300.0, repeat=True), _ok(7, a, 100.0, repeat=True)]
     runs = {a: iter([100.2, 99.8] * 20), b: iter([99.0, 99.4] * 20)}
-    tuner = _StubTuner(RACE, [r.replace(measured_at=1.0) for r in old], lambda config: next(runs.get(config, iter([95.0]))))
+    today = lambda config: next(runs.get(config, iter([95.0])))  # noqa: E731
+    tuner = _StubTuner(RACE, [r.replace(measured_at=1.0) for r in old], today)
     tuner.session_start = 1000.0
     noise, rounds = finish.remeasure_contenders(tuner)
     repeats = _repeats(tuner)

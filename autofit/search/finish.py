@@ -73,9 +73,10 @@ def _unreferenced_depth(tuner, records) -> int | None:
 
 
 def refresh_leaders(tuner, records: list) -> list:
-    """The leaders (the search's fastest configs, `choice.leaders`) whose figures are all old (read back from
-    another session: another day, another load) or taken under heavy foreign load, measured
-    again, interleaved, before any of those figures decides. Returns the records after."""
+    """The leaders (the search's fastest configs, `choice.leaders`), where any of them has
+    figures that are all old (read back from another session: another day, another load) or
+    taken under heavy foreign load, measured again, interleaved, before any of those figures
+    decides. Returns the records after."""
     since = tuner.session_start
     leaders = choice.leaders(choice.rank(records, tuner.budget_bytes, repeats=False))
 
