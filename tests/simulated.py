@@ -22,15 +22,26 @@ shape of real hardware, so the exhaustive-grid optimum is known exactly.
 - over several ranks (`world_size`), per rank: DDP keeps whole model states plus a bucket
   copy of the gradients (unless they are bucket views) and pays a little for its overlapped
   all-reduce; FSDP2 shards the states, holds one gathered block in flight (every block if it
-  does not reshard after forward) and pays more for its gathers. Throughput is global.
+  does not reshard after forward) and pays more for its gathers. Throughput is global;
+- the shapes added with the landscape suite: how much of the model freezing reaches and what
+  it saves in time (`freezable_share`, `freeze_speedup`), a memory cliff the estimator does
+  not see (`cliff_bytes` from `cliff_micro_batch` on), and knobs whose loss drifts
+  (`unhealthy_knobs`, e.g. 8-bit optimizer state).
+
+`SHAPED` and `generated(n, seed)` are the landscape suite of benchmarks/landscapes.py (shapes
+made by hand, and a seeded parametric family); `search(landscape, seed)` runs the tuner on one
+at the spec's default budget and says what its choice is worth against the grid optimum.
 """
 
+import dataclasses
 import hashlib
+import math
 import random
 from dataclasses import dataclass, field
 
 from autofit.config.train_config import TrainConfig
-from autofit.search import SearchSpace
+from autofit.config.spec import SearchSpec
+from autofit.search import SearchSpace, Tuner, make_study
 from autofit.measure.measurement import Measurement
 
 GiB = 2**30
@@ -64,12 +75,19 @@ class Landscape:
     compile: tuple = (False,)  # (False, True): compiled steps searched
     compile_speedup: float = 1.2  # compiled steps' speed over eager
     compile_fails: bool = False  # every compiled config is a compile_error
+    # Shapes added with the landscape suite (defaults: the shapes above were made with).
+    freezable_share: float = 0.9  # of the parameters, the share the frozen blocks and embeddings hold
+    freeze_speedup: float = 0.25  # speed gained with every block frozen (their weight gradients skipped)
+    cliff_micro_batch: int | None = None  # from this micro batch on, `cliff_bytes` more (a kernel's
+    cliff_bytes: float = 0.0  # workspace, an allocator rounding): a step the estimator does not see
+    unhealthy_knobs: tuple = ()  # (field, value) pairs whose loss drifts, e.g. (("optimizer_bits", 8),)
     calls: list = field(default_factory=list)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
-    def reset(self) -> None:
+    def reset(self, seed: int | None = None) -> None:
+        """Forget the calls; the per-call noise restarts (from `seed`'s own draws if given)."""
         self.calls.clear()
-        self.rng.seed(self.name)
+        self.rng.seed(self.name if seed is None else f"{self.name}/{seed}")
 
     def space(self) -> SearchSpace:
         n = self.global_batch_size
@@ -82,7 +100,7 @@ class Landscape:
                            compile=self.compile)
 
     def tensor_bytes(self, c: TrainConfig) -> float:
-        trainable = 1 - 0.9 * c.freeze_blocks / self.n_blocks
+        trainable = 1 - self.freezable_share * c.freeze_blocks / self.n_blocks
         weight_bytes = 2 if c.precision == "bf16-true" else 4
         moment_bytes = 2 * (1 + 4 / 256) if c.optimizer_bits == 8 else 2 * weight_bytes
         states = self.params * (weight_bytes + trainable * (weight_bytes + moment_bytes))
@@ -102,7 +120,8 @@ class Landscape:
         return c.micro_batch_size * (act * kept_blocks * fused + logits)
 
     def peak_bytes(self, c: TrainConfig) -> int:
-        return int(self.tensor_bytes(c) + self.fragmentation * self.activation_bytes(c) + self.context_bytes)
+        cliff = self.cliff_bytes if self.cliff_micro_batch and c.micro_batch_size >= self.cliff_micro_batch else 0
+        return int(self.tensor_bytes(c) + self.fragmentation * self.activation_bytes(c) + self.context_bytes + cliff)
 
     def samples_per_s(self, c: TrainConfig) -> float:
         m = c.micro_batch_size
@@ -111,7 +130,7 @@ class Landscape:
             speed /= 1 + 0.25 * (m / self.m_peak - 1)
         speed /= 1 + (c.checkpoint_blocks / self.n_blocks) / (10 if c.checkpoint_policy == "selective" else 3)
         speed /= 1 + 0.03 * (c.grad_accum_steps - 1) / max(1, m)
-        speed *= 1 + 0.25 * c.freeze_blocks / self.n_blocks
+        speed *= 1 + self.freeze_speedup * c.freeze_blocks / self.n_blocks
         speed /= (1.02 if c.optimizer_bits == 8 else 1.0) * (1.03 if c.chunked_loss else 1.0)
         if c.parallelism == "ddp":
             speed *= self.world_size / (1 + 0.4 / m)  # the all-reduce, amortised over the micro batch
@@ -122,7 +141,7 @@ class Landscape:
         return speed * (0.99 + 0.02 * fixed)
 
     def healthy(self, c: TrainConfig) -> bool:
-        return c.precision not in self.unhealthy
+        return c.precision not in self.unhealthy and not any(getattr(c, k) == v for k, v in self.unhealthy_knobs)
 
     def measure(self, c: TrainConfig) -> Measurement:
         self.calls.append(c)
@@ -130,13 +149,14 @@ class Landscape:
             return Measurement(status="compile_error", config=c, budget_bytes=self.budget_bytes,
                                reason="torch.compile failed: Unsupported: graph break (simulated)")
         peak = self.peak_bytes(c)
-        if peak > self.budget_bytes:
-            return Measurement(status="oom", config=c, peak_memory_bytes=self.budget_bytes,
-                               budget_bytes=self.budget_bytes, reason="simulated OOM")
-        sps = self.samples_per_s(c) * (1 + self.noise * (2 * self.rng.random() - 1))
         # The context is read at the trial's start: the part loaded lazily later (kernels,
-        # workspaces) is in neither the reading nor the estimate.
+        # workspaces) is in neither the reading nor the estimate. A trial that runs out of
+        # memory has read it too.
         seen_context = int(0.6 * self.context_bytes)
+        if peak > self.budget_bytes:
+            return Measurement(status="oom", config=c, peak_memory_bytes=self.budget_bytes - seen_context,
+                               overhead_bytes=seen_context, budget_bytes=self.budget_bytes, reason="simulated OOM")
+        sps = self.samples_per_s(c) * (1 + self.noise * (2 * self.rng.random() - 1))
         return Measurement(status="ok", config=c, peak_memory_bytes=peak - seen_context,
                            overhead_bytes=seen_context, budget_bytes=self.budget_bytes,
                            samples_per_s=sps, step_time_s=self.global_batch_size / sps,
@@ -150,6 +170,41 @@ class Landscape:
                     and not (c.compile and self.compile_fails)]
         best = max(feasible, key=self.samples_per_s)
         return best, self.samples_per_s(best)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One search on a landscape: what it chose and what that is worth on the device."""
+
+    landscape: str
+    seed: int
+    chosen: TrainConfig | None
+    best: TrainConfig  # the exhaustive grid's optimum
+    ratio: float  # the chosen config's true throughput / the optimum's; 0 if it does not fit or drifts
+    trials: int  # search trials measured (the budget's count)
+    measured: int  # measurements taken, repeats, reference and re-measured contenders included
+    configs: int  # distinct configs measured
+    grid: int
+    stop_reason: str
+
+
+def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials,
+           patience: int = SearchSpec().patience) -> Run:
+    """The tuner at `trials` and `patience` (the spec's defaults) on `landscape`, its sampler
+    and the device's noise seeded with `seed`."""
+    landscape.reset(seed)
+    study = make_study(study_name=f"{landscape.name}-{seed}", storage=None, seed=seed)
+    tuner = Tuner(landscape.space(), study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
+                  estimate=landscape.estimate, max_trials=trials, patience=patience)
+    result = tuner.run()
+    best, best_sps = landscape.grid_best()
+    chosen = result.ranked[0].config if result.ranked else None
+    worth = (chosen is not None and landscape.peak_bytes(chosen) <= landscape.budget_bytes
+             and landscape.healthy(chosen) and not (chosen.compile and landscape.compile_fails))
+    ratio = landscape.samples_per_s(chosen) / best_sps if worth else 0.0
+    return Run(landscape=landscape.name, seed=seed, chosen=chosen, best=best, ratio=ratio,
+               trials=tuner.spent(result.records), measured=len(landscape.calls),
+               configs=len(set(landscape.calls)), grid=landscape.space().size, stop_reason=result.stop_reason)
 
 
 # Knobs added after the landscapes were made, at their defaults: left out of the key of the
@@ -225,3 +280,137 @@ LANDSCAPES = [
               rate={"32-true": 100.0, "tf32": 180.0, "bf16-mixed": 300.0, "bf16-true": 320.0},
               m_half=8.0, max_freeze_blocks=4, context_bytes=1.0 * GiB, fragmentation=0.05, noise=0.03),
 ]
+
+
+# --- the landscape suite (benchmarks/landscapes.py) ------------------------------------------
+# Shapes a real GPU and model can present, each made to break one assumption a search could
+# lean on; then a seeded parametric family, so the suite is not only shapes picked by hand.
+
+SHAPED = [
+    # bf16-true is the fastest precision but drifts; freezing (up to 8 of 16 blocks) frees
+    # most of the optimizer state, so what fits at each precision depends on the depth.
+    Landscape(name="bf16true-drift+freeze", params=1.3e9, act_bytes_per_sample_block=90e6, n_blocks=16,
+              global_batch_size=128, budget_bytes=24 * GiB, rate=GPU_RATES, m_half=6.0, max_freeze_blocks=8,
+              unhealthy=("bf16-true",), estimate_bias=0.9, context_bytes=0.8 * GiB, fragmentation=0.1),
+    # A 3B model on 40 GiB: unfrozen, only bf16-true's halved states fit (and it drifts);
+    # freezing 22 of 24 blocks frees nearly all gradient and optimizer state.
+    Landscape(name="freeze-frees-most", params=3.0e9, act_bytes_per_sample_block=120e6, n_blocks=24,
+              global_batch_size=96, budget_bytes=40 * GiB, rate=GPU_RATES, m_half=8.0, max_freeze_blocks=22,
+              freezable_share=0.97, unhealthy=("bf16-true",), estimate_bias=0.92, context_bytes=1.0 * GiB),
+    # A memory cliff: from micro batch 16 on a 3 GiB workspace the estimator does not see,
+    # so the calibrated model says 16 fits when it does not.
+    Landscape(name="cliff", params=350e6, act_bytes_per_sample_block=100e6, n_blocks=24, global_batch_size=128,
+              budget_bytes=24 * GiB, rate=GPU_RATES, m_half=12.0, cliff_micro_batch=16, cliff_bytes=3 * GiB,
+              context_bytes=0.8 * GiB),
+    # Flat: saturated from micro batch 2, the 16-bit precisions within 3% of each other, 2% noise.
+    Landscape(name="plateau", params=350e6, act_bytes_per_sample_block=80e6, n_blocks=16, global_batch_size=128,
+              budget_bytes=24 * GiB, rate={"32-true": 100.0, "16-mixed": 296.0, "bf16-mixed": 300.0,
+                                           "bf16-true": 305.0},
+              m_half=0.3, noise=0.02, context_bytes=0.8 * GiB),
+    # Every fast point needs checkpointing: even micro batch 1 at 16 bits does not fit without it.
+    Landscape(name="checkpoint-everywhere", params=1.3e9, act_bytes_per_sample_block=500e6, n_blocks=32,
+              global_batch_size=64, budget_bytes=40 * GiB, rate=GPU_RATES, m_half=4.0, estimate_bias=0.9,
+              context_bytes=1.0 * GiB, fragmentation=0.1),
+    # The estimator sees only three quarters of the bytes: every seed trusted as is runs out of memory.
+    Landscape(name="under-predict", params=700e6, act_bytes_per_sample_block=120e6, n_blocks=24,
+              global_batch_size=128, budget_bytes=32 * GiB, rate=GPU_RATES, m_half=10.0, estimate_bias=0.75,
+              context_bytes=0.6 * GiB),
+    # ... and one that over-predicts by 35%.
+    Landscape(name="over-predict-35", params=700e6, act_bytes_per_sample_block=120e6, n_blocks=24,
+              global_batch_size=128, budget_bytes=32 * GiB, rate=GPU_RATES, m_half=10.0, estimate_bias=1.35,
+              context_bytes=0.6 * GiB),
+    # Throughput peaks at micro batch 2: long accumulation wins; with freezing and noise.
+    Landscape(name="small-peak+freeze", params=350e6, act_bytes_per_sample_block=60e6, n_blocks=12,
+              global_batch_size=96, budget_bytes=24 * GiB, rate=GPU_RATES, m_half=0.5, m_peak=2.0,
+              max_freeze_blocks=6, noise=0.02, context_bytes=0.5 * GiB),
+    # An LM whose 8-bit optimizer state drifts and whose bf16-true drifts: only the chunked
+    # loss is a memory knob that may pay.
+    Landscape(name="lean-knobs-drift", params=1.0e9, act_bytes_per_sample_block=100e6, n_blocks=24,
+              global_batch_size=64, budget_bytes=24 * GiB, rate={"32-true": 100.0, "bf16-mixed": 300.0,
+                                                                 "bf16-true": 330.0},
+              m_half=8.0, estimate_bias=0.9, context_bytes=0.8 * GiB, logit_bytes_per_sample=400e6,
+              optimizer_bits=(32, 8), chunked_loss=(False, True), unhealthy=("bf16-true",),
+              unhealthy_knobs=(("optimizer_bits", 8),)),
+    # Selective checkpointing with freezing: the checkpointable blocks shrink as the depth grows.
+    Landscape(name="selective+freeze", params=1.0e9, act_bytes_per_sample_block=150e6, n_blocks=24,
+              global_batch_size=128, budget_bytes=32 * GiB, rate=GPU_RATES, m_half=8.0, estimate_bias=0.88,
+              checkpoint_policies=("full", "selective"), max_freeze_blocks=6, context_bytes=0.8 * GiB),
+    # Two ranks with freezing: DDP keeps whole states, which freezing shrinks.
+    Landscape(name="two-ranks+freeze", params=1.2e9, act_bytes_per_sample_block=150e6, n_blocks=24,
+              global_batch_size=64, budget_bytes=24 * GiB, world_size=2, max_freeze_blocks=12,
+              rate={"32-true": 100.0, "bf16-mixed": 300.0, "bf16-true": 320.0}, m_half=6.0,
+              unhealthy=("bf16-true",), estimate_bias=0.9, context_bytes=0.8 * GiB),
+    # Compiled steps over a memory cliff, with fragmentation the estimator does not see.
+    Landscape(name="compiled-cliff", params=350e6, act_bytes_per_sample_block=110e6, n_blocks=24,
+              global_batch_size=96, budget_bytes=16 * GiB, rate=GPU_RATES, m_half=6.0, context_bytes=1.2 * GiB,
+              fragmentation=0.15, compile=(False, True), cliff_micro_batch=12, cliff_bytes=1.5 * GiB),
+    # Freezing that buys little speed but most of the memory, fp16 the fastest and drifting.
+    Landscape(name="freeze-memory-only", params=2.0e9, act_bytes_per_sample_block=60e6, n_blocks=32,
+              global_batch_size=256, budget_bytes=32 * GiB, rate=GPU_RATES, m_half=16.0, max_freeze_blocks=24,
+              freezable_share=0.95, freeze_speedup=0.02, unhealthy=("16-mixed",), estimate_bias=1.1,
+              context_bytes=1.0 * GiB, fragmentation=0.2),
+]
+
+
+def generated(count: int, seed: int = 2026) -> list[Landscape]:
+    """`count` landscapes drawn from a seeded parametric family: model and card sizes, block
+    counts, saturation and peaks, estimator bias both ways, unseen context, fragmentation and
+    cliffs, noise, drifting precisions and 8-bit state, freezing, checkpoint policies, memory
+    knobs, compiled steps and two ranks, each drawn independently. The budget is drawn
+    between the leanest config's peak and the plain 32-true full batch's, so most draws are
+    tight; a draw where no healthy config fits, or where a drift could not be seen (no
+    full-precision reference fits), is drawn again."""
+    rng = random.Random(seed)
+    out: list[Landscape] = []
+    while len(out) < count:
+        candidate = _draw(rng, f"gen-{seed}-{len(out):02d}")
+        if candidate is not None:
+            out.append(candidate)
+    return out
+
+
+def _draw(rng: random.Random, name: str) -> Landscape | None:
+    n_blocks = rng.choice((8, 12, 16, 24, 32))
+    world_size = 2 if rng.random() < 0.15 else 1
+    global_batch = rng.choice((32, 48, 64, 96, 128, 192, 256)) * world_size
+    precisions = ["32-true"] + [p for p in ("tf32", "16-mixed", "bf16-mixed", "bf16-true") if rng.random() < 0.7]
+    half = rng.uniform(2.0, 3.4)
+    rate = {"32-true": 100.0, "tf32": rng.uniform(130, 200), "16-mixed": 100 * half * rng.uniform(0.93, 1.07),
+            "bf16-mixed": 100 * half, "bf16-true": 100 * half * rng.uniform(0.97, 1.15)}
+    rate = {p: round(rate[p], 1) for p in precisions}
+    low = [p for p in precisions if p in HALF]
+    unhealthy = tuple(p for p in low if rng.random() < 0.25)
+    lm = rng.random() < 0.3 and world_size == 1  # the chunked loss runs in one process only
+    knobs = {}
+    if lm:
+        knobs = dict(logit_bytes_per_sample=rng.uniform(0.5, 4) * 100e6, optimizer_bits=(32, 8),
+                     chunked_loss=(False, True), unhealthy_knobs=(("optimizer_bits", 8),) if rng.random() < 0.3 else ())
+    max_freeze = rng.randint(1, n_blocks - 2) if rng.random() < 0.4 else 0
+    cliff = rng.random() < 0.25
+    landscape = Landscape(
+        name=name, params=math.exp(rng.uniform(math.log(100e6), math.log(3e9))),
+        act_bytes_per_sample_block=math.exp(rng.uniform(math.log(20e6), math.log(400e6))), n_blocks=n_blocks,
+        global_batch_size=global_batch, budget_bytes=0, rate=rate, m_half=rng.uniform(0.3, 16),
+        m_peak=rng.choice((2.0, 4.0, 8.0, 16.0, 32.0)) if rng.random() < 0.3 else None,
+        max_freeze_blocks=max_freeze, unhealthy=unhealthy, estimate_bias=rng.uniform(0.78, 1.3),
+        context_bytes=rng.uniform(0.2, 2.0) * GiB, fragmentation=rng.uniform(0.0, 0.25),
+        noise=rng.uniform(0.01, 0.04) if rng.random() < 0.3 else 0.0, world_size=world_size,
+        checkpoint_policies=("full", "selective") if rng.random() < 0.3 else ("full",),
+        compile=(False, True) if rng.random() < 0.2 else (False,), compile_speedup=rng.uniform(1.05, 1.4),
+        freezable_share=rng.uniform(0.6, 0.97), freeze_speedup=rng.uniform(0.0, 0.4),
+        cliff_micro_batch=rng.choice((4, 8, 16, 32)) if cliff else None,
+        cliff_bytes=rng.uniform(0.5, 4) * GiB if cliff else 0.0, **knobs)
+    if landscape.space().size > 8000:  # the exhaustive optimum stays quick to compute
+        return None
+    grid = landscape.space().grid()
+    peaks = sorted(landscape.peak_bytes(c) for c in grid)
+    # Between the leanest config and the largest: a log-uniform draw, so tight cards are common.
+    low_bytes, high_bytes = peaks[0] * 1.05, peaks[-1] * 1.1
+    budget = int(math.exp(rng.uniform(math.log(low_bytes), math.log(high_bytes))))
+    landscape = dataclasses.replace(landscape, budget_bytes=budget)
+    feasible = [c for c in grid if landscape.peak_bytes(c) <= budget]
+    healthy = [c for c in feasible if landscape.healthy(c)]
+    reference = [c for c in feasible if c.precision == "32-true" and c.optimizer_bits == 32]
+    if not healthy or (len(healthy) < len(feasible) and not reference):
+        return None
+    return landscape

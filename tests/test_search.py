@@ -1,6 +1,8 @@
 """Search quality on simulated devices at the spec's default budget, the memory model, and
 resume from a stored study."""
 
+import time
+
 import optuna
 import pytest
 
@@ -9,7 +11,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
 from autofit.search import make_study, MemoryModel, SearchSpace, TrialRecord, Tuner
 from autofit.search.memory import fit_points
-from simulated import GiB, LANDSCAPES, Landscape
+from simulated import generated, GiB, LANDSCAPES, Landscape, search, SHAPED
 
 DEFAULTS = SearchSpec()  # the budget a user gets: 40 trials, patience 12
 
@@ -45,7 +47,7 @@ def test_search_reaches_the_grid_optimum_at_the_default_budget(capsys):
 
 
 def _landscape(name: str) -> Landscape:
-    landscape = next(l for l in LANDSCAPES if l.name == name)
+    landscape = next(l for l in [*LANDSCAPES, *SHAPED] if l.name == name)
     landscape.reset()
     return landscape
 
@@ -73,9 +75,17 @@ def test_contenders_within_noise_are_remeasured_interleaved():
     repeats = [r.config for r in result.records if r.repeat]
     contenders = list(dict.fromkeys(repeats))
     assert len(contenders) >= 2
-    # Interleaved: each round measures every contender once, in the same order.
-    n = len(contenders)
-    assert [repeats[i:i + n] for i in range(0, len(repeats), n)] == [contenders] * (len(repeats) // n)
+    # Interleaved: each round measures every contender still in the race once, in the same
+    # order; one that fell behind beyond doubt is not measured again (the race only narrows).
+    order = {config: i for i, config in enumerate(contenders)}
+    rounds: list[list] = []
+    for config in repeats:
+        if rounds and order[config] > order[rounds[-1][-1]]:
+            rounds[-1].append(config)
+        else:
+            rounds.append([config])
+    assert rounds[0] == contenders and len(rounds) >= 2
+    assert all(set(later) <= set(earlier) for earlier, later in zip(rounds, rounds[1:]))
     assert result.noise is not None and 0 < result.noise < 0.1
     assert "interleaved rounds" in result.choice and f"{result.noise:.1%}" in result.choice
 
@@ -378,3 +388,308 @@ def test_a_batchnorm_model_s_profile_says_which_floor_and_why(tmp_path, monkeypa
     floor = profile.to_dict()["search"]["micro_batch_floor"]
     assert floor["size"] == 16 and floor["excludes_accumulation"] is False
     assert floor["reason"].startswith("the model has 3 BatchNorm2d")
+
+
+# --- the landscape suite at the default budget (benchmarks/landscapes.py runs all ten seeds) ---
+
+# The original landscapes, the shaped ones, and a family drawn with a seed the search was
+# never developed against (benchmarks/landscapes.py draws its own with another).
+SUITE = [*LANDSCAPES, *SHAPED, *generated(16, seed=31)]
+
+
+@pytest.mark.parametrize("landscape", SUITE, ids=lambda landscape: landscape.name)
+def test_search_reaches_the_grid_optimum_on_the_landscape_suite(landscape):
+    """Sampler (and device noise) seeds 0, 1 and 2, the spec's default budget: the chosen
+    config fits, does not drift, and is within 2% of the exhaustive grid's optimum."""
+    for seed in (0, 1, 2):
+        run = search(landscape, seed)
+        assert run.ratio >= 0.98, (seed, run.chosen and run.chosen.short(), run.best.short(), run.stop_reason)
+
+
+def test_a_trial_measured_before_its_reference_is_judged_again():
+    """bf16-true is the fastest precision and drifts; the 32-true seed runs out of memory, so
+    a bf16-true trial runs before any reference. It is judged again once the reference runs:
+    never the best the search refines around, unhealthy in the result, never chosen."""
+    landscape = _landscape("bf16true-drift+freeze")
+    _, result = run_tuner(landscape)
+    calls = [c.precision for c in landscape.calls]
+    assert calls.index("bf16-true") < next(i for i, c in enumerate(landscape.calls)
+                                           if c.precision == "32-true" and landscape.peak_bytes(c) <= GiB * 24)
+    assert calls.count("bf16-true") <= 2, [c.short() for c in landscape.calls]
+    assert all(r.status == "unhealthy" for r in result.records if r.config.precision == "bf16-true")
+    assert landscape.healthy(result.ranked[0].config)
+
+
+def _ok(number, config, samples_per_s=100.0, *, losses=(4.0, 3.9, 3.8, 3.7), repeat=False, budget=GiB):
+    m = Measurement(status="ok", config=config, budget_bytes=budget, peak_memory_bytes=budget // 2,
+                    samples_per_s=samples_per_s, losses=list(losses))
+    return TrialRecord(number=number, config=config, status="ok", predicted_peak_bytes=budget // 2,
+                       measurement=m, budget_bytes=budget, repeat=repeat)
+
+
+def _plan(space, records=(), estimate=lambda config: 1):
+    from autofit.search.plan import Plan
+
+    def known(config, records):
+        return next((r for r in records if r.config == config and not r.repeat), None)
+
+    return Plan(space, (), known=known, fits_of=lambda records: lambda config: True, estimate=estimate)
+
+
+FREEZABLE = SearchSpace(global_batch_size=8, precisions=("32-true", "bf16-mixed"), micro_batch_sizes=(1, 2, 4, 8),
+                        max_checkpoint_blocks=4, max_freeze_blocks=4)
+
+
+def test_a_low_precision_best_gets_a_reference_at_its_freezing_depth_first():
+    """The mean loss is compared only at one freezing depth: a bf16-mixed best at depth 2 with
+    a reference at depth 4 only is judged by nothing but its first loss. Its reference (the
+    largest 32-true micro batch at depth 2) is the next config measured."""
+    reference = _ok(0, FREEZABLE.config("32-true", 8, 0, 4))
+    best = _ok(1, FREEZABLE.config("bf16-mixed", 8, 0, 2), 300.0)
+    planned = _plan(FREEZABLE).next([reference, best], best, set())
+    assert planned == FREEZABLE.config("32-true", 8, 0, 2)
+
+
+def test_the_contenders_freezing_depths_get_their_references_after_the_search():
+    """A config the sampler found at a depth with no reference, close to the best: before the
+    choice, a reference at its depth; its drift shows and it is not chosen."""
+    from autofit.search import finish
+
+    reference = _ok(0, FREEZABLE.config("32-true", 8, 0, 4))
+    healthy = _ok(1, FREEZABLE.config("bf16-mixed", 8, 0, 4), 300.0)
+    drifting = _ok(2, FREEZABLE.config("bf16-mixed", 8, 0, 1), 305.0, losses=(4.0, 4.3, 4.7, 5.2))
+    tuner = _StubTuner(FREEZABLE, [reference, healthy, drifting], lambda config: 100.0)
+    finish.ensure_reference(tuner)
+    assert [r.config for r in tuner.records()[3:]] == [FREEZABLE.config("32-true", 8, 0, 1)]
+    from autofit.search import choice
+    assert choice.rank(tuner.records(), tuner.budget_bytes)[0].record.config == healthy.config
+
+
+def test_drifting_8bit_state_leaves_the_chunked_loss_as_the_lean_seed():
+    """8-bit moments that drift under 32-true math are blamed on the state: no precision's
+    lean seed runs them, and the chunked loss (the same loss) is the lean setting left."""
+    from autofit.search.health import drifting
+    from autofit.search.plan import allowed_of
+    from autofit.search.seeding import seed_groups
+
+    space = SearchSpace(global_batch_size=8, precisions=("32-true", "bf16-mixed"), micro_batch_sizes=(1, 2, 4, 8),
+                        max_checkpoint_blocks=2, max_freeze_blocks=0, optimizer_bits=(32, 8),
+                        chunked_loss=(False, True))
+    reference = _ok(0, space.config("32-true", 8))
+    eight = _ok(1, space.config("32-true", 8, optimizer_bits=8), losses=(4.0, 4.3, 4.7, 5.2))
+    assert drifting([reference, eight]) == {("optimizer_bits", 8)}
+    groups = seed_groups(space, allowed_of([reference, eight]))
+    assert [(p, knobs) for p, _, knobs in groups] == [("32-true", {}), ("32-true", {"chunked_loss": True}),
+                                                      ("bf16-mixed", {}), ("bf16-mixed", {"chunked_loss": True})]
+
+
+def _oom(number, config, *, predicted, budget):
+    m = Measurement(status="oom", config=config, budget_bytes=budget, peak_memory_bytes=budget - GiB // 2,
+                    overhead_bytes=GiB // 2)
+    return TrialRecord(number=number, config=config, status="oom", predicted_peak_bytes=predicted, measurement=m,
+                       budget_bytes=budget)
+
+
+def test_out_of_memory_trials_bound_every_fit_until_something_runs():
+    """Nothing has run yet: 32-true at 9 GiB estimated ran out of a 10 GiB budget. tf32 holds
+    32-true's tensors and bf16-true another group's, but at the same estimate neither is
+    predicted to fit (each OOM used to raise its own group only, so every group walked its
+    frontier down one OOM at a time); the overhead the OOM's child read joins every
+    prediction. Once a trial has run, another group's OOM no longer bounds bf16-true's fit."""
+    budget = 10 * GiB
+    fp32 = TrainConfig(precision="32-true", micro_batch_size=8)
+    oom = _oom(0, fp32, predicted=9 * GiB, budget=budget)
+    model = MemoryModel(lambda config: 9 * GiB, budget)
+    assert not model.fits(fp32.replace(precision="tf32"), [oom])
+    assert not model.fits(fp32.replace(precision="bf16-true"), [oom])
+    assert model.fit(fp32.replace(precision="bf16-true"), []).overhead_bytes == 0
+    assert model.fit(fp32.replace(precision="bf16-true"), [oom]).overhead_bytes == GiB // 2
+    ran = _ok(1, fp32.replace(precision="bf16-mixed", micro_batch_size=1), budget=budget)
+    assert model.fit(fp32.replace(precision="bf16-true"), [oom]).bounded
+    assert not model.fit(fp32.replace(precision="bf16-true"), [oom, ran]).bounded
+    assert model.fit(fp32.replace(precision="tf32"), [oom, ran]).bounded  # its own group's OOM still holds
+
+
+def test_a_config_no_larger_than_one_that_ran_fits_whatever_the_fit_says():
+    """A cliff: the fit, raised by an OOM at a larger micro batch, predicts micro batch 4 over
+    the budget, but micro batch 4 with more checkpointed blocks ran: a smaller one fits."""
+    budget = 10 * GiB
+    ran = _ok(0, TrainConfig(precision="bf16-mixed", micro_batch_size=4, grad_accum_steps=2, checkpoint_blocks=1),
+              budget=budget)
+    oom = _oom(1, TrainConfig(precision="bf16-mixed", micro_batch_size=8, checkpoint_blocks=2),
+               predicted=5 * GiB, budget=budget)
+    model = MemoryModel(lambda config: 5 * GiB, budget)
+    smaller = ran.config.replace(checkpoint_blocks=2)
+    assert model.covered_by_measured(smaller, [ran, oom]) is ran and model.fits(smaller, [ran, oom])
+    assert model.covered_by_measured(ran.config.replace(checkpoint_blocks=0), [ran, oom]) is None
+
+
+def test_after_two_ooms_and_nothing_that_ran_the_smallest_config_is_measured():
+    """Each OOM raises the fit only to the least that explains it; an estimator far too low
+    would spend a trial per OOM on every seed group. The smallest config anchors the fit."""
+    from autofit.search import seeding
+
+    budget = 10 * GiB
+    ooms = [_oom(0, FREEZABLE.config("32-true", 8, 0, 4), predicted=9 * GiB, budget=budget),
+            _oom(1, FREEZABLE.config("bf16-mixed", 8, 0, 4), predicted=8 * GiB, budget=budget)]
+    estimate = lambda config: config.micro_batch_size * (4 if config.precision == "32-true" else 2)  # noqa: E731
+    plan = _plan(FREEZABLE, estimate=estimate)
+    assert plan.next(ooms[:1], None, set()) != seeding.smallest(FREEZABLE, estimate)  # one OOM: the seeds go on
+    assert plan.next(ooms, None, set()) == FREEZABLE.config("bf16-mixed", 1, 0, 4) == seeding.smallest(
+        FREEZABLE, estimate)
+
+
+def test_a_second_oom_at_one_micro_batch_halves_the_depth_left():
+    budget = 10 * GiB
+    space = SearchSpace(global_batch_size=8, precisions=("32-true",), micro_batch_sizes=(1, 2, 4, 8),
+                        max_checkpoint_blocks=24, max_freeze_blocks=0)
+    first, second = space.config("32-true", 8, 19), space.config("32-true", 8, 20)
+    plan = _plan(space)
+    plan.after_oom(first, [_oom(0, first, predicted=9 * GiB, budget=budget)])
+    assert plan.queue[0] == space.config("32-true", 8, 0)  # the fit's own answer (here: everything fits)
+    plan.queue.clear()
+    records = [_oom(0, first, predicted=9 * GiB, budget=budget), _oom(1, second, predicted=9 * GiB, budget=budget)]
+    plan.after_oom(second, records)
+    assert plan.queue[0] == space.config("32-true", 8, 22)  # halfway between 20 and 24
+
+
+def test_a_new_best_is_compared_with_every_other_group_at_its_own_shape():
+    """Throughput peaks at micro batch 2-4: each precision's seed ran at its largest micro
+    batch, where tf32 happened to lead. bf16-true at the best's micro batch is twice as fast."""
+    landscape = _landscape("small-peak+freeze")
+    for seed in (1, 4):  # the two seeds on which the search settled on tf32 without twins
+        run = search(landscape, seed)
+        assert run.chosen.precision == "bf16-true" and run.ratio >= 0.98, run.chosen.short()
+
+
+def test_twins_skip_groups_measured_well_below_the_best_s_at_its_micro_batch():
+    from autofit.search.seeding import twins
+
+    space = SearchSpace(global_batch_size=8, precisions=("32-true", "tf32", "bf16-mixed"),
+                        micro_batch_sizes=(1, 2, 4, 8), max_checkpoint_blocks=2, max_freeze_blocks=0)
+    best = space.config("bf16-mixed", 4)
+    records = [_ok(0, space.config("32-true", 8), 30.0), _ok(1, space.config("bf16-mixed", 8), 100.0),
+               _ok(2, best, 110.0)]
+    fits = lambda config: config.micro_batch_size <= 4  # noqa: E731
+    assert twins(space, fits, best) == [space.config("32-true", 4), space.config("tf32", 4)]
+    # 32-true ran at 0.3 of bf16-mixed at micro batch 8: no twin; tf32 has no matched run, so
+    # its precision's ratio (none either) leaves it in.
+    assert twins(space, fits, best, records=records) == [space.config("tf32", 4)]
+
+
+class _StubTuner:
+    """What search/finish.py uses of a Tuner, with scripted measurements."""
+
+    def __init__(self, space, records, measure, budget_bytes=GiB):
+        self.space, self._records, self._measure, self.budget_bytes = space, list(records), measure, budget_bytes
+        self.session_start = None  # one session: every record is this session's (TrialRecord.fresh)
+
+    def records(self):
+        return list(self._records)
+
+    def fits(self, records):
+        return lambda config: True
+
+    def known(self, config, records):
+        return next((r for r in records if r.config == config and not r.repeat), None)
+
+    def should_stop(self):
+        return False
+
+    def measure_now(self, config, records, *, repeat=False, unless_busy=False):
+        record = _ok(len(self._records), config, self._measure(config), repeat=repeat).replace(measured_at=time.time())
+        self._records.append(record)
+        return record
+
+
+RACE = SearchSpace(global_batch_size=64, precisions=("32-true",), micro_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+                   max_checkpoint_blocks=2, max_freeze_blocks=0)
+
+
+def _repeats(tuner):
+    counts = {}
+    for r in tuner.records():
+        if r.repeat:
+            counts[r.config] = counts.get(r.config, 0) + 1
+    return counts
+
+
+def test_a_contender_behind_beyond_doubt_leaves_the_race_and_close_ones_race_on():
+    from autofit.search import finish
+
+    a, b, c = RACE.config("32-true", 64), RACE.config("32-true", 32), RACE.config("32-true", 16)
+    runs = {a: iter([100.2, 99.8] * 20), b: iter([99.0, 99.4] * 20), c: iter([95.0, 95.2] * 20)}
+    tuner = _StubTuner(RACE, [_ok(0, a, 100.0), _ok(1, b, 99.5), _ok(2, c, 96.0)], lambda config: next(runs[config]))
+    finish.remeasure_contenders(tuner)
+    repeats = _repeats(tuner)
+    assert repeats[c] == 1 and repeats[a] == repeats[b] > 1
+    from autofit.search import choice
+    assert choice.rank(tuner.records(), tuner.budget_bytes)[0].record.config == a
+
+
+def test_a_config_measured_once_that_comes_to_lead_joins_the_race():
+    """Eleven configs within the noise: ten race; their repeats come in lower than the
+    eleventh's single run, which must not win on that one run: it is measured level first."""
+    from autofit.search import finish
+
+    configs = [RACE.config("32-true", m, k) for m in (64, 32, 16, 8) for k in (0, 1, 2)][:11]
+    first = [_ok(i, config, 101.0 - 0.1 * i) for i, config in enumerate(configs)]
+    tuner = _StubTuner(RACE, first, lambda config: 97.0 if config == configs[-1] else 95.0)
+    finish.remeasure_contenders(tuner)
+    assert _repeats(tuner).get(configs[-1], 0) >= 1
+
+
+def test_on_a_host_too_noisy_for_any_number_of_rounds_the_race_stops_after_one():
+    from autofit.search import finish
+
+    a, b = RACE.config("32-true", 64), RACE.config("32-true", 32)
+    runs = {a: iter([140.0, 60.0] * 20), b: iter([145.0, 55.0] * 20)}  # a 2% gap under 17% noise
+    tuner = _StubTuner(RACE, [_ok(0, a, 100.0), _ok(1, b, 99.0)], lambda config: next(runs[config]))
+    noise, rounds = finish.remeasure_contenders(tuner)
+    assert rounds == 1 and noise > 0.1
+
+
+def test_a_resumed_race_runs_on_this_session_s_figures_only():
+    """Five configs within noise and one far behind, all measured in an older session (under
+    a lighter load: every old figure is twice today's), one of them with old repeats that
+    spread wildly. The five (the leaders) are measured again; the race, its noise and the
+    choice count only this session's runs: the close two race on (the old spread would have
+    stopped the race as futile after one round), and the config far behind, though its old
+    figure is above today's, is not measured at all."""
+    from autofit.search import choice, finish
+
+    a, b, c, d, e, far = (RACE.config("32-true", m, k) for m, k in ((64, 0), (32, 0), (16, 0), (8, 0), (4, 0), (2, 0)))
+    old = [_ok(0, a, 200.0), _ok(1, b, 199.6), _ok(2, c, 199.2), _ok(3, d, 198.8), _ok(4, e, 198.4), _ok(5, far, 150.0),
+           _ok(6, a, 300.0, repeat=True), _ok(7, a, 100.0, repeat=True)]
+    runs = {a: iter([100.2, 99.8] * 20), b: iter([99.0, 99.4] * 20)}
+    today = lambda config: next(runs.get(config, iter([95.0])))  # noqa: E731
+    tuner = _StubTuner(RACE, [r.replace(measured_at=1.0) for r in old], today)
+    tuner.session_start = 1000.0
+    noise, rounds = finish.remeasure_contenders(tuner)
+    repeats = _repeats(tuner)
+    assert far not in repeats and all(repeats[x] == 2 for x in (c, d, e))  # measured again, then out-raced
+    assert rounds > 1 and repeats[b] == rounds + 1 and repeats[a] == 2 + rounds + 1  # the old repeats count 2
+    assert noise < 0.01
+    assert choice.rank(tuner.records(), tuner.budget_bytes, fresh_since=tuner.session_start)[0].record.config == a
+
+
+def test_the_leaders_are_the_contenders_and_at_least_three():
+    from autofit.search import choice
+
+    configs = [RACE.config("32-true", m, k) for m in (64, 32, 16, 8) for k in (0, 1, 2)]
+    clear = choice.rank([_ok(0, configs[0], 200.0)] + [_ok(i, c, 100.0 - i) for i, c in enumerate(configs[1:], 1)], GiB)
+    assert len(choice.leaders(clear)) == choice.MIN_LEADERS  # one alone would rank first however slow it now is
+    close = choice.rank([_ok(i, c, 100.0 - 0.1 * i) for i, c in enumerate(configs)], GiB)
+    assert len(choice.leaders(close)) == choice.MAX_CONTENDERS
+
+
+def test_the_noise_decided_with_is_an_upper_bound_of_the_spread_seen():
+    from autofit.search import choice
+
+    a, b = RACE.config("32-true", 64), RACE.config("32-true", 32)
+    records = [_ok(0, a, 100.0), _ok(1, a, 102.0, repeat=True), _ok(2, b, 50.0), _ok(3, b, 51.0, repeat=True)]
+    observed = choice.observed_noise(records)
+    assert observed == pytest.approx(((2 * (1 / 101) ** 2 + 2 * (0.5 / 50.5) ** 2) / 2) ** 0.5, rel=1e-9)
+    assert choice.decision_noise(records, 0.03) > 2 * observed  # two repeats prove little
+    assert choice.decision_noise([_ok(0, a), _ok(1, a, repeat=True)], 0.03) == choice.NOISE_FLOOR
+    assert choice.central([1.0, 9.0, 2.0]) == 2.0 and choice.central([0.0, 2.0, 2.0, 2.0, 50.0]) == 2.0

@@ -2,6 +2,7 @@
 figures are measured again before they decide, and the frontier written is Pareto in its own
 numbers. Measurements are fed through seams (`run_long`, records): no test here times anything."""
 
+import math
 import time
 
 import pytest
@@ -89,7 +90,11 @@ def test_fresh_figures_rank_ahead_of_old_ones_and_alone_make_the_noise():
                rec(slow_fresh, 200.0, now, 2), rec(slow_fresh, 220.0, now, 3)]
     ranked = choice.rank(records, 10, fresh_since=now - 60)
     assert [r.record.config for r in ranked] == [slow_fresh, fast_old] and ranked[0].fresh and not ranked[1].fresh
-    assert choice.observed_noise(records, since=now - 60) == pytest.approx(20 / (2 * 210))
+    # The pooled relative deviation of the fresh pair (200, 220 about 210) alone; with the old
+    # pair (500, 100) it would be about 0.47.
+    assert choice.observed_noise(records, since=now - 60) == pytest.approx(math.sqrt(2) * 10 / 210)
+    fresh_bound = choice.decision_noise(records, choice.NOISE_PRIOR, since=now - 60)
+    assert fresh_bound < choice.decision_noise(records, choice.NOISE_PRIOR)  # the old pair is left out there too
     # Without a session to tell old from fresh, the old figures' median (300) would decide.
     assert choice.rank(records, 10)[0].record.config == fast_old
 

@@ -4,7 +4,7 @@
 - `memory`: predicted peak, calibration from measured trials, the pruning decision;
 - `seeding`: the memory frontier (seeds) and refinements around a new best;
 - `health`: whether a low-precision trial's losses can be trusted;
-- `choice`: ranking by median, the contenders within noise and their interleaved repeats;
+- `choice`: ranking by central value, the contenders within noise and their interleaved race;
 - `study`: what a study stores (`TrialRecord`), `SearchResult`, `make_study`;
 - `loop`: the ask/tell loop (`Tuner`).
 """

@@ -1,9 +1,13 @@
-"""After the search, before the winner is chosen: a full-precision reference if the study has
-none (low-precision trials are judged against it), and the contenders within noise of the
-best measured again, interleaved, until the leader's lead exceeds the noise seen.
+"""After the search, before the winner is chosen: a full-precision reference at the freezing
+depth of each contender that has none (low-precision trials are judged against it), and the
+contenders within noise of the best measured again, interleaved, until the leader's lead
+is beyond the noise seen. In a resumed study the leaders known only from an older session
+(another day, another load) are measured again first, and only this session's figures
+decide.
 
 Both measure through the tuner (`Tuner.measure_now`), so their trials are stored in the
-study like any other: a resumed tune does not take them again.
+study like any other: a resumed tune does not take a reference again, and reads the old
+repeats back without letting them decide.
 """
 
 import time
@@ -11,31 +15,31 @@ import time
 from loguru import logger
 
 from autofit.search import choice, seeding
-from autofit.search.health import reference_for, REFERENCE_PRECISIONS
+from autofit.search.health import is_reference, reference_for, REFERENCE_PRECISIONS
 
 BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
-REFERENCE_ATTEMPTS = 3  # an OOM refits the model; the next frontier point is smaller
+# References measured at most after a search: an OOM refits the model (the next frontier
+# point is smaller), and contenders at several freezing depths need one each.
+REFERENCE_ATTEMPTS = 4
 
 
 def ensure_reference(tuner) -> None:
-    """Measure a full-precision reference if the study has none, so low-precision winners
-    can be checked: the fastest 32-true (else tf32) config predicted to fit, i.e. the
-    largest micro batch with the fewest checkpointed blocks, nothing frozen."""
-    space = tuner.space
-    precision = next((p for p in REFERENCE_PRECISIONS if p in space.precisions), None)
-    if 32 not in space.optimizer_bits:  # every config of the space has 8-bit state
-        precision = None
-    attempts = 0
+    """Measure a full-precision reference at the freezing depth of each config that could
+    win and has none (the mean loss is compared only at one depth: freezing changes what is
+    trained), and one at all if the study has none: the fastest 32-true (else tf32) config
+    with fp32 optimizer state predicted to fit at that depth, i.e. the largest micro batch
+    with the fewest checkpointed blocks. Called before the contenders' race and after it
+    (a config that joined the race may be the winner)."""
+    attempts, depth = 0, None
     while attempts < REFERENCE_ATTEMPTS:
         records = tuner.records()
-        if precision is None or reference_for(None, records, same_freeze=False) is not None:
+        depth = _unreferenced_depth(tuner, records)
+        if depth is None:
             return
-        line = [c for c in seeding.frontier(space, tuner.fits(records), precision, 0, limit=3,
-                                            strategy={"optimizer_bits": 32})
-                if tuner.known(c, records) is None]
-        if not line:
+        reference = seeding.reference_point(tuner.space, tuner.fits(records), depth)
+        if reference is None or tuner.known(reference, records) is not None:
             break
-        if tuner.measure_now(line[0], records, unless_busy=True) is None:
+        if tuner.measure_now(reference, records, unless_busy=True) is None:
             # Another worker sharing the study is measuring it: its result is the reference
             # (or, if that worker dies, the trial comes back to be measured here).
             if tuner.should_stop():
@@ -43,17 +47,38 @@ def ensure_reference(tuner) -> None:
             time.sleep(BUSY_WAIT_S)
             continue
         attempts += 1
-    logger.warning("no {} reference (fp32 optimizer state) fits: numeric health of 16-bit precisions and "
-                   "8-bit optimizer state is checked for finite losses and scaler skips only (no stagnation "
-                   "or loss-curve comparison)", precision)
+    if depth is not None:
+        logger.warning("no full-precision reference (fp32 optimizer state) fits at freezing depth {}: numeric "
+                       "health of 16-bit precisions and 8-bit optimizer state there is checked for finite losses, "
+                       "scaler skips and the first loss only (no mean-loss comparison)", depth)
+
+
+def _unreferenced_depth(tuner, records) -> int | None:
+    """The freezing depth of a contender for the win (within noise of the best) that is not
+    full numerics and has no healthy reference at its depth; with no reference in the study
+    at all, the best's depth (0 when nothing ranks). None: nothing to measure."""
+    space = tuner.space
+    if not any(p in space.precisions for p in REFERENCE_PRECISIONS) or 32 not in space.optimizer_bits:
+        return None
+    # The configs that can win: this session's, once it has measured any (a resumed study).
+    budget_bytes = tuner.budget_bytes
+    ranked = _fresh_ranked(records, budget_bytes, tuner.session_start) or choice.rank(records, budget_bytes)
+    if reference_for(None, records, same_freeze=False) is None:
+        return ranked[0].record.config.freeze_blocks if ranked else 0
+    for r in choice.contenders(ranked, choice.prior_noise(ranked)):
+        config = r.record.config
+        if not is_reference(config) and reference_for(config, records, same_freeze=True) is None:
+            return config.freeze_blocks
+    return None
 
 
 def refresh_leaders(tuner, records: list) -> list:
-    """The leaders (the search's fastest configs) whose figures are all old (read back from
-    another session: another day, another load) or taken under heavy foreign load, measured
-    again, interleaved, before any of those figures decides. Returns the records after."""
+    """The leaders (the search's fastest configs, `choice.leaders`), where any of them has
+    figures that are all old (read back from another session: another day, another load) or
+    taken under heavy foreign load, measured again, interleaved, before any of those figures
+    decides. Returns the records after."""
     since = tuner.session_start
-    leaders = choice.rank(records, tuner.budget_bytes, repeats=False)[:choice.MAX_CONTENDERS]
+    leaders = choice.leaders(choice.rank(records, tuner.budget_bytes, repeats=False))
 
     def trusted(config) -> bool:
         return any(r.config == config and r.measurement is not None and r.fresh(since) and not r.loaded
@@ -86,28 +111,48 @@ def age_text(seconds: float) -> str:
 
 
 def remeasure_contenders(tuner) -> tuple[float | None, int]:
-    """Re-measure the configs within noise of the best, interleaved, until the leader's
-    lead exceeds the noise seen (MIN_ROUNDS to MAX_ROUNDS rounds). Figures from this session
-    decide (old ones are refreshed first); repeats are stored, so a resume does not take
-    them again. Returns (noise seen in this session, rounds)."""
+    """Re-measure the configs within noise of the best, interleaved, round after round: a
+    contender whose lead is lost beyond doubt (`choice.behind`) leaves the field, a config
+    measured once that comes to lead the re-measured ones joins it, and the rounds stop
+    when the lead is settled or the leaders are tied under the noise seen
+    (`choice.settled`), or when the noise is too large for any number of rounds to settle
+    it (`choice.futile`: a loaded host); MIN_ROUNDS to MAX_ROUNDS rounds. Figures from this
+    session decide: old or loaded leaders are measured again first (`refresh_leaders`), and
+    the field, its ranking and the noise come from this session's measurements only.
+    Returns (noise seen in this session, rounds)."""
     records, budget_bytes, since = tuner.records(), tuner.budget_bytes, tuner.session_start
     records = refresh_leaders(tuner, records)
-    first = choice.rank(records, budget_bytes, fresh_since=since)
-    field = choice.contenders(first, choice.prior_noise(first))
+    first = _fresh_ranked(records, budget_bytes, since)
+    prior = choice.prior_noise(first)
+    field = [r.record.config for r in choice.contenders(first, prior)]
     if len(field) < 2:
         return choice.observed_noise(records, since), 0
-    rounds = min(f.measurements for f in field) - 1
-    while rounds < choice.MAX_ROUNDS:
+    while True:
+        ranked = _fresh_ranked(records, budget_bytes, since)
+        if ranked[0].record.config not in field:
+            # One lucky run is no lead: it is measured as often as the others first (the
+            # winner's curse, otherwise).
+            field.append(ranked[0].record.config)
+        race = [r for r in ranked if r.record.config in field]
+        rounds = min(r.measurements for r in race) - 1
         if rounds >= choice.MIN_ROUNDS:
-            ranked = choice.rank(records, budget_bytes, fresh_since=since)
-            observed = choice.observed_noise(records, since)
-            noise = choice.NOISE_PRIOR if observed is None else observed
-            if choice.settled([r for r in ranked if r.record.config in {f.record.config for f in field}], noise):
-                break
-        for contender in field:
-            if tuner.should_stop():
+            noise = choice.decision_noise(records, prior, since)
+            race = [r for r in race if not choice.behind(r, race[0], noise)]
+            field = [c for c in field if c in {r.record.config for r in race}]
+            if (len(race) < 2 or choice.settled(race, noise) or choice.futile(noise)
+                    or rounds >= choice.MAX_ROUNDS):
                 return choice.observed_noise(records, since), rounds
-            tuner.measure_now(contender.record.config, records, repeat=True)
+        level = {r.record.config for r in race if r.measurements == rounds + 1}
+        for config in field:
+            if config in level:
+                if tuner.should_stop():
+                    return choice.observed_noise(records, since), rounds
+                tuner.measure_now(config, records, repeat=True)
         records = tuner.records()
-        rounds += 1
-    return choice.observed_noise(records, since), rounds
+
+
+def _fresh_ranked(records: list, budget_bytes: int, since: float | None) -> list:
+    """The configs measured in this session, ranked by those measurements: a config known only
+    from an older session neither races nor decides (`refresh_leaders` measured the ones that
+    could)."""
+    return [r for r in choice.rank(records, budget_bytes, fresh_since=since) if r.fresh]

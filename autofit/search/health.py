@@ -70,6 +70,35 @@ def health_problem(record: TrialRecord, records: list[TrialRecord]) -> str | Non
     return None
 
 
+def drifting(records: list[TrialRecord]) -> set[tuple]:
+    """What was seen to drift, judged against the references measured by now (a trial
+    measured before its reference is judged again): ("precision", p) for a low precision
+    with fp32 optimizer state, ("optimizer_bits", 8) for 8-bit state under full-precision
+    math, (p, 8) for the two together (either could be to blame). Seeds and twins are not
+    planned with them (`drifts`); the sampler may still propose them, and every trial is
+    judged on its own."""
+    out = set()
+    for r in records:
+        if r.repeat or is_reference(r.config) or r.measurement is None:
+            continue
+        if r.status == "unhealthy" or (r.status == "ok" and health_problem(r, records) is not None):
+            precision, bits = r.config.precision, r.config.optimizer_bits
+            if bits == 32:
+                out.add(("precision", precision))
+            elif precision in REFERENCE_PRECISIONS:
+                out.add(("optimizer_bits", bits))
+            else:
+                out.add((precision, bits))
+    return out
+
+
+def drifts(config: TrainConfig, seen: set[tuple]) -> bool:
+    """`config`'s numerics include something `drifting` found."""
+    precision, bits = config.precision, config.optimizer_bits
+    return (("precision", precision) in seen
+            or (bits != 32 and (("optimizer_bits", bits) in seen or (precision, bits) in seen)))
+
+
 def stagnation_problem(mine, reference: TrialRecord) -> str | None:
     """Trainable tensors that the timed steps left bit-identical here but moved in the
     reference (same initial weights, same batches): updates lost to rounding, e.g. a

@@ -88,7 +88,8 @@ class Tuner:
         since_best = sum(1 for r in records if self._holds(r) and (best is None or r.number > best.number))
         progress = _Progress(best=best, since_best=since_best, start=start)
         # Given starts (e.g. where training was demoted to) are measured first, before the seeds.
-        self.plan = Plan(self.space, self.starts, known=self.known, fits_of=self.fits)
+        self.plan = Plan(self.space, self.starts, known=self.known, fits_of=self.fits,
+                         estimate=self.memory.predicted_peak)
         stop_reason = None
         while stop_reason is None:
             claimed, stop_reason = self._claim_next(progress)
@@ -142,29 +143,39 @@ class Tuner:
         if record.status == "oom":
             self.plan.after_oom(config, records)
         best, new_best = progress.best, _best(records, self.budget_bytes)
-        improved = new_best is not None and (best is None or new_best.samples_per_s > best.samples_per_s)
+        # A best found unhealthy once its reference is measured gives way to a slower one:
+        # that is a new best too (patience counts from it, and the plan turns to it).
+        changed = new_best is not None and (best is None or new_best.config != best.config)
+        improved = changed or (new_best is not None and best is not None
+                               and new_best.samples_per_s > best.samples_per_s)
         progress.since_best = 0 if improved else progress.since_best + 1
-        if improved and (best is None or new_best.config != best.config):
+        if changed:
             self.plan.new_best(new_best.config, records)
+        elif (new_best is not None and record.feasible(self.budget_bytes)
+              and record.samples_per_s >= (1 - 2 * choice.NOISE_PRIOR) * new_best.samples_per_s):
+            self.plan.contender(record.config, records)
         progress.best = new_best
         self.on_trial(record, new_best, self.spent(records))
         return None
 
     def finish(self, searched: tuple[str, int, float]) -> SearchResult:
-        """After `search()`: a full-precision reference if the study has none, and the
-        contenders re-measured; the result. With workers sharing the study, one finishes."""
+        """After `search()`: a full-precision reference at each contender's freezing depth
+        that has none, and the contenders re-measured (old or loaded leaders first); the
+        result, ranked by this session's figures. With workers sharing the study, one
+        finishes."""
         _, _, start = searched
         noise, rounds = None, 0
         if not self.should_stop():
             self.ensure_reference()
             if not self._timed_out(start):  # out of time: the longer validation still compares
                 noise, rounds = self.remeasure_contenders()
+                self.ensure_reference()  # a config that joined the race may lead without one
         return self.result(searched, noise, rounds)
 
     def result(self, searched: tuple[str, int, float], noise: float | None = None, rounds: int = 0) -> SearchResult:
         """The study's records as they are now, ranked."""
         stop_reason, resumed, start = searched
-        records = self.records()
+        records = _judged(self.records())
         ranked = choice.rank(records, self.budget_bytes, fresh_since=self.session_start)
         return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=time.monotonic() - start,
                             resumed=resumed, stop_reason=stop_reason, ranked=[r.record for r in ranked],
@@ -350,6 +361,19 @@ def _ages(records: list[TrialRecord], now: float) -> str:
             f"time's load: the leaders are measured again before their figures decide")
 
 
+def _judged(records: list[TrialRecord]) -> list[TrialRecord]:
+    """The records with each trial's health judged against every reference measured by the
+    end: a low-precision trial measured before its reference may turn out unhealthy."""
+    out = []
+    for r in records:
+        problem = health_problem(r, records) if r.status == "ok" else None
+        out.append(r.replace(status="unhealthy", reason=problem) if problem else r)
+    return out
+
+
 def _best(records: list[TrialRecord], budget_bytes: int) -> TrialRecord | None:
-    feasible = [r for r in records if r.feasible(budget_bytes) and not r.repeat]
+    """The fastest feasible trial whose health holds against the references measured by now:
+    a low-precision trial measured before its reference is judged again, so a drifting one
+    never stays the best the search refines around."""
+    feasible = [r for r in records if r.feasible(budget_bytes) and not r.repeat and health_problem(r, records) is None]
     return max(feasible, key=lambda r: r.samples_per_s, default=None)

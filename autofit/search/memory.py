@@ -6,9 +6,14 @@ the pruning decision (predicted to fit the budget or not).
 `overhead_bytes` is what the device adds whatever the config (CUDA context, cuBLAS/cuDNN
 workspaces, lazily loaded kernels); `scale` is what grows with the tensors (allocator
 fragmentation, kernels the estimator does not see). Both are fitted per group of configs
-(precision, checkpointing none/full/selective, strategy, compiled) from the trials measured
+(the precision's tensors, checkpointing none/full/selective, strategy, compiled) from the trials measured
 so far. The model is re-fitted from the records on every decision, so a decision is never
 frozen: a config pruned under an early fit is re-decided under the current one.
+
+Out-of-memory trials are lower bounds: the fit is raised until it predicts each of them
+over its budget, and once one is seen the estimator gets no benefit of the doubt (the
+narrow margin). Measured trials are facts the other way: a config that needs no more
+memory than one that ran within the budget fits, whatever the fit says.
 """
 
 import statistics
@@ -25,6 +30,10 @@ CALIBRATED_MARGIN = 0.02
 # An affine fit needs points whose estimates differ by more than this fraction; closer
 # points say nothing about the slope.
 MIN_SPREAD = 0.05
+# An OOM is predicted at least this far over its budget: the calibrated margin, which
+# `fits` does not reach (a config of the OOM's estimate in a group sharing its fit does not
+# fit; one of a smaller estimate may).
+OOM_EXCESS = CALIBRATED_MARGIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +43,7 @@ class Fit:
     scale: float = 1.0
     overhead_bytes: float = 0.0
     points: int = 0
+    bounded: bool = False  # held above out-of-memory trials: the estimator has been seen to under-predict
 
     def predict(self, estimate_bytes: float) -> float:
         return self.scale * estimate_bytes + self.overhead_bytes
@@ -45,7 +55,7 @@ def fit_points(points: list[tuple[float, float]], overhead_hint: float = 0.0) ->
     and the scale carries the rest. The overhead is never negative and the scale stays
     within [0.5, 2]: outside that the estimator is not what is being corrected."""
     if not points:
-        return Fit()
+        return Fit(1.0, overhead_hint)  # the estimator as is, plus the device overhead once measured
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     if len(points) >= 2 and min(xs) < (1 - MIN_SPREAD) * max(xs):
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -60,12 +70,18 @@ def fit_points(points: list[tuple[float, float]], overhead_hint: float = 0.0) ->
     return Fit(min(max(scale, 0.5), 2.0), overhead, len(points))
 
 
+# Precisions that hold the same tensors: tf32 changes only the matmuls' internal math, and
+# fp16 and bf16 autocast keep the same 16-bit copies.
+_MEMORY_CLASS = {"32-true": "fp32", "tf32": "fp32", "16-mixed": "mixed16", "bf16-mixed": "mixed16",
+                 "bf16-true": "bf16"}
+
+
 def _group(config: TrainConfig) -> tuple:
     # Per strategy too: DDP's and FSDP2's buffers are modelled, not traced. Per checkpoint
     # policy: a selective block's saved matmul outputs are kernel-dependent on a GPU.
     checkpointing = config.checkpoint_blocks > 0 and config.checkpoint_policy
     # Per compile setting: a compiled step is estimated eagerly (docs/estimator.md).
-    return config.precision, checkpointing, config.parallelism, config.compile
+    return _MEMORY_CLASS[config.precision], checkpointing, config.parallelism, config.compile
 
 
 def _keeps_more(config: TrainConfig, than: TrainConfig) -> bool:
@@ -116,26 +132,35 @@ class MemoryModel:
     def fit(self, config: TrainConfig, records: list[TrialRecord]) -> Fit:
         """The fit for `config`'s group; the pooled fit while its group has no measurement.
         An out-of-memory trial is a fact at any budget (its peak exceeded the budget it ran
-        under), so a fit that predicts it would have fitted is raised until it does not."""
-        pooled, same, overheads, ooms = [], [], [], []
+        under), so a fit that predicts it would have fitted is raised until it does not: by
+        the group's own OOMs, and by every OOM while no trial has run within a budget."""
+        pooled, same, overheads, ooms, own_ooms = [], [], [], [], []
         for r in records:
+            if r.measurement is not None and r.measurement.overhead_bytes:
+                overheads.append(r.measurement.overhead_bytes)  # an OOM's child read it too
             if not r.predicted_peak_bytes:
                 continue
+            mine = _group(r.config) == _group(config)
             if r.status in ("ok", "unhealthy") and r.peak_memory_bytes:
                 point = (float(r.predicted_peak_bytes), float(r.peak_memory_bytes))
-                pooled.append(point)
-                if _group(r.config) == _group(config):
-                    same.append(point)
-                if r.measurement.overhead_bytes:
-                    overheads.append(r.measurement.overhead_bytes)
-            elif r.status == "oom" and _group(r.config) == _group(config) and record_budget(r):
-                ooms.append((r.predicted_peak_bytes, record_budget(r)))
+                pooled.append((r.number, point))
+                if mine:
+                    same.append((r.number, point))
+            elif r.status == "oom" and record_budget(r):
+                ooms.append((r.number, r.predicted_peak_bytes, record_budget(r)))
+                if mine:
+                    own_ooms.append(ooms[-1])
         hint = statistics.median(overheads) if overheads else 0.0
-        fit = fit_points(same or pooled, hint)
-        for estimate_bytes, oom_budget in ooms:
-            needed = 1.02 * oom_budget
+        points = same or pooled
+        fit = fit_points([p for _, p in points], hint)
+        # Another group's OOM says little where measured trials show the groups' bytes differ,
+        # but while nothing has run within a budget it is all there is.
+        bounds = own_ooms if pooled else ooms
+        fit = Fit(fit.scale, fit.overhead_bytes, fit.points, bool(bounds))
+        for _, estimate_bytes, oom_budget in bounds:
+            needed = (1 + OOM_EXCESS) * oom_budget
             if fit.predict(estimate_bytes) < needed:
-                fit = Fit((needed - fit.overhead_bytes) / estimate_bytes, fit.overhead_bytes, fit.points)
+                fit = Fit((needed - fit.overhead_bytes) / estimate_bytes, fit.overhead_bytes, fit.points, True)
         return fit
 
     def corrected_peak(self, config: TrainConfig, records: list[TrialRecord]) -> int:
@@ -150,11 +175,21 @@ class MemoryModel:
         return next((r for r in records if r.status == "oom" and _needs_more(config, r.config)
                      and (record_budget(r) or 0) >= self.budget_bytes), None)
 
+    def covered_by_measured(self, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord | None:
+        """A trial that ran within this budget and held everything `config` holds (same
+        precision, a micro batch as large or larger, no more checkpointed and no more frozen
+        blocks): `config` fits too, whatever the fit says."""
+        return next((r for r in records if r.status in ("ok", "unhealthy") and r.peak_memory_bytes is not None
+                     and r.peak_memory_bytes <= self.budget_bytes and _needs_more(r.config, config)), None)
+
     def fits(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
-        """Predicted to fit: the fitted prediction within budget (with a margin for the
-        estimator's error while nothing is measured), and not blocked by an OOM."""
+        """Predicted to fit: not blocked by an OOM, and either covered by a trial that ran
+        within the budget or the fitted prediction within budget (with a margin for the
+        estimator's error while nothing is measured and no OOM has shown it low)."""
         if self.blocked_by_oom(config, records) is not None:
             return False
+        if self.covered_by_measured(config, records) is not None:
+            return True
         fit = self.fit(config, records)
-        margin = CALIBRATED_MARGIN if fit.points else UNCALIBRATED_MARGIN
-        return fit.predict(self.predicted_peak(config)) <= self.budget_bytes * (1 + margin)
+        margin = CALIBRATED_MARGIN if fit.points or fit.bounded else UNCALIBRATED_MARGIN
+        return fit.predict(self.predicted_peak(config)) < self.budget_bytes * (1 + margin)

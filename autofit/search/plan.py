@@ -1,55 +1,106 @@
 """The tuner's own plan: the configs it means to measure next, in order, before the sampler
 proposes anything. Given starts first (e.g. where training was demoted to), then waves of
-seeds (one per precision and strategy: which is fastest is not known until each is
-measured), then refinements around the best; a proposal that was measured already is
-answered from its record and its neighbours are planned instead.
+seeds (one per seed group: precision, strategy, memory knobs; which is fastest is not
+known until each is measured), then around each new best: a full-precision reference at
+its freezing depth if there is none (its health cannot be judged without one), its twins
+in the other groups and its refinements. A proposal that was measured already is answered
+from its record and its neighbours are planned instead.
 
 Nothing in the plan is a verdict: each config is re-checked when its turn comes (not
-measured yet, predicted to fit now, not being measured by another worker), and a seed that
-no longer fits is replaced by its group's largest config that does.
+measured yet, predicted to fit now, numerics not seen to drift, not being measured by
+another worker), and a seed that no longer fits is replaced by its group's largest config
+that does.
 """
 
 from collections.abc import Callable
 
 from autofit.config.train_config import TrainConfig
 from autofit.search import seeding
+from autofit.search.health import drifting, drifts, is_reference, reference_for
 from autofit.search.space import SearchSpace
 from autofit.search.study import TrialRecord
 
 Known = Callable[[TrainConfig, list[TrialRecord]], "TrialRecord | None"]
 FitsOf = Callable[[list[TrialRecord]], Callable[[TrainConfig], bool]]
+# Out-of-memory trials with nothing yet run within the budget after which the smallest
+# config is measured: one trial that anchors the memory fit, where OOMs only bound it.
+PROBE_AFTER_OOMS = 2
+
+
+def allowed_of(records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
+    """False for configs whose numerics (precision, optimizer state) were seen to drift."""
+    seen = drifting(records)
+    return lambda config: not drifts(config, seen)
 
 
 class Plan:
-    def __init__(self, space: SearchSpace, starts: tuple[TrainConfig, ...], *, known: Known, fits_of: FitsOf):
-        self.space, self.known, self.fits_of = space, known, fits_of
+    def __init__(self, space: SearchSpace, starts: tuple[TrainConfig, ...], *, known: Known, fits_of: FitsOf,
+                 estimate: Callable[[TrainConfig], int]):
+        self.space, self.known, self.fits_of, self.estimate = space, known, fits_of, estimate
         self.queue: list[TrainConfig] = list(starts)
         self.seeds: set[TrainConfig] = set(starts)
 
     def next(self, records: list[TrialRecord], best: TrialRecord | None, running: set) -> TrainConfig | None:
-        """The next config to measure, re-checked now: not known, predicted to fit, not being
-        measured by another worker (`running`: their params as sorted tuples). When the plan
-        runs out: the next wave of seeds (placed under the current fit), then the refinements
-        of the best again (the fit may have moved the frontier next to it). None: let the
-        sampler propose."""
-        for refill in range(3):
+        """The next config to measure, re-checked now: not known, predicted to fit, numerics
+        not seen to drift, not being measured by another worker (`running`: their params as
+        sorted tuples). In order: the smallest config while only OOMs were seen, the best's
+        reference, the queue (seeds, retries, contenders' twins), the best's refinements
+        (planned under the fit as it is now, not as it was when the best was found), then
+        the next wave of seeds. None: let the sampler propose."""
+        allowed, fits = allowed_of(records), self.fits_of(records)
+
+        def ready(config: TrainConfig) -> bool:
+            return (self.known(config, records) is None and fits(config) and allowed(config)
+                    and tuple(sorted(self.space.params(config).items())) not in running)
+
+        probe = self._probe(records, allowed)
+        if probe is not None:
+            return probe
+        for config in self._reference(best.config, records) if best is not None else []:
+            if ready(config):
+                return config
+        for refill in range(2):
             while self.queue:
                 config = self.queue.pop(0)
-                if (self.known(config, records) is None and self.fits_of(records)(config)
-                        and tuple(sorted(self.space.params(config).items())) not in running):
+                if ready(config):
                     return config
-                if config in self.seeds and self.known(config, records) is None:
+                if config in self.seeds and self.known(config, records) is None and allowed(config):
                     self._replace_seed(config, records)
-            fits = self.fits_of(records)
+            if best is not None:
+                config = next((c for c in seeding.refinements(self.space, fits, best.config, allowed, records)
+                               if ready(c)),
+                              None)
+                if config is not None:
+                    return config
             if refill == 0:
-                fresh = [c for c in seeding.starting_points(self.space, fits) if self.known(c, records) is None]
-                # One wave: a seed per precision and strategy.
-                wave = len(self.space.precisions) * len(self.space.strategies())
-                self.queue = [c for c in fresh if fits(c)][:wave]
+                # One wave: each seed group's next seed.
+                lists = seeding.seed_lists(self.space, fits, allowed)
+                self.queue = [c for seeds in lists
+                              for c in [next((c for c in seeds if self.known(c, records) is None), None)]
+                              if c is not None]
                 self.seeds.update(self.queue)
-            elif refill == 1 and best is not None:
-                self.queue = seeding.refinements(self.space, fits, best.config)[:3]
         return None
+
+    def _probe(self, records: list[TrialRecord], allowed: Callable[[TrainConfig], bool]) -> TrainConfig | None:
+        """After PROBE_AFTER_OOMS out-of-memory trials and none that ran: the smallest config.
+        Each OOM only raises the fit to the least that explains it, so an estimator far too
+        low walks every seed group down its frontier one OOM at a time; one trial that runs
+        gives the fit a point (or says nothing fits)."""
+        ran = any(r.status in ("ok", "unhealthy") for r in records)
+        if ran or sum(r.status == "oom" for r in records) < PROBE_AFTER_OOMS:
+            return None
+        probe = seeding.smallest(self.space, self.estimate, allowed)
+        return probe if self.known(probe, records) is None and self.fits_of(records)(probe) else None
+
+    def contender(self, config: TrainConfig, records: list[TrialRecord]) -> None:
+        """A checkpointed config measured close to the best: its other-policy twin next
+        after the seeds under way (the policy it ran is not the one its micro batch is
+        fastest with, necessarily)."""
+        twin = seeding.policy_twin(self.space, self.fits_of(records), config)
+        if twin is None or twin in self.queue or self.known(twin, records) is not None:
+            return
+        seeds = [c for c in self.queue if c in self.seeds]
+        self.queue = seeds + [twin] + [c for c in self.queue if c not in self.seeds]
 
     def _replace_seed(self, seed: TrainConfig, records: list[TrialRecord]) -> None:
         """A seed that no longer fits (the fit moved since it was planned): its precision and
@@ -60,20 +111,39 @@ class Plan:
             self.seeds.add(instead)
 
     def new_best(self, best: TrainConfig, records: list[TrialRecord]) -> None:
-        """A new best: the wave of seeds under way first, then the seed groups with nothing
-        measured, then around the new best; the refinements of the old best are stale."""
-        self.queue = ([c for c in self.queue if c in self.seeds] + self._unseeded(records)
-                      + seeding.refinements(self.space, self.fits_of(records), best))
+        """A new best: the wave of seeds under way, then the seed groups with nothing measured,
+        then (planned at each ask) the best's reference and refinements; what was queued
+        around the old best is stale."""
+        self.queue = [c for c in self.queue if c in self.seeds] + self._unseeded(records)
+
+    def _reference(self, best: TrainConfig, records: list[TrialRecord]) -> list[TrainConfig]:
+        """A low-precision best with no full-precision trial at its freezing depth: its loss
+        curve cannot be compared (the depth changes what is trained), so a drift would go
+        unseen. The fastest reference config predicted to fit at that depth, first."""
+        if is_reference(best) or reference_for(best, records, same_freeze=True) is not None:
+            return []
+        reference = seeding.reference_point(self.space, self.fits_of(records), best.freeze_blocks)
+        return [reference] if reference is not None and self.known(reference, records) is None else []
 
     def after_oom(self, config: TrainConfig, records: list[TrialRecord]) -> None:
         """A checkpointed config that ran out of memory: its micro batch with the fewest blocks
         (same policy) that fit under the fit that has just learned from the OOM, next. Without
-        it a frontier point mispredicted by one block would be lost with its micro batch."""
+        it a frontier point mispredicted by one block would be lost with its micro batch. From
+        the second OOM at one micro batch on, at least halfway between the deepest depth that
+        ran out and the deepest there is: a fit that was low twice is not trusted to be off by
+        one block the third time, and halving finds the depth in log2(L) trials, not L."""
         if config.checkpoint_blocks == 0:
             return
+        kept = self.space.kept(config)
         again = seeding.fewest_checkpointed(self.space, self.fits_of(records), config.precision,
-                                            config.micro_batch_size, config.freeze_blocks, self.space.kept(config),
+                                            config.micro_batch_size, config.freeze_blocks, kept,
                                             config.checkpoint_policy)
+        here = [r.config.checkpoint_blocks for r in records if r.status == "oom" and r.config.checkpoint_blocks
+                and r.config.replace(checkpoint_blocks=config.checkpoint_blocks) == config]
+        if len(here) >= 2 and again is not None:
+            halfway = (max(here) + self.space.checkpointable(config.freeze_blocks) + 1) // 2
+            if again.checkpoint_blocks < halfway:
+                again = again.replace(checkpoint_blocks=halfway)
         if again is not None and again != config and self.known(again, records) is None:
             self.queue.insert(0, again)
 
@@ -82,21 +152,18 @@ class Plan:
         self.queue[:0] = self.space.neighbours(config)
 
     def _unseeded(self, records: list[TrialRecord]) -> list[TrainConfig]:
-        """For each seed group (precision, strategy, lean memory knobs or not) with nothing
-        measured yet (its seed ran out of memory, or was dropped as no longer fitting), the
-        largest config predicted to fit now: each is measured before refining around
-        another's best."""
+        """For each seed group with nothing measured yet (its seed ran out of memory, or was
+        dropped as no longer fitting), its largest config predicted to fit now: each is
+        measured before refining around another's best."""
         fits = self.fits_of(records)
         measured = {self.space.seed_group(r.config) for r in records if r.measurement is not None and r.status != "oom"}
         queued = {self.space.seed_group(c) for c in self.queue if c in self.seeds}
         out = []
-        for seed in seeding.starting_points(self.space, fits):
-            group = self.space.seed_group(seed)
-            if group in measured or group in queued:
+        for seeds in seeding.seed_lists(self.space, fits, allowed_of(records)):
+            fresh = [c for c in seeds if self.known(c, records) is None]
+            if not fresh or self.space.seed_group(fresh[0]) in measured | queued:
                 continue
-            instead = seeding.replacement(self.space, fits, seed)
-            if instead is not None and self.known(instead, records) is None:
-                out.append(instead)
-                queued.add(group)
+            out.append(fresh[0])
+            queued.add(self.space.seed_group(fresh[0]))
         self.seeds.update(out)
         return out

@@ -1,12 +1,29 @@
-"""Where to look first and next: the memory frontier per precision (seeds) and the
-refinements around a new best. Each function takes the space and a `fits(config)` test."""
+"""Where to look first and next: the memory frontier of each seed group (seeds), the twins
+of a new best in the other groups, and the refinements around it. Each function takes the
+space, a `fits(config)` test and, where numerics matter, an `allowed(config)` test (False
+for a precision or optimizer state already seen to drift).
 
-from collections.abc import Callable
+A seed group is a precision, a strategy and a setting of the memory knobs (plain, or the
+leanest that the group's numerics allow): each has its own memory frontier, and which one
+is fastest is measured, not assumed.
+"""
+
+from collections.abc import Callable, Sequence
 
 from autofit.config.train_config import TrainConfig
+from autofit.search.health import REFERENCE_PRECISIONS
 from autofit.search.space import SearchSpace
+from autofit.search.study import TrialRecord
 
 Fits = Callable[[TrainConfig], bool]
+Allowed = Callable[[TrainConfig], bool]
+# A group measured below this fraction of the best's group at a matched micro batch gets no
+# twin: its precision or memory knobs cost more than a shape can win back.
+TWIN_FLOOR = 0.8
+
+
+def _anything(config: TrainConfig) -> bool:
+    return True
 
 
 def fewest_checkpointed(space: SearchSpace, fits: Fits, precision: str, micro: int,
@@ -61,49 +78,64 @@ def policy_twin(space: SearchSpace, fits: Fits, config: TrainConfig) -> TrainCon
     return twin if twin is not None and twin.checkpoint_blocks > 0 else None
 
 
-def starting_points(space: SearchSpace, fits: Fits) -> list[TrainConfig]:
-    """In waves, one config per precision each: the largest micro batch predicted to fit
-    without checkpointing, then the frontier points where checkpointing lets a larger
-    micro batch fit (with selective checkpointing searched, also its largest micro batch).
-    Where the space has memory knobs (8-bit optimizer state, chunked loss), their leanest
-    setting's frontier joins a precision's points where no plain point has a micro batch as
-    large with no more checkpointed blocks: the only place they can pay off."""
-    # Freezing is opt-in; once allowed, the deepest freeze is both smaller and faster.
-    freeze = space.max_freeze_blocks
-    # Over several ranks, per strategy too: which one wins is measured, not assumed.
-    waves: list[list[TrainConfig]] = []
+def seed_groups(space: SearchSpace, allowed: Allowed = _anything) -> list[tuple[str, dict, dict]]:
+    """(precision, strategy, memory knobs) per seed group: per precision and strategy, the
+    plain memory knobs ({}) and, where the space searches memory knobs, their leanest
+    setting. A setting whose numerics were seen to drift is left out (8-bit state that
+    drifts leaves the chunked loss as the lean setting); so is a precision that drifts."""
+    top = space.micro_batch_sizes[-1]
+    out = []
     for precision in space.precisions:
         for strategy in space.strategies():
-            mine = _frontier_seeds(space, fits, precision, freeze, strategy)
+            if allowed(space.config(precision, top, **strategy)):
+                out.append((precision, strategy, {}))
             lean = space.lean(precision, strategy)
-            if lean:
-                mine = _merge(mine, _frontier_seeds(space, fits, precision, freeze, strategy | lean))
-            waves.append(mine)
-    return [wave[i] for i in range(max(map(len, waves), default=0)) for wave in waves if i < len(wave)]
+            if lean.get("optimizer_bits") == 8 and not allowed(space.config(precision, top, **strategy, **lean)):
+                lean.pop("optimizer_bits")  # the 8-bit moments drift; the chunked loss computes the same loss
+            if lean and allowed(space.config(precision, top, **strategy, **lean)):
+                out.append((precision, strategy, lean))
+    return out
 
 
-def _frontier_seeds(space: SearchSpace, fits: Fits, precision: str, freeze: int, strategy: dict) -> list[TrainConfig]:
-    plain = next((c for c in frontier(space, fits, precision, freeze, len(space.micro_batch_sizes), strategy)
+def seed_lists(space: SearchSpace, fits: Fits, allowed: Allowed = _anything) -> list[list[TrainConfig]]:
+    """Each seed group's seeds, best first: the largest micro batch predicted to fit without
+    checkpointing, then the frontier points where checkpointing lets a larger micro batch fit
+    (with selective checkpointing searched, also its largest micro batch). A lean group keeps
+    only the points no plain seed of its precision and strategy dominates (a micro batch as
+    large with no more checkpointed blocks): the only place its memory knobs can pay off."""
+    # Freezing is opt-in; once allowed, the deepest freeze is both smaller and faster.
+    freeze = space.max_freeze_blocks
+    plain: dict[tuple, list[TrainConfig]] = {}
+    out = []
+    for precision, strategy, knobs in seed_groups(space, allowed):
+        mine = _frontier_seeds(space, fits, precision, freeze, strategy | knobs)
+        key = (precision, tuple(strategy.items()))
+        if not knobs:
+            plain[key] = mine
+        else:
+            mine = [c for c in mine if not any(p.micro_batch_size >= c.micro_batch_size
+                                               and p.checkpoint_blocks <= c.checkpoint_blocks
+                                               for p in plain.get(key, []))]
+        out.append(mine)
+    return out
+
+
+def starting_points(space: SearchSpace, fits: Fits, allowed: Allowed = _anything) -> list[TrainConfig]:
+    """The seeds in waves: every group's first seed, then every group's second, ..."""
+    lists = seed_lists(space, fits, allowed)
+    return [seeds[i] for i in range(max(map(len, lists), default=0)) for seeds in lists if i < len(seeds)]
+
+
+def _frontier_seeds(space: SearchSpace, fits: Fits, precision: str, freeze: int, kept: dict) -> list[TrainConfig]:
+    plain = next((c for c in frontier(space, fits, precision, freeze, len(space.micro_batch_sizes), kept)
                   if c.checkpoint_blocks == 0), None)
     mine = [plain] if plain else []
-    line = frontier(space, fits, precision, freeze, 2, strategy)
+    line = frontier(space, fits, precision, freeze, 2, kept)
     # Each other policy's largest micro batch, after full's first checkpointed point.
-    line[1:1] = [c for p in space.policies()[1:] for c in frontier(space, fits, precision, freeze, 1, strategy, p)]
+    line[1:1] = [c for p in space.policies()[1:] for c in frontier(space, fits, precision, freeze, 1, kept, p)]
     mine += [c for c in dict.fromkeys(line)
              if c not in mine and (plain is None or c.micro_batch_size > plain.micro_batch_size)]
     return mine
-
-
-def _merge(plain: list[TrainConfig], lean: list[TrainConfig]) -> list[TrainConfig]:
-    """The plain seeds, each followed by a lean seed that no plain one dominates (no plain
-    seed has a micro batch as large with no more checkpointed blocks); a dominated lean seed
-    buys nothing a seed should spend a trial on (refinement still toggles the knobs)."""
-    wins = [c for c in lean if not any(p.micro_batch_size >= c.micro_batch_size
-                                       and p.checkpoint_blocks <= c.checkpoint_blocks for p in plain)]
-    out = []
-    for i in range(max(len(plain), len(wins))):
-        out += plain[i:i + 1] + wins[i:i + 1]
-    return out
 
 
 def replacement(space: SearchSpace, fits: Fits, seed: TrainConfig) -> TrainConfig | None:
@@ -113,11 +145,105 @@ def replacement(space: SearchSpace, fits: Fits, seed: TrainConfig) -> TrainConfi
     return line[0] if line else None
 
 
-def refinements(space: SearchSpace, fits: Fits, best: TrainConfig) -> list[TrainConfig]:
+def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = _anything,
+          records: Sequence[TrialRecord] = ()) -> list[TrainConfig]:
+    """The best's shape in the other seed groups: its micro batch and freezing depth, with
+    the fewest checkpointed blocks that fit there (a group leaner in memory checkpoints
+    fewer); then, for each group that fits a larger micro batch with fewer checkpointed
+    blocks than the best's own group would need, that micro batch. Seeds compare groups at
+    their own largest micro batches; where throughput peaks below those, or one group's
+    saving buys another micro batch, only a comparison at the best's shape tells which wins.
+    Groups measured well below the best's group at a matched micro batch (`TWIN_FLOOR`)
+    are left out, and the others come fastest first."""
+    compiled = {"compile": best.compile} if len(space.compile) > 1 else {}
+    mine = space.seed_group(best)
+    # The next larger micro batch, and the fewest blocks the best's own group needs there.
+    larger = [(m, fewest_checkpointed(space, fits, best.precision, m, best.freeze_blocks, space.kept(best),
+                                      best.checkpoint_policy))
+              for m in space.micro_batch_sizes if m > best.micro_batch_size][:1]
+    ranked = []
+    for precision, strategy, knobs in seed_groups(space, allowed):
+        kept = strategy | knobs | compiled
+        group = space.seed_group(space.config(precision, best.micro_batch_size, **kept))
+        ratio = _speed_ratio(space, records, mine, group)
+        if group == mine or (ratio is not None and ratio < TWIN_FLOOR):
+            continue
+        at = fewest_checkpointed(space, fits, precision, best.micro_batch_size, best.freeze_blocks, kept,
+                                 best.checkpoint_policy)
+        bigger = []
+        for micro, ours in larger:
+            theirs = fewest_checkpointed(space, fits, precision, micro, best.freeze_blocks, kept,
+                                         best.checkpoint_policy)
+            if theirs is not None and (ours is None or theirs.checkpoint_blocks < ours.checkpoint_blocks):
+                bigger.append(theirs)
+        ranked.append((1.0 if ratio is None else ratio, [c for c in [at] if c is not None], bigger))
+    ranked.sort(key=lambda r: -r[0])
+    return [c for _, same, _ in ranked for c in same] + [c for _, _, bigger in ranked for c in bigger]
+
+
+def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple, group: tuple) -> float | None:
+    """How fast seed group `group` ran against `mine`, at the same micro batch, freezing depth
+    and compile setting: the largest ratio over such pairs. Without one, how its precision
+    ran against `mine`'s at a shape matched in strategy and memory knobs too. None when
+    neither was measured. Precisions and memory knobs scale a config's speed about alike
+    at every batch, so one matched pair says most of what a group can do."""
+    def size(config: TrainConfig) -> tuple:
+        return config.micro_batch_size, config.freeze_blocks, config.compile
+
+    found = _matched_ratio(records, space.seed_group, size, group, mine)
+    if found is None:
+        found = _matched_ratio(records, lambda c: c.precision, lambda c: size(c) + space.seed_group(c)[1:],
+                               group[0], mine[0])
+    return found
+
+
+def _matched_ratio(records: Sequence[TrialRecord], key: Callable, shape: Callable, theirs_key,
+                   ours_key) -> float | None:
+    """The largest ratio of `theirs_key`'s fastest run to `ours_key`'s at the same `shape`."""
+    runs: dict = {}
+    for r in records:
+        if r.status == "ok" and not r.repeat and r.samples_per_s > 0:
+            by_shape = runs.setdefault(key(r.config), {})
+            by_shape[shape(r.config)] = max(by_shape.get(shape(r.config), 0.0), r.samples_per_s)
+    theirs, ours = runs.get(theirs_key, {}), runs.get(ours_key, {})
+    return max((speed / ours[at] for at, speed in theirs.items() if at in ours), default=None)
+
+
+def reference_point(space: SearchSpace, fits: Fits, freeze_blocks: int) -> TrainConfig | None:
+    """The fastest full-numerics config predicted to fit at `freeze_blocks` (the largest
+    micro batch of 32-true, else tf32, with 32-bit optimizer state and the fewest checkpointed
+    blocks; compiled if only a compiled step fits): what a low-precision trial at that depth
+    is judged against. None if the space has no such precision or nothing of it fits."""
+    precision = next((p for p in REFERENCE_PRECISIONS if p in space.precisions), None)
+    if precision is None or 32 not in space.optimizer_bits:
+        return None
+    for compiled in dict.fromkeys((False, *space.compile)):
+        kept = {"optimizer_bits": 32} | ({"compile": True} if compiled else {})
+        line = frontier(space, fits, precision, freeze_blocks, 1, kept)
+        if line:
+            return line[0]
+    return None
+
+
+def smallest(space: SearchSpace, estimate: Callable[[TrainConfig], int], allowed: Allowed = _anything) -> TrainConfig:
+    """The config of least estimated memory: of each seed group, the smallest micro batch
+    with every trainable block checkpointed at the deepest freeze; the least of those."""
+    freeze = space.max_freeze_blocks
+    candidates = [space.config(precision, space.micro_batch_sizes[0], space.checkpointable(freeze), freeze,
+                               **strategy, **knobs)
+                  for precision, strategy, knobs in seed_groups(space, allowed)]
+    if not candidates:
+        candidates = [space.config(precision, space.micro_batch_sizes[0], space.checkpointable(freeze), freeze)
+                      for precision in space.precisions]
+    return min(candidates, key=estimate)
+
+
+def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = _anything,
+                records: Sequence[TrialRecord] = ()) -> list[TrainConfig]:
     """After a new best: its compiled (or eager) twin, its precision's frontier under the
     now-calibrated model at the micro batches next to the best's (under its checkpoint policy,
-    memory knobs and compile setting), its other-policy twin, then its neighbours at its
-    precision (cheap local steps)."""
+    memory knobs and compile setting), its twins in the other seed groups, its other-policy
+    twin, then its neighbours at its precision (cheap local steps)."""
     strategy = space.kept(best)
     flip = [best.replace(compile=not best.compile)] if len(space.compile) > 1 else []
     sizes = space.micro_batch_sizes
@@ -129,4 +255,5 @@ def refinements(space: SearchSpace, fits: Fits, best: TrainConfig) -> list[Train
     others += [c for p in space.policies() if p != best.checkpoint_policy
                for c in frontier(space, fits, best.precision, best.freeze_blocks, 1, strategy, p)
                if c.checkpoint_blocks and c not in others]
-    return flip + near[:2] + others + [c for c in space.neighbours(best) if c.precision == best.precision] + near[2:]
+    local = [c for c in space.neighbours(best) if c.precision == best.precision]
+    return flip + near[:2] + twins(space, fits, best, allowed, records) + others + local + near[2:]

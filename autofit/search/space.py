@@ -135,11 +135,10 @@ class SearchSpace:
         return out
 
     def seed_group(self, config: TrainConfig) -> tuple:
-        """The seeds `config` counts for: its precision, its strategy, and whether it runs
-        the lean memory knobs. Each group's seed is measured before another's best is refined."""
-        lean = self.lean(config.precision, self.strategy_of(config))
+        """The seeds `config` counts for: its precision, its strategy and its memory knobs.
+        Each group's seed is measured before another's best is refined."""
         return (config.precision, tuple(self.strategy_of(config).items()),
-                bool(lean) and all(getattr(config, k) == v for k, v in lean.items()))
+                tuple(self.memory_knobs_of(config).items()))
 
     def memory_knobs_of(self, config: TrainConfig) -> dict:
         """`config`'s searched memory knobs ({} when none is searched)."""

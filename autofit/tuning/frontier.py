@@ -53,7 +53,8 @@ def measured_of(m: Measurement, validated_steps: int) -> Measured:
 def pareto(result: SearchResult, demoted: set = frozenset()) -> list[tuple[TrialRecord, int, float]]:
     """(record, peak bytes, samples/s) of the search's Pareto frontier, smallest peak first:
     each healthy feasible config that is faster than every config with a smaller peak. A
-    config's peak is the largest of its measurements, its speed their median."""
+    config's peak is the largest of its measurements, its speed their central value
+    (`choice.central`, as the choice ranks them)."""
     points = []
     for ranked in choice.rank(result.records, result.budget_bytes):
         config = ranked.record.config
