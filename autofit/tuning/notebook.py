@@ -64,17 +64,14 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
     The study (state_dir) and the profile (out_dir, default ./profiles) are keyed by the
     model's class, the shapes of its parameters and of a sample batch, so running the same
     cell again resumes the study instead of measuring again."""
-    name = name or _default_name(model)
     objects = {"model": model, "batch_fn": batch_fn, "loss_fn": loss_fn}
-    raw = {"name": name,
-           "model": {OBJECT_SOURCE: _target(model),
+    model_section = {OBJECT_SOURCE: _target(model),
                      "args": {"fingerprint": _fingerprint(model, batch_fn, loss_fn, batch_dim)},
                      **({"blocks": [blocks] if isinstance(blocks, str) else list(blocks)} if blocks else {}),
-                     **({"batch_dim": batch_dim} if batch_dim is not None else {})},
-           "optimizer": optimizer or {}, "train": {"global_batch_size": global_batch_size,
-                                                   "max_grad_norm": max_grad_norm},
-           "loss": {"per_sample": per_sample}, "search": search or {}}
-    spec = parse_spec(raw, source_dir=Path.cwd())
+                     **({"batch_dim": batch_dim} if batch_dim is not None else {})}
+    spec = parse_spec({"name": name or _default_name(model), "model": model_section, "optimizer": optimizer or {},
+                       "train": {"global_batch_size": global_batch_size, "max_grad_norm": max_grad_norm},
+                       "loss": {"per_sample": per_sample}, "search": search or {}}, source_dir=Path.cwd())
     info = select_device(None if device is None else str(device))
     emulated = parse_budget(None if memory_budget is None else str(memory_budget),
                             total_bytes=info.memory_total_bytes, device_name=info.name)
@@ -93,8 +90,8 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
 
 
 def train_model(model: nn.Module, batch_fn: Callable, loss_fn: Callable | None = None, *, profile: Profile, steps: int,
-          device: str | int | None = None, seed: int = 0, memory_budget: str | int | None = None,
-          log_every: int = 10, on_step: Callable[[int, float], None] | None = None) -> nn.Module:
+                device: str | int | None = None, seed: int = 0, memory_budget: str | int | None = None,
+                log_every: int = 10, on_step: Callable[[int, float], None] | None = None) -> nn.Module:
     """Train `model` for `steps` optimizer steps with `profile` (the point of its frontier that
     fits now), on batches of `batch_fn` drawn from a generator seeded with `seed`; returns
     the trained model (the plan's: `model` itself, moved to `device` and cast as the profile
