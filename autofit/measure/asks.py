@@ -49,7 +49,9 @@ def probe_batch_dim(worker: Worker, spec: ModelSpec, *, timeout_s: float | None 
     if not spec.probes_batch_dim:
         return
     timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
-    outcome = worker.run(PROBE_TASK, {}, timeout_s=timeout_s, stop_event=stop_event)
+    # The worker's own start (imports, data) has the trial timeout, as a trial's has, not the probe's.
+    outcome = worker.run(PROBE_TASK, {}, timeout_s=timeout_s, stop_event=stop_event,
+                         start_timeout_s=spec.search.trial_timeout_s)
     result = _answer(outcome, spec)
     if result.get("status") == "ok":
         return
