@@ -26,7 +26,8 @@ from autofit.config.train_config import TrainConfig
 from autofit.base.sizes import parse_size
 from autofit.config.spec import divisors, parse_spec
 from autofit.profiles.store import ProfileStore
-from conftest import FIXTURES, REPO, left_behind, run_main, tiny_gpt_dict, write_spec
+from conftest import alive, FIXTURES, left_behind, REPO, run_main, start_cli, tiny_gpt_dict, write_spec
+from postgres import wait_until
 from test_profile import make_profile
 
 CASE_LIMIT_S = 30.0
@@ -315,26 +316,6 @@ def _trial_children(folder: Path) -> list[int]:
     return pids
 
 
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
-
-
-def _start(tmp_path: Path, *args) -> tuple[subprocess.Popen, Path]:
-    """`autofit ARGS` with a TMPDIR of its own, so its trial folders and children are known."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir(exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "autofit", *map(str, args)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
-    return proc, tmp
-
-
 @pytest.mark.parametrize("command,sig", [("trial", signal.SIGHUP), ("tune", signal.SIGTERM)])
 def test_a_signal_stops_the_trial_child_and_removes_its_folder(tmp_path, command, sig):
     # A trial that would run for 10 minutes: only the signal can end it in time. (Not a
@@ -343,9 +324,9 @@ def test_a_signal_stops_the_trial_child_and_removes_its_folder(tmp_path, command
                  search={"trial_timeout_s": 600, "measure_steps": 10**5, "precisions": ["32-true"],
                          "activation_checkpointing": False})
     extra = ["--out", tmp_path / "profiles", "--state-dir", tmp_path / "state"] if command == "tune" else []
-    proc, tmp = _start(tmp_path, command, path, "--device", "cpu", *extra)
+    proc, tmp = start_cli(tmp_path, command, path, "--device", "cpu", *extra)
     try:
-        children = _wait_for(lambda: _trial_children(tmp), 120, "the trial child")
+        children = wait_until(lambda: _trial_children(tmp), 120, "the trial child")
         proc.send_signal(sig)
         proc.wait(timeout=30)
         _, err = proc.communicate()
@@ -354,7 +335,7 @@ def test_a_signal_stops_the_trial_child_and_removes_its_folder(tmp_path, command
         proc.wait()
     assert proc.returncode == 128 + sig, err
     assert err.strip().splitlines()[-1] == f"autofit: stopped by {signal.Signals(sig).name}"
-    assert not _trial_children(tmp) and not any(_alive(pid) for pid in children)
+    assert not _trial_children(tmp) and not any(alive(pid) for pid in children)
     assert list(tmp.glob("autofit-trial-*")) == []
 
 
@@ -400,14 +381,6 @@ def test_a_signal_while_the_child_is_being_started_still_kills_it(tmp_path, monk
                 pytest.fail("the child outlived the signal")
     assert len(started) == 1 and started[0].returncode is not None  # killed and reaped by the code under test
     assert list(tmp_path.iterdir()) == []  # its folder removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def test_the_session_check_reports_what_is_left(tmp_path):

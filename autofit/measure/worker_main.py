@@ -228,6 +228,7 @@ def main(fd: str, folder: str) -> int:
     signal.signal(signal.SIGTERM, on_term)
     if parent_death_signal(signal.SIGTERM) and os.getppid() != parent:
         on_term(signal.SIGTERM, None)
+    parent_gone_now = False
     try:
         try:
             server.setup(server.receive(None))
@@ -242,10 +243,11 @@ def main(fd: str, folder: str) -> int:
     except (EOFError, BrokenPipeError, ConnectionResetError):
         # The parent is gone. Its socket closes before the kernel reparents us, so this may
         # come before the parent-death signal: its folders are ours to remove here too.
-        server.kill_children()
-        server.remove_folders(folder)
+        parent_gone_now = True
     finally:
         server.kill_children()
+        if parent_gone_now:
+            server.remove_folders(folder)
     return 0
 
 

@@ -153,7 +153,7 @@ class Runner:
         loss_sum = accumulate(enumerate(micro_batches), forward_backward, self.optimizer, self.params)
         skipped = optimizer_step(self.optimizer, self.scaler, self.params, self.spec.train.max_grad_norm)
         self.skipped_steps += int(skipped)
-        loss = loss_sum if weights is not None else loss_sum / n_micro if n_micro > 1 else loss_sum
+        loss = loss_sum / n_micro if weights is None and n_micro > 1 else loss_sum  # weighted: a sum already
         return StepResult(loss=loss, skipped=skipped)
 
     def micro_batch_weights(self, micro_batches: list) -> list[torch.Tensor] | None:

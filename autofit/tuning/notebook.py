@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import cloudpickle
 import torch
 import torch.nn as nn
 from loguru import logger
@@ -163,16 +164,22 @@ def _meta_model(model) -> nn.Module:
 
 
 def _pickle(objects: dict, path: Path) -> None:
-    """Pickle by value what the worker needs; one line naming the object that cannot be."""
-    import cloudpickle
+    """Pickle by value what the worker needs, once; where that fails, one line naming the
+    object that cannot be pickled."""
+    try:
+        data = cloudpickle.dumps(objects)
+    except Exception as exc:  # noqa: BLE001 - any pickling error is the caller's object's
+        key = next((k for k, v in objects.items() if not _pickles(v)), "an object")
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise SpecError(f"autofit.tune: {key} cannot be sent to the trial worker ({type(exc).__name__}: "
+                        f"{first}); it and what it refers to must pickle: no open files, locks, threads, "
+                        f"generators or CUDA tensors") from None
+    path.write_bytes(data)
 
-    for key, value in objects.items():
-        try:
-            cloudpickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001 - any pickling error is the caller's object's
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise SpecError(f"autofit.tune: {key} cannot be sent to the trial worker ({type(exc).__name__}: "
-                            f"{first}); it and what it refers to must pickle: no open files, locks, threads, "
-                            f"generators or CUDA tensors") from None
-    with open(path, "wb") as f:
-        cloudpickle.dump(objects, f)
+
+def _pickles(value) -> bool:
+    try:
+        cloudpickle.dumps(value)
+    except Exception:  # noqa: BLE001 - only whether it pickles matters here
+        return False
+    return True
