@@ -13,6 +13,7 @@ import pytest
 
 from autofit.base.errors import InputError
 from autofit.measure.steps import _steady, STEADY_RTOL, Steps
+from autofit.measure.resident import Resident
 from autofit.measure.worker import START_ENV, Worker
 from conftest import alive
 
@@ -71,12 +72,15 @@ _FORCED = """
 import signal, sys, threading, time
 from pathlib import Path
 from autofit.base import stopping
+from autofit.measure.resident import Resident
 from autofit.measure.worker import Worker
 
 tmp = Path(sys.argv[1])
 worker = Worker(preload=("worker_tasks",))
+resident = Resident.of(worker, "worker_tasks:counted")
+resident.call({}, timeout_s=600)  # a resident child, idle between requests
 threading.Thread(target=worker.run, args=("worker_tasks:hang", {}), kwargs={"timeout_s": 600}, daemon=True).start()
-while not list(tmp.glob("autofit-trial-*/log")):  # the task runs
+while len(list(tmp.glob("autofit-trial-*/log"))) < 2:  # the task runs
     time.sleep(0.05)
 stopping.force_exit(signal.SIGTERM)  # what a second Ctrl-C does
 """
@@ -192,6 +196,98 @@ def test_the_spawn_path_runs_the_same_tasks(monkeypatch):
     assert outcome.ended == "exited" and outcome.result["context"]["token"] == 3
     assert outcome.result["sid"] == outcome.result["pid"]
     assert (exited.ended, exited.returncode) == ("exited", 4)
+
+
+# ---- a resident task: one warm child, request after request ------------------------------
+
+
+def _served(outcome) -> dict:
+    assert outcome.ended == "exited" and outcome.result is not None, outcome
+    return outcome.result
+
+
+def test_a_resident_answers_request_after_request_in_one_child_of_its_own_session():
+    with _worker(setup=f"{TASKS}:setup") as worker:
+        resident = Resident.of(worker, f"{TASKS}:counted")
+        answers = [_served(resident.call({}, timeout_s=60)) for _ in range(3)]
+        assert Resident.of(worker, f"{TASKS}:counted") is resident  # one per worker and task
+        worker_pid = worker.proc.pid
+    assert [a["served"] for a in answers] == [1, 2, 3]  # one process, warm: what it learnt it keeps
+    assert {a["pid"] for a in answers} == {answers[0]["pid"]} and resident.children == 1
+    assert answers[0]["ppid"] == worker_pid and answers[0]["sid"] == answers[0]["pid"]
+    assert not alive(answers[0]["pid"])  # closed with the worker
+
+
+@pytest.mark.timing
+def test_a_resident_request_that_crashes_hangs_exits_or_fails_leaves_the_next_to_a_fresh_child():
+    with _worker() as worker:
+        resident = Resident.of(worker, f"{TASKS}:counted")
+        first = _served(resident.call({}, timeout_s=60))["pid"]
+        pids, ended = [first], []
+        for task, timeout_s in (("segfault", 60), ("hang", 1), ("exit_now", 60), ("fails", 60)):
+            failing = Resident(worker, f"{TASKS}:{task}")
+            ended.append(failing.call({"code": 6}, timeout_s=timeout_s))
+            failing.close()
+        # The same resident, after its own child was killed under a request:
+        os.killpg(first, signal.SIGKILL)
+        again = _served(resident.call({}, timeout_s=60))
+    crashed, hung, exited, failed = ended
+    assert (crashed.ended, crashed.returncode) == ("exited", -signal.SIGSEGV)
+    assert hung.ended == "timeout" and hung.result is None
+    assert (exited.ended, exited.returncode, exited.result) == ("exited", 6, None)
+    assert failed.result == {"status": "error", "reason": "no"}
+    assert again["pid"] != first and again["served"] == 1 and resident.children == 2  # a fresh child
+    assert not alive(first) and not alive(again["pid"])
+
+
+@pytest.mark.timing
+def test_a_resident_s_failed_answer_ends_its_child():
+    with _worker() as worker:
+        resident = Resident(worker, f"{TASKS}:fails")
+        resident.call({}, timeout_s=60)
+        resident.call({}, timeout_s=60)
+        assert resident.children == 2 and resident.pid is None
+
+
+def test_closing_the_worker_ends_its_resident_and_removes_its_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with _worker() as worker:
+        pid = _served(Resident.of(worker, f"{TASKS}:counted").call({}, timeout_s=60))["pid"]
+        assert [p.name.startswith("autofit-trial-serve-") for p in tmp_path.iterdir()].count(True) == 1
+    assert not alive(pid)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timing
+def test_a_resident_outlives_its_worker_s_death():
+    with _worker() as worker:
+        resident = Resident.of(worker, f"{TASKS}:counted")
+        before = _served(resident.call({}, timeout_s=60))
+        os.killpg(worker.proc.pid, signal.SIGKILL)  # the kernel's OOM killer, say
+        worker.proc.wait()
+        after = _served(resident.call({}, timeout_s=60))
+    assert after["ppid"] != before["ppid"] and after["served"] == 1
+
+
+@pytest.mark.timing
+def test_a_stop_event_ends_a_resident_request_at_once():
+    stop = threading.Event()
+    with _worker() as worker:
+        worker.start(timeout_s=60)
+        threading.Timer(0.5, stop.set).start()
+        started = time.monotonic()
+        outcome = Resident.of(worker, f"{TASKS}:hang").call({}, timeout_s=300, stop_event=stop)
+    assert outcome.ended == "stopped" and time.monotonic() - started < 30
+
+
+def test_the_spawn_path_answers_each_resident_request_in_a_fresh_interpreter(monkeypatch):
+    monkeypatch.setenv(START_ENV, "spawn")
+    with _worker() as worker:
+        resident = Resident.of(worker, f"{TASKS}:counted")
+        answers = [_served(resident.call({}, timeout_s=120)) for _ in range(2)]
+    assert [a["served"] for a in answers] == [1, 1] and answers[0]["pid"] != answers[1]["pid"]
 
 
 # ---- warm-up until steady ---------------------------------------------------------------

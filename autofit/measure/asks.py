@@ -1,7 +1,8 @@
 """The parent's questions to a pre-loaded worker that are not trials: the model's analysis
 (what the search space needs to know of it), the batch-dimension probe and memory estimates. Each is answered in a
-child of the worker, so the user's code (their model module, their forward on fake
-tensors) never runs in the asking process; an error in it is an `InputError` (exit 2)."""
+child of the worker (the estimates by one resident child, `autofit.measure.resident`), so
+the user's code (their model module, their forward on fake tensors) never runs in the
+asking process; an error in it is an `InputError` (exit 2)."""
 
 from autofit.base import stopping
 from autofit.base.errors import InputError, TrialError, TrialTimeoutError
@@ -9,6 +10,7 @@ from autofit.config.spec import ModelSpec
 from autofit.config.train_config import TrainConfig
 from autofit.measure.estimate import EstimateError, MemoryEstimate
 from autofit.measure.process import failure_reason
+from autofit.measure.resident import Resident
 from autofit.measure.worker import TaskOutcome, Worker
 
 ESTIMATE_TASK = "autofit.measure.tasks:estimate"
@@ -21,9 +23,10 @@ def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kin
              budget_bytes: int | None = None, stop_event=None) -> tuple[MemoryEstimate, int | None]:
     """(the estimate of `config`, with `budget_bytes` the largest micro batch that fits it).
     EstimateError when the model cannot run on fake tensors or the child gave no answer."""
-    outcome = worker.run(ESTIMATE_TASK, {"config": config.to_dict(), "device_kind": device_kind,
-                                         "budget_bytes": budget_bytes},
-                         timeout_s=spec.search.trial_timeout_s, stop_event=stop_event)
+    # One resident child answers a tune's estimates: warm, each costs its fake step alone.
+    outcome = Resident.of(worker, ESTIMATE_TASK).call(
+        {"config": config.to_dict(), "device_kind": device_kind, "budget_bytes": budget_bytes},
+        timeout_s=spec.search.trial_timeout_s, stop_event=stop_event)
     result = _answer(outcome, spec)
     if result.get("status") == "ok":
         return MemoryEstimate(**result["estimate"]), result.get("max_micro_batch_size")

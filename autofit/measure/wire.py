@@ -15,13 +15,16 @@ class LineSocket:
 
     def receive(self, timeout_s: float | None) -> dict | None:
         """The next message; None when none came within `timeout_s` (None: wait). EOFError
-        when the other side is gone."""
+        when the other side is gone (closed, or died)."""
         while b"\n" not in self._buffer:
             with selectors.DefaultSelector() as selector:
                 selector.register(self.sock, selectors.EVENT_READ)
                 if not selector.select(timeout_s):
                     return None
-            data = self.sock.recv(65536)
+            try:
+                data = self.sock.recv(65536)
+            except ConnectionResetError:  # the other side died with our message unread
+                data = b""
             if not data:
                 raise EOFError
             self._buffer += data

@@ -21,8 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from loguru import logger
 
@@ -46,6 +48,14 @@ class TaskOutcome:
     wall_s: float  # fork (or process start) to the child's end
 
 
+class Companion(Protocol):
+    """Children of a worker that outlive one task (`Worker.attach`)."""
+
+    def close(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 class WorkerStopped(Exception):
     """A stop was asked for while the worker was starting (or forking)."""
 
@@ -67,13 +77,18 @@ class Worker:
         self.folder: Path | None = None
         self.setup_s: float | None = None
         self._child, self._cleanup = None, None
+        self._exits: dict[int, int] = {}  # children's exit statuses the worker reported, until reaped
+        self._companions: dict[str, Companion] = {}
         self._task_folder: Path | None = None  # the running task's, for a forced exit to remove
 
     # --- the worker's lifetime -------------------------------------------------------------
 
     def start(self, *, timeout_s: float, stop_event=None) -> None:
         """Start the worker and wait for its setup; an error in the user's code there is an
-        `InputError` (exit 2), anything else a `TrialError`."""
+        `InputError` (exit 2), anything else a `TrialError`. A worker that died since its last
+        task (the kernel's OOM killer) is started again."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self._lost()
         if self.proc is not None or self.spawn:
             return
         self.folder = Path(tempfile.mkdtemp(prefix="autofit-worker-"))
@@ -100,6 +115,8 @@ class Worker:
 
     def close(self) -> None:
         """Stop the worker (and any child it still has) and remove its folder. Idempotent."""
+        for companion in self._companions.values():
+            companion.close()
         if self.wire is not None:
             with contextlib.suppress(OSError):
                 self._send({"op": "exit"})
@@ -116,6 +133,7 @@ class Worker:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
+        self._exits.clear()
 
     def __enter__(self) -> "Worker":
         return self
@@ -128,10 +146,7 @@ class Worker:
     def run(self, function: str, payload: dict, *, timeout_s: float, stop_event=None, on_child=None,
             prefix: str = "autofit-trial-", start_timeout_s: float | None = None) -> TaskOutcome:
         """Run `function(payload, context)` in a fresh child and return how it ended.
-        `on_child(pid, folder)` hears of the child once it runs (the service's GPU guard). A
-        worker that died since the last task (the kernel's OOM killer) is started again."""
-        if self.proc is not None and self.proc.poll() is not None:
-            self._lost()
+        `on_child(pid, folder)` hears of the child once it runs (the service's GPU guard)."""
         started = time.perf_counter()
         try:
             self.start(timeout_s=start_timeout_s or timeout_s, stop_event=stop_event)
@@ -157,44 +172,75 @@ class Worker:
                            wall_s=time.perf_counter() - started)
 
     def _run_forked(self, function: str, folder: Path, timeout_s: float, stop_event, on_child) -> tuple[str, int | None]:
-        try:
-            self._send({"op": "fork", "function": function, "folder": str(folder)})
-        except OSError:  # the worker is gone: the task ends unrun, as a lost one
-            self._lost()
+        pid = self.fork(function, folder)
+        if pid is None:  # the worker is gone: the task ends unrun, as a lost one
             return "lost", None
-        reply = self._wait_reply(_REPLY_S, None, what="a fork", stoppable=False)  # the child's handle first
-        if "fork_error" in reply:
-            raise TrialError(f"the worker cannot run {function}: {reply['fork_error']}")
-        pid = self._child = reply["forked"]
+        self._child = pid
         ended, returncode = "lost", None
         try:
             if on_child is not None:
                 on_child(pid, folder)
-            ended, returncode = self._wait_exit(pid, timeout_s, stop_event)
+            ended, returncode = self.wait_exit(pid, timeout_s, stop_event)
         finally:
-            # On every path, so nothing the child started outlives the task: its whole group.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            if ended != "exited" and ended != "lost":
-                with contextlib.suppress(TrialError):
-                    self._wait_exit(pid, _REPLY_S, None)
-            with contextlib.suppress(OSError, AttributeError):
-                self._send({"op": "reap", "pid": pid})
+            self.end_child(pid, ended)
             self._child = None
         return ended, returncode
 
-    def _wait_exit(self, pid: int, timeout_s: float, stop_event) -> tuple[str, int | None]:
+    # --- a child's lifetime (`run` above; a resident task, `autofit.measure.resident`) ----
+
+    def fork(self, function: str, folder: Path) -> int | None:
+        """Fork a child that runs `function` on `folder`'s payload; its pid, or None when the
+        worker is gone."""
+        try:
+            self._send({"op": "fork", "function": function, "folder": str(folder)})
+        except OSError:
+            self._lost()
+            return None
+        reply = self._wait_reply(_REPLY_S, None, what="a fork", stoppable=False)  # the child's handle first
+        if "fork_error" in reply:
+            raise TrialError(f"the worker cannot run {function}: {reply['fork_error']}")
+        return reply["forked"]
+
+    def end_child(self, pid: int, ended: str) -> None:
+        """On every path, so nothing the child started outlives it: kill its whole group, wait
+        for its exit where it had not exited, and have the worker reap it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        if ended != "exited" and ended != "lost":
+            with contextlib.suppress(TrialError):
+                self.wait_exit(pid, _REPLY_S, None)
+        self._exits.pop(pid, None)
+        with contextlib.suppress(OSError, AttributeError):
+            self._send({"op": "reap", "pid": pid})
+
+    def exit_status(self, pid: int) -> int | None:
+        """The child's exit status if the worker has reported it by now (without waiting)."""
+        with contextlib.suppress(EOFError, OSError, AttributeError):
+            while self._receive(0) is not None:
+                pass
+        return self._exits.get(pid)
+
+    def attach(self, key: str, make: Callable[[], "Companion"]) -> "Companion":
+        """The companion under `key` (made on first use): something with children of this
+        worker that must end when the worker closes (`close`) or is killed (`kill`)."""
+        if key not in self._companions:
+            self._companions[key] = make()
+        return self._companions[key]
+
+    def wait_exit(self, pid: int, timeout_s: float, stop_event) -> tuple[str, int | None]:
         """Until the worker reports the child's exit, the stop is asked for, or time runs out."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if pid in self._exits:
+                return "exited", self._exits[pid]
             try:
-                message = self._receive(_POLL_S)
+                self._receive(_POLL_S)
             except EOFError:
                 self._lost()
                 return "lost", None
-            if message is not None and message.get("exited") == pid:
-                return "exited", message["status"]
-            if _stop_asked(stop_event):
+            if pid in self._exits:
+                return "exited", self._exits[pid]
+            if stop_asked(stop_event):
                 return "stopped", None
             if time.monotonic() > deadline:
                 return "timeout", None
@@ -227,7 +273,13 @@ class Worker:
         self.wire.send(message)
 
     def _receive(self, timeout_s: float) -> dict | None:
-        return self.wire.receive(timeout_s)
+        """The next message, None when none came in time. A child's exit is kept aside for
+        whoever waits for that child (a resident task's may come while a trial runs)."""
+        message = self.wire.receive(timeout_s)
+        if message is not None and "exited" in message:
+            self._exits[message["exited"]] = message["status"]
+            return None
+        return message
 
     def _wait_reply(self, timeout_s: float, stop_event, *, what: str, stoppable: bool = True) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -238,7 +290,7 @@ class Worker:
                 raise self._died(what) from None
             if message is not None:
                 return message
-            if stoppable and _stop_asked(stop_event):
+            if stoppable and stop_asked(stop_event):
                 self.close()
                 raise WorkerStopped(what)
             if time.monotonic() > deadline:
@@ -278,6 +330,8 @@ class Worker:
     def _kill(self) -> None:
         """A forced exit (a second Ctrl-C): the child's group and the worker's, now, and their
         folders (no one is left to remove them: the worker was killed, not told)."""
+        for companion in self._companions.values():
+            companion.kill()
         for pid in (self._child, self.proc.pid if self.proc else None):
             if pid:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -301,7 +355,7 @@ def _raise_setup_error(error: dict) -> None:
     raise TrialError(f"the trial worker's setup failed: {error['error']}")
 
 
-def _stop_asked(stop_event) -> bool:
+def stop_asked(stop_event) -> bool:
     return (stop_event is not None and stop_event.is_set()) or stopping.requested.is_set()
 
 
@@ -312,5 +366,5 @@ class StopEither:
         self.stop_event = stop_event
 
     def is_set(self) -> bool:
-        return _stop_asked(self.stop_event)
+        return stop_asked(self.stop_event)
 
