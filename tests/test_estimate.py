@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from autofit.measure.child import run_request
-from autofit.measure.estimate import estimate_memory, EstimateError, max_micro_batch_size
+from autofit.device.precision import same_tensors
+from autofit.measure import asks
+from autofit.measure.estimate import _simulate, estimate_memory, EstimateError, max_micro_batch_size
+from autofit.measure.resident import Resident
+from autofit.measure.trial import trial_worker
 from autofit.config.train_config import TrainConfig
 from autofit.config.spec import load_spec
 from autofit.workload import build_workload
@@ -146,3 +150,28 @@ def test_cli_estimate_nothing_fits_exits_3(tiny_spec_path):
     result = run_cli("estimate", tiny_spec_path, "--device", "cpu", "--memory-budget", "1000", "--json")
     assert result.returncode == 3, result.stderr
     assert json.loads(result.stdout)["max_micro_batch_size"] is None
+
+
+def test_precisions_that_hold_the_same_tensors_simulate_to_the_same_bytes(tiny_spec):
+    """The estimate of bf16-mixed is fp16-mixed's, and tf32's is 32-true's (`same_tensors`):
+    only sound while simulating each gives the same bytes, part by part."""
+    workload = build_workload(tiny_spec)
+    for precision, twin in (("bf16-mixed", "16-mixed"), ("tf32", "32-true")):
+        for config in (TrainConfig(precision=precision, micro_batch_size=2, grad_accum_steps=4),
+                       TrainConfig(precision=precision, micro_batch_size=8, checkpoint_blocks=1)):
+            assert same_tensors(precision) == twin
+            assert _simulate(tiny_spec, workload, config, "cpu") == _simulate(
+                tiny_spec, workload, config.replace(precision=twin), "cpu")
+
+
+def test_a_warm_resident_child_estimates_as_a_fresh_process_does(tiny_spec):
+    """A tune's estimates come from one child, request after request: what earlier estimates
+    left in it (caches, seeds, autocast) must not change a later one."""
+    configs = [TrainConfig(precision="bf16-true", micro_batch_size=2, grad_accum_steps=4),
+               TrainConfig(precision="bf16-mixed", micro_batch_size=8, checkpoint_blocks=2),
+               TrainConfig(precision="32-true", micro_batch_size=4, grad_accum_steps=2, checkpoint_blocks=1)]
+    with trial_worker(tiny_spec) as worker:
+        warm = [asks.estimate(worker, tiny_spec, c, device_kind="cpu")[0] for c in configs]
+        assert Resident.of(worker, asks.ESTIMATE_TASK).children == 1
+    workload = build_workload(tiny_spec)
+    assert warm == [_simulate(tiny_spec, workload, c, "cpu") for c in configs]

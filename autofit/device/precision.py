@@ -78,6 +78,18 @@ _POLICIES = {
 assert tuple(_POLICIES) == PRECISIONS
 
 
+def same_tensors(name: str) -> str:
+    """The first precision (in PRECISIONS' order) that holds tensors of the same sizes as
+    `name`: tf32 changes only the matmuls' internal math, and fp16 and bf16 autocast keep
+    copies of one size. Their memory is one, so is its estimate."""
+    policy = get_policy(name)
+
+    def sizes(p: PrecisionPolicy) -> tuple:
+        return p.param_dtype.itemsize, None if p.autocast_dtype is None else p.autocast_dtype.itemsize
+
+    return next(other for other in PRECISIONS if sizes(_POLICIES[other]) == sizes(policy))
+
+
 def get_policy(name: str) -> PrecisionPolicy:
     if name not in _POLICIES:
         raise DeviceError(f"precision: must be one of {', '.join(PRECISIONS)}, got {name!r}")

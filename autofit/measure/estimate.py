@@ -22,6 +22,7 @@ from autofit.base.errors import AutofitError, UserCodeError
 from autofit.config.spec import divisors, ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.memory import LiveBytesTracker
+from autofit.device.precision import same_tensors
 from autofit.workload import build_workload, Workload
 from autofit.train.knobs import trainable_parameters
 from autofit.train.optim import build_optimizer
@@ -129,6 +130,8 @@ _cache: dict[tuple, MemoryEstimate] = {}
 def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str) -> MemoryEstimate:
     """Memoised in this process: the search, `max_micro_batch_size` and the CLI ask for the
     same configurations again, and each answer costs a fake training step (~0.5 s)."""
+    # Precisions that hold tensors of the same sizes have one estimate (bf16-mixed's is fp16's).
+    config = config.replace(precision=same_tensors(config.precision))
     key = (spec.spec_hash, str(spec.source_dir), config, device_kind)
     if key not in _cache:
         if len(_cache) >= _CACHE_SIZE:
@@ -174,6 +177,11 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
                 # Batches come from the real data source (it may read files or call numpy),
                 # then become fake tensors that the tracker counts as device inputs.
                 real = runner.peak_batch(step)
+                if step < ESTIMATED_STEPS - 1:
+                    # A step before the last only has to create the optimizer's state: one
+                    # micro batch does, and holds nothing the last step does not hold too.
+                    real = real[:1]
+                runner.config = small_config.replace(grad_accum_steps=len(real))
                 with fake_mode:
                     batch = [_to_fake(fake_mode, mb) for mb in real]
                 with fake_mode, tracker:

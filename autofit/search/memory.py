@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autofit.config.train_config import TrainConfig
+from autofit.device.precision import same_tensors
 from autofit.search.study import TrialRecord
 
 # Margin on the budget: wide while nothing is measured (the estimator's own error), narrow
@@ -70,10 +71,6 @@ def fit_points(points: list[tuple[float, float]], overhead_hint: float = 0.0) ->
     return Fit(min(max(scale, 0.5), 2.0), overhead, len(points))
 
 
-# Precisions that hold the same tensors: tf32 changes only the matmuls' internal math, and
-# fp16 and bf16 autocast keep the same 16-bit copies.
-_MEMORY_CLASS = {"32-true": "fp32", "tf32": "fp32", "16-mixed": "mixed16", "bf16-mixed": "mixed16",
-                 "bf16-true": "bf16"}
 
 
 def _group(config: TrainConfig) -> tuple:
@@ -81,7 +78,8 @@ def _group(config: TrainConfig) -> tuple:
     # policy: a selective block's saved matmul outputs are kernel-dependent on a GPU.
     checkpointing = config.checkpoint_blocks > 0 and config.checkpoint_policy
     # Per compile setting: a compiled step is estimated eagerly (docs/estimator.md).
-    return _MEMORY_CLASS[config.precision], checkpointing, config.parallelism, config.compile
+    # Precisions that hold the same tensors share one (tf32 and fp32; fp16 and bf16 autocast).
+    return same_tensors(config.precision), checkpointing, config.parallelism, config.compile
 
 
 def _keeps_more(config: TrainConfig, than: TrainConfig) -> bool:
