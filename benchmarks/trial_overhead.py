@@ -4,6 +4,7 @@ interpreter per trial (`spawn`, how autofit ran trials before the worker), in on
 interleaved, beside `python -c "import torch"`.
 
     python benchmarks/trial_overhead.py --rounds 2 --json benchmarks/results/trial-overhead.json
+    python benchmarks/trial_overhead.py --rounds 1 --modes fork,spawn --memory-budget none   # a GPU's own memory
 
 Per tune: the search's wall time over the trials it measured (`per trial`: what the user
 waits for each, estimates and start-up included), each trial's own wall time (fork or
@@ -29,11 +30,20 @@ def import_torch_s() -> float:
     return time.perf_counter() - started
 
 
+def device_name() -> str:
+    """What the tunes ran on: the GPU's name, or the CPU's."""
+    found = subprocess.run([sys.executable, "-c", "import torch, platform; print(torch.cuda.get_device_name(0) "
+                            "if torch.cuda.is_available() else platform.processor() or 'cpu')"],
+                           capture_output=True, text=True)
+    return found.stdout.strip() or "unknown"
+
+
 def one_tune(mode: str, spec: Path, budget: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="autofit-bench-") as tmp:
         env = {**os.environ, "AUTOFIT_TRIAL_START": mode}
+        budget_args = [] if budget == "none" else ["--memory-budget", budget]
         started = time.perf_counter()
-        result = subprocess.run([sys.executable, "-m", "autofit", "tune", str(spec), "--memory-budget", budget,
+        result = subprocess.run([sys.executable, "-m", "autofit", "tune", str(spec), *budget_args,
                                  "--state-dir", f"{tmp}/state", "--out", f"{tmp}/profiles", "--json", "--no-report"],
                                 capture_output=True, text=True, env=env, cwd=REPO)
         wall_s = time.perf_counter() - started
@@ -51,13 +61,18 @@ def one_tune(mode: str, spec: Path, budget: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", type=Path, default=REPO / "examples" / "tiny-gpt.yaml")
-    parser.add_argument("--memory-budget", default="16MiB")
+    parser.add_argument("--memory-budget", default="16MiB", help="'none': the device's own memory")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--modes", default="spawn,fork",
+                        help="trial starts, in the first round's order (later rounds alternate it)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows, torch_s = [], []
+    first = tuple(args.modes.split(","))
+    device = device_name()
+    print(f"device: {device}", flush=True)
     for round_ in range(args.rounds):
-        modes = ("spawn", "fork") if round_ % 2 == 0 else ("fork", "spawn")  # interleaved
+        modes = first if round_ % 2 == 0 else first[::-1]  # interleaved
         for mode in modes:
             torch_s.append(import_torch_s())
             rows.append(one_tune(mode, args.spec, args.memory_budget) | {"round": round_})
@@ -67,7 +82,7 @@ def main() -> int:
           f"{len(torch_s)} runs)")
     print(f"{'mode':<6} {'trials':>6} {'per trial':>10} {'/ import torch':>15} {'trial wall':>11} {'timed steps':>12} "
           f"{'command':>9}")
-    for mode in ("spawn", "fork"):
+    for mode in first:
         mine = [r for r in rows if r["mode"] == mode]
         per_trial = statistics.median(r["per_trial_s"] for r in mine)
         print(f"{mode:<6} {statistics.median(r['trials'] for r in mine):>6.0f} {per_trial:>9.2f}s "
@@ -75,7 +90,7 @@ def main() -> int:
               f"{statistics.median(r['timed_steps_s'] for r in mine):>11.3f}s "
               f"{statistics.median(r['command_wall_s'] for r in mine):>8.1f}s")
     if args.json:
-        args.json.write_text(json.dumps({"import_torch_s": torch_s, "tunes": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"device": device, "import_torch_s": torch_s, "tunes": rows}, indent=2) + "\n")
     return 0
 
 
