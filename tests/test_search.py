@@ -9,7 +9,7 @@ import pytest
 from autofit.config.spec import SearchSpec
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
-from autofit.search import make_study, MemoryModel, SearchSpace, TrialRecord, Tuner
+from autofit.search import make_study, MemoryModel, SearchSpace, seeding, TrialRecord, Tuner
 from autofit.search.memory import fit_points
 from simulated import generated, GiB, LANDSCAPES, Landscape, search, SHAPED
 
@@ -179,6 +179,24 @@ def test_space_has_no_equivalent_checkpointing_points():
     study = optuna.create_study()
     study.enqueue_trial({"precision": "32-true", "micro_batch_index": 0, "checkpoint_blocks": 4, "freeze_blocks": 2})
     assert space.suggest(study.ask()).checkpoint_blocks == 2  # clamped to the trainable blocks
+
+
+def test_seeds_estimate_no_micro_batch_below_the_largest_that_fits_unchecked():
+    """Each estimate is a fake training step: the seeds find each precision's largest micro
+    batch that fits with no checkpointing, and ask nothing of the smaller ones (they fit too)."""
+    space = SearchSpace(global_batch_size=64, precisions=("32-true", "bf16-true"),
+                        micro_batch_sizes=(1, 2, 4, 8, 16, 32, 64), max_checkpoint_blocks=4, max_freeze_blocks=0)
+    asked = []
+
+    def fits(config: TrainConfig) -> bool:  # 16 fits unchecked; 32 with 2 blocks, 64 with all 4
+        asked.append(config)
+        return config.micro_batch_size <= 16 * 2 ** (config.checkpoint_blocks // 2)
+
+    lists = seeding.seed_lists(space, fits)
+    assert [[c.short() for c in seeds] for seeds in lists] == [[
+        f"{p} mb=16x4 ckpt=0 freeze=0", f"{p} mb=64x1 ckpt=4 freeze=0", f"{p} mb=32x2 ckpt=2 freeze=0"]
+        for p in ("32-true", "bf16-true")]
+    assert not [c for c in asked if c.micro_batch_size < 16]
 
 
 def test_checkpoint_policies_join_the_space_only_when_opted_in():

@@ -8,7 +8,8 @@ leanest that the group's numerics allow): each has its own memory frontier, and 
 is fastest is measured, not assumed.
 """
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 
 from autofit.config.train_config import TrainConfig
 from autofit.search.health import REFERENCE_PRECISIONS
@@ -55,14 +56,17 @@ def frontier(space: SearchSpace, fits: Fits, precision: str, freeze_blocks: int 
     """The memory frontier at one precision: for the largest micro batches predicted to fit,
     the fewest checkpointed blocks that make them fit. Throughput grows with micro batch
     and shrinks with recomputation, so the optimum almost always lies here."""
-    out = []
+    return list(itertools.islice(frontier_points(space, fits, precision, freeze_blocks, strategy, policy), limit))
+
+
+def frontier_points(space: SearchSpace, fits: Fits, precision: str, freeze_blocks: int = 0,
+                    strategy: dict | None = None, policy: str = "full") -> Iterator[TrainConfig]:
+    """`frontier`'s points, largest micro batch first, each found as it is read: a point
+    costs estimates (fake training steps), so a caller that stops early pays for no more."""
     for micro in reversed(space.micro_batch_sizes):
         config = fewest_checkpointed(space, fits, precision, micro, freeze_blocks, strategy, policy)
         if config is not None:
-            out.append(config)
-        if len(out) == limit:
-            break
-    return out
+            yield config
 
 
 def policy_twin(space: SearchSpace, fits: Fits, config: TrainConfig) -> TrainConfig | None:
@@ -127,8 +131,8 @@ def starting_points(space: SearchSpace, fits: Fits, allowed: Allowed = _anything
 
 
 def _frontier_seeds(space: SearchSpace, fits: Fits, precision: str, freeze: int, kept: dict) -> list[TrainConfig]:
-    plain = next((c for c in frontier(space, fits, precision, freeze, len(space.micro_batch_sizes), kept)
-                  if c.checkpoint_blocks == 0), None)
+    # The largest micro batch that fits unchecked; the smaller ones (they fit too) are not estimated.
+    plain = next((c for c in frontier_points(space, fits, precision, freeze, kept) if c.checkpoint_blocks == 0), None)
     mine = [plain] if plain else []
     line = frontier(space, fits, precision, freeze, 2, kept)
     # Each other policy's largest micro batch, after full's first checkpointed point.
