@@ -32,10 +32,14 @@ def import_torch_s() -> float:
 
 def device_name() -> str:
     """What the tunes ran on: the GPU's name, or the CPU's."""
-    found = subprocess.run([sys.executable, "-c", "import torch, platform; print(torch.cuda.get_device_name(0) "
-                            "if torch.cuda.is_available() else platform.processor() or 'cpu')"],
-                           capture_output=True, text=True)
-    return found.stdout.strip() or "unknown"
+    found = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0) "
+                            "if torch.cuda.is_available() else '')"], capture_output=True, text=True)
+    if found.stdout.strip():
+        return found.stdout.strip()
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+              if line.startswith("model name")]
+    return f"{models[0]} ({len(models)} cores)" if models else "cpu"
 
 
 def one_tune(mode: str, spec: Path, budget: str) -> dict:
