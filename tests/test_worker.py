@@ -282,6 +282,16 @@ def test_a_stop_event_ends_a_resident_request_at_once():
     assert outcome.ended == "stopped" and time.monotonic() - started < 30
 
 
+def test_a_setup_that_initialised_cuda_turns_the_resident_to_a_fresh_interpreter_per_request():
+    """The worker learns that its setup touched CUDA only once it has started: a resident's
+    first request starts it, then goes the spawn path instead of forking from it."""
+    with _worker(setup=f"{TASKS}:setup_claims_cuda", preload=("torch", TASKS)) as worker:
+        resident = Resident.of(worker, f"{TASKS}:counted")
+        answers = [_served(resident.call({}, timeout_s=120)) for _ in range(2)]
+        assert worker.spawn and resident.children == 0
+    assert [a["served"] for a in answers] == [1, 1]
+
+
 def test_the_spawn_path_answers_each_resident_request_in_a_fresh_interpreter(monkeypatch):
     monkeypatch.setenv(START_ENV, "spawn")
     with _worker() as worker:

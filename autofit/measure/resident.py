@@ -57,39 +57,44 @@ class Resident:
 
     def call(self, payload: dict, *, timeout_s: float, stop_event=None) -> TaskOutcome:
         """`function(payload, context)` in the resident child: its answer, or how the child
-        ended. A child that served earlier requests and dies under this one is not taken for
-        this request's failure at once (it may have been killed while it waited, by the
-        kernel's OOM killer, say): the request is asked once more of a fresh child."""
-        if self.worker.spawn:
-            return self.worker.run(self.function, payload, timeout_s=timeout_s, stop_event=stop_event)
+        ended, all within `timeout_s` (the worker's start and the child's included). A child
+        that served earlier requests and dies under this one is not taken for this request's
+        failure at once (it may have been killed while it waited, by the kernel's OOM killer,
+        say): the request is asked once more of a fresh child."""
         started = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
         if self.pid is not None and not self._alive():
             self.close()
         warm = self.pid is not None
         if not warm:
             try:
-                failed = self._open(timeout_s, stop_event)
+                # First, as a setup that initialised CUDA turns the worker to spawning.
+                self.worker.start(timeout_s=timeout_s, stop_event=stop_event)
             except WorkerStopped:
-                failed = "stopped"
+                return self._outcome("stopped", None, started)
+        if self.worker.spawn:  # no worker to fork from: a fresh interpreter per request
+            return self.worker.run(self.function, payload, timeout_s=max(deadline - time.monotonic(), 0.0),
+                                   stop_event=stop_event)
+        if not warm:
+            failed = self._open(deadline, stop_event)
             if failed is not None:
                 return self._outcome(failed, None, started)
-        ended, answer = self._ask(payload, timeout_s, stop_event)
+        ended, answer = self._ask(payload, deadline, stop_event)
         if ended == "died" and warm:
             self.close()
-            return self.call(payload, timeout_s=timeout_s, stop_event=stop_event)
+            return self.call(payload, timeout_s=max(deadline - time.monotonic(), 0.0), stop_event=stop_event)
         if answer is not None:
             if answer.get("status") != "ok":
                 self.close()  # what the failed request left behind goes with its child
             return TaskOutcome(ended="exited", result=answer, returncode=0, log_tail="",
                                wall_s=time.perf_counter() - started)
         if ended == "died":
-            ended, returncode = self.worker.wait_exit(self.pid, _EXIT_S, None)
+            ended, returncode = self.worker.wait_exit(self.pid, _EXIT_S, None, stoppable=False)
             return self._outcome("exited" if ended == "timeout" else ended, returncode, started)
         return self._outcome(ended, None, started)
 
-    def _ask(self, payload: dict, timeout_s: float, stop_event) -> tuple[str, dict | None]:
+    def _ask(self, payload: dict, deadline: float, stop_event) -> tuple[str, dict | None]:
         """("answered", the answer), or ("died" | "stopped" | "timeout", None)."""
-        deadline = time.monotonic() + timeout_s
         with contextlib.suppress(OSError):  # a child that died just now: its EOF below says so
             self.wire.send(payload | {"_folder": str(self.folder)})
         while True:
@@ -126,10 +131,16 @@ class Resident:
 
     # --- the child's start and end -------------------------------------------------------
 
-    def _open(self, timeout_s: float, stop_event) -> str | None:
+    def _open(self, deadline: float, stop_event) -> str | None:
         """Fork the child and take its connection; None, or how it ended before it connected."""
-        self.worker.start(timeout_s=timeout_s, stop_event=stop_event)
         self.folder = Path(tempfile.mkdtemp(prefix="autofit-trial-serve-"))
+        try:
+            return self._connect(deadline, stop_event)
+        except BaseException:
+            self.close()  # the child and the folder, whatever broke (a fork the worker refused)
+            raise
+
+    def _connect(self, deadline: float, stop_event) -> str | None:
         # An abstract socket (no path, so no limit on the temporary folder's length), which
         # only the child it was made for may use: its peer's pid is checked.
         address = f"\0autofit-serve-{uuid.uuid4().hex}"
@@ -142,18 +153,19 @@ class Resident:
             if self.pid is None:
                 return "lost"
             self.children += 1
-            deadline = time.monotonic() + timeout_s
             while True:
                 if select.select([listener], [], [], _POLL_S)[0]:
                     connection, _ = listener.accept()
                     if _peer_pid(connection) == self.pid:
                         break
                     connection.close()  # not our child
-                elif self.worker.exit_status(self.pid) is not None:
+                if self.worker.proc is None or self.worker.proc.poll() is not None:
+                    return "lost"  # and the child with it
+                if self.worker.exit_status(self.pid) is not None:
                     return "exited"
-                elif stop_asked(stop_event):
+                if stop_asked(stop_event):
                     return "stopped"
-                elif time.monotonic() > deadline:
+                if time.monotonic() > deadline:
                     return "timeout"
         self.wire = LineSocket(connection)
         return None

@@ -6,6 +6,9 @@ process group on every path; read its result.
     with Worker(setup="autofit.measure.tasks:setup", payload={"spec": ..., ...}, device="cpu") as worker:
         outcome = worker.run("autofit.measure.tasks:trial", request, timeout_s=600)
 
+A child that answers many requests (a tune's estimates) is a resident task
+(`autofit.measure.resident`), built on `fork`, `wait_exit` and `end_child` here.
+
 `AUTOFIT_TRIAL_START=spawn` (or a setup that initialised CUDA, which cannot be forked)
 runs every task in a fresh interpreter instead, as autofit did before the worker: the same
 isolation, start-up paid per task.
@@ -61,7 +64,8 @@ class WorkerStopped(Exception):
 
 
 class Worker:
-    """One worker process and the task it runs at a time (a tune's thread owns it)."""
+    """One worker process, the task it runs at a time and its companions' children (a tune's
+    thread owns it)."""
 
     def __init__(self, *, setup: str | None = None, payload: dict | None = None, preload: tuple[str, ...] = (),
                  device: str = "cpu", env: dict[str, str | None] | None = None, name: str = "worker"):
@@ -77,7 +81,8 @@ class Worker:
         self.folder: Path | None = None
         self.setup_s: float | None = None
         self._child, self._cleanup = None, None
-        self._exits: dict[int, int] = {}  # children's exit statuses the worker reported, until reaped
+        self._forked: set[int] = set()  # children not reaped yet
+        self._exits: dict[int, int] = {}  # their exit statuses the worker reported
         self._companions: dict[str, Companion] = {}
         self._task_folder: Path | None = None  # the running task's, for a forced exit to remove
 
@@ -134,6 +139,7 @@ class Worker:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
         self._exits.clear()
+        self._forked.clear()
 
     def __enter__(self) -> "Worker":
         return self
@@ -199,6 +205,7 @@ class Worker:
         reply = self._wait_reply(_REPLY_S, None, what="a fork", stoppable=False)  # the child's handle first
         if "fork_error" in reply:
             raise TrialError(f"the worker cannot run {function}: {reply['fork_error']}")
+        self._forked.add(reply["forked"])
         return reply["forked"]
 
     def end_child(self, pid: int, ended: str) -> None:
@@ -208,8 +215,9 @@ class Worker:
             os.killpg(pid, signal.SIGKILL)
         if ended != "exited" and ended != "lost":
             with contextlib.suppress(TrialError):
-                self.wait_exit(pid, _REPLY_S, None)
+                self.wait_exit(pid, _REPLY_S, None, stoppable=False)  # killed: it is about to exit
         self._exits.pop(pid, None)
+        self._forked.discard(pid)  # an exit reported after this is of a pid the worker reaped
         with contextlib.suppress(OSError, AttributeError):
             self._send({"op": "reap", "pid": pid})
 
@@ -227,8 +235,10 @@ class Worker:
             self._companions[key] = make()
         return self._companions[key]
 
-    def wait_exit(self, pid: int, timeout_s: float, stop_event) -> tuple[str, int | None]:
-        """Until the worker reports the child's exit, the stop is asked for, or time runs out."""
+    def wait_exit(self, pid: int, timeout_s: float, stop_event, *,
+                  stoppable: bool = True) -> tuple[str, int | None]:
+        """Until the worker reports the child's exit, the stop is asked for (where
+        `stoppable`), or time runs out."""
         deadline = time.monotonic() + timeout_s
         while True:
             if pid in self._exits:
@@ -240,7 +250,7 @@ class Worker:
                 return "lost", None
             if pid in self._exits:
                 return "exited", self._exits[pid]
-            if stop_asked(stop_event):
+            if stoppable and stop_asked(stop_event):
                 return "stopped", None
             if time.monotonic() > deadline:
                 return "timeout", None
@@ -277,7 +287,8 @@ class Worker:
         whoever waits for that child (a resident task's may come while a trial runs)."""
         message = self.wire.receive(timeout_s)
         if message is not None and "exited" in message:
-            self._exits[message["exited"]] = message["status"]
+            if message["exited"] in self._forked:  # not a pid reaped already (and maybe reused)
+                self._exits[message["exited"]] = message["status"]
             return None
         return message
 
