@@ -3,6 +3,7 @@ timeout), children that exit, hang, crash or change the worker's state leave the
 untouched, a worker that dies is replaced, a setup's error is the user's (exit 2), and the
 spawn path runs the same tasks. (End-to-end trials through it: tests/test_trial.py.)"""
 
+import functools
 import os
 import signal
 import threading
@@ -158,13 +159,15 @@ def test_a_setup_that_computes_on_the_cpu_leaves_its_children_able_to():
 
 
 @pytest.mark.timing
-def test_a_stop_event_ends_the_task_at_once():
+@pytest.mark.parametrize("resident", [False, True], ids=["task", "resident-request"])
+def test_a_stop_event_ends_the_task_at_once(resident):
     stop = threading.Event()
     with _worker() as worker:
         worker.start(timeout_s=60)
         threading.Timer(0.5, stop.set).start()
         started = time.monotonic()
-        outcome = worker.run(f"{TASKS}:hang", {}, timeout_s=300, stop_event=stop)
+        run = Resident.of(worker, f"{TASKS}:hang").call if resident else functools.partial(worker.run, f"{TASKS}:hang")
+        outcome = run({}, timeout_s=300, stop_event=stop)
     assert outcome.ended == "stopped" and time.monotonic() - started < 30
 
 
@@ -269,17 +272,6 @@ def test_a_resident_outlives_its_worker_s_death():
         worker.proc.wait()
         after = _served(resident.call({}, timeout_s=60))
     assert after["ppid"] != before["ppid"] and after["served"] == 1
-
-
-@pytest.mark.timing
-def test_a_stop_event_ends_a_resident_request_at_once():
-    stop = threading.Event()
-    with _worker() as worker:
-        worker.start(timeout_s=60)
-        threading.Timer(0.5, stop.set).start()
-        started = time.monotonic()
-        outcome = Resident.of(worker, f"{TASKS}:hang").call({}, timeout_s=300, stop_event=stop)
-    assert outcome.ended == "stopped" and time.monotonic() - started < 30
 
 
 def test_a_setup_that_initialised_cuda_turns_the_resident_to_a_fresh_interpreter_per_request():

@@ -82,12 +82,16 @@ def same_tensors(name: str) -> str:
     """The first precision (in PRECISIONS' order) that holds tensors of the same sizes as
     `name`: tf32 changes only the matmuls' internal math, and fp16 and bf16 autocast keep
     copies of one size. Their memory is one, so is its estimate."""
-    policy = get_policy(name)
+    get_policy(name)  # a clear error for an unknown name
+    return _SAME_TENSORS[name]
 
-    def sizes(p: PrecisionPolicy) -> tuple:
-        return p.param_dtype.itemsize, None if p.autocast_dtype is None else p.autocast_dtype.itemsize
 
-    return next(other for other in PRECISIONS if sizes(_POLICIES[other]) == sizes(policy))
+def _tensor_sizes(p: PrecisionPolicy) -> tuple:
+    return p.param_dtype.itemsize, None if p.autocast_dtype is None else p.autocast_dtype.itemsize
+
+
+_SAME_TENSORS = {name: next(other for other in PRECISIONS if _tensor_sizes(_POLICIES[other]) == _tensor_sizes(policy))
+                 for name, policy in _POLICIES.items()}
 
 
 def get_policy(name: str) -> PrecisionPolicy:

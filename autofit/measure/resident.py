@@ -28,14 +28,12 @@ import time
 import uuid
 from pathlib import Path
 
-from autofit.measure.worker import stop_asked, TaskOutcome, Worker, WorkerStopped
+from autofit.measure.worker import POLL_S, stop_asked, task_log_tail, TaskOutcome, Worker, WorkerStopped
 from autofit.measure.worker_main import resolve
 from autofit.measure.wire import LineSocket
 
 SERVE_TASK = "autofit.measure.resident:serve"
-_POLL_S = 0.05
 _EXIT_S = 5.0  # a child whose connection closed has exited, or is about to
-_LOG_TAIL_CHARS = 4000
 _PEER = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
 
 
@@ -99,7 +97,7 @@ class Resident:
             self.wire.send(payload | {"_folder": str(self.folder)})
         while True:
             try:
-                answer = self.wire.receive(_POLL_S)
+                answer = self.wire.receive(POLL_S)
             except EOFError:  # the child ended under the request (a crash, an exit, a kill)
                 return "died", None
             if answer is not None:
@@ -154,7 +152,7 @@ class Resident:
                 return "lost"
             self.children += 1
             while True:
-                if select.select([listener], [], [], _POLL_S)[0]:
+                if select.select([listener], [], [], POLL_S)[0]:
                     connection, _ = listener.accept()
                     if _peer_pid(connection) == self.pid:
                         break
@@ -185,8 +183,7 @@ class Resident:
     def _outcome(self, ended: str, returncode: int | None, started: float) -> TaskOutcome:
         if ended == "exited" and returncode is None and self.pid is not None:
             returncode = self.worker.exit_status(self.pid)
-        log = None if self.folder is None else self.folder / "log"
-        tail = log.read_text(errors="replace")[-_LOG_TAIL_CHARS:] if log is not None and log.exists() else ""
+        tail = "" if self.folder is None else task_log_tail(self.folder)
         self.close()
         return TaskOutcome(ended=ended, result=None, returncode=returncode, log_tail=tail,
                            wall_s=time.perf_counter() - started)

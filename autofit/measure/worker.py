@@ -37,7 +37,7 @@ from autofit.measure.process import child_env, kill_group, wait_for_child
 from autofit.measure.wire import LineSocket
 
 START_ENV = "AUTOFIT_TRIAL_START"  # "fork" (default) or "spawn"
-_POLL_S = 0.05
+POLL_S = 0.05  # how often a wait looks at the stop and the clock
 _REPLY_S = 30.0  # a worker answers a fork within this (it only forks)
 _LOG_TAIL_CHARS = 4000
 
@@ -169,8 +169,7 @@ class Worker:
                 ended, returncode = self._run_forked(function, folder, timeout_s, stop_event, on_child)
             result_path = folder / "result.json"
             result = json.loads(result_path.read_text()) if ended == "exited" and result_path.exists() else None
-            log_path = folder / "log"
-            log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:] if log_path.exists() else ""
+            log_tail = task_log_tail(folder)
             self._task_folder = None
         if result is not None and "setup_error" in result:  # the spawn path's setup failed
             _raise_setup_error(result["setup_error"])
@@ -240,20 +239,17 @@ class Worker:
         """Until the worker reports the child's exit, the stop is asked for (where
         `stoppable`), or time runs out."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            if pid in self._exits:
-                return "exited", self._exits[pid]
-            try:
-                self._receive(_POLL_S)
-            except EOFError:
-                self._lost()
-                return "lost", None
-            if pid in self._exits:
-                return "exited", self._exits[pid]
+        while pid not in self._exits:
             if stoppable and stop_asked(stop_event):
                 return "stopped", None
             if time.monotonic() > deadline:
                 return "timeout", None
+            try:
+                self._receive(POLL_S)
+            except EOFError:
+                self._lost()
+                return "lost", None
+        return "exited", self._exits[pid]
 
     def _run_spawned(self, function: str, folder: Path, timeout_s: float, stop_event,
                      on_child) -> tuple[str, int | None]:
@@ -296,7 +292,7 @@ class Worker:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                message = self._receive(_POLL_S)
+                message = self._receive(POLL_S)
             except EOFError:
                 raise self._died(what) from None
             if message is not None:
@@ -364,6 +360,12 @@ def _raise_setup_error(error: dict) -> None:
     if error.get("input_error"):
         raise InputError(error["error"], traceback_text=error.get("traceback"))
     raise TrialError(f"the trial worker's setup failed: {error['error']}")
+
+
+def task_log_tail(folder: Path) -> str:
+    """The end of a task child's log (its folder's `log`), "" when it wrote none."""
+    log = folder / "log"
+    return log.read_text(errors="replace")[-_LOG_TAIL_CHARS:] if log.exists() else ""
 
 
 def stop_asked(stop_event) -> bool:

@@ -71,8 +71,6 @@ def fit_points(points: list[tuple[float, float]], overhead_hint: float = 0.0) ->
     return Fit(min(max(scale, 0.5), 2.0), overhead, len(points))
 
 
-
-
 def _group(config: TrainConfig) -> tuple:
     # Per strategy too: DDP's and FSDP2's buffers are modelled, not traced. Per checkpoint
     # policy: a selective block's saved matmul outputs are kernel-dependent on a GPU.
