@@ -15,17 +15,20 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from loguru import logger
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
 from autofit.base.errors import AutofitError, UserCodeError
 from autofit.config.spec import divisors, ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
+from autofit.device.allocator import replay, workspace_events
 from autofit.device.memory import LiveBytesTracker
 from autofit.device.precision import same_tensors
 from autofit.workload import build_workload, Workload
 from autofit.train.knobs import trainable_parameters
-from autofit.train.optim import build_optimizer
+from autofit.train.optim import build_optimizer, implementation
+from autofit.train.optim_state import fill_state, inferred_layout, state_layout, unfakeable_reason
 from autofit.train.runner import Runner
 from autofit.measure.estimate_shard import per_rank
 
@@ -60,6 +63,19 @@ class MemoryEstimate:
     # Several ranks: every byte figure above is one rank's (FSDP2's sharded state included).
     world_size: int = 1
     collective_bytes: int = 0  # FSDP2: gathered units and unsharded gradients in flight; DDP: gradient buckets
+    # How what could not run on fake tensors was counted (empty: everything ran), e.g. the
+    # optimizer state from its documented layout because its kernels read raw pointers.
+    note: str = ""
+    # device_kind "cuda", one rank: the caching allocator's peaks for the step's trace, cuBLAS /
+    # cuBLASLt workspaces included (autofit.device.allocator); 0 where not modelled (a CPU).
+    allocated_peak_bytes: int = 0  # torch.cuda's allocated_bytes.all.peak: blocks, rounded to 512 B
+    reserved_peak_bytes: int = 0  # reserved_bytes.all.peak: segments; the figure an OOM follows
+    workspace_bytes: int = 0  # cuBLAS + cuBLASLt workspaces, in both peaks
+
+    @property
+    def fit_bytes(self) -> int:
+        """What must fit the budget: the reserved peak where it is modelled (CUDA), else the peak."""
+        return self.reserved_peak_bytes or self.peak_bytes
 
     @property
     def model_state_bytes(self) -> int:
@@ -80,21 +96,28 @@ class MemoryEstimate:
         }
         if self.world_size > 1:
             out |= {"world_size": self.world_size, "per_rank": True}
+        if self.reserved_peak_bytes:
+            out["bytes"] |= {"allocated_peak": self.allocated_peak_bytes, "reserved_peak": self.reserved_peak_bytes,
+                             "workspaces": self.workspace_bytes}
+        if self.note:
+            out["note"] = self.note
         return out
 
 
 def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = "cpu",
-                    workload: Workload | None = None) -> MemoryEstimate:
+                    workload: Workload | None = None, compute_capability: str | None = None) -> MemoryEstimate:
     """Peak bytes of training `spec` with `config`, on a device of kind `device_kind`.
 
     "cpu" predicts what a CPU trial tracks, model construction included. "cuda" leaves out
-    construction (the model is built in host memory, then moved) and uses the fused
-    optimizer the runner picks on CUDA. `workload`: built already (default: built here).
+    construction (the model is built in host memory, then moved), uses the fused optimizer
+    the runner picks on CUDA, and adds the card's allocated and reserved peaks (caching
+    allocator, cuBLAS workspaces sized for `compute_capability`, default Hopper's).
+    `workload`: built already (default: built here).
     """
     if device_kind not in DEVICE_KINDS:
         raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
     check_global_batch(config, spec.train.global_batch_size)
-    return _estimate(spec, workload or build_workload(spec), config, device_kind)
+    return _estimate(spec, workload or build_workload(spec), config, device_kind, compute_capability)
 
 
 def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int, *,
@@ -111,7 +134,7 @@ def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int
 
     def fits(micro: int) -> bool:
         trial = config.replace(micro_batch_size=micro, grad_accum_steps=rank_batch // micro)
-        return _estimate(spec, workload, trial, device_kind).peak_bytes <= budget_bytes
+        return _estimate(spec, workload, trial, device_kind).fit_bytes <= budget_bytes
 
     lo, hi = 0, len(sizes) - 1  # invariant: everything below lo fits, everything above hi does not
     while lo <= hi:
@@ -127,20 +150,22 @@ _CACHE_SIZE = 512
 _cache: dict[tuple, MemoryEstimate] = {}
 
 
-def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str) -> MemoryEstimate:
+def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str,
+              compute_capability: str | None = None) -> MemoryEstimate:
     """Memoised in this process: the search, `max_micro_batch_size` and the CLI ask for the
     same configurations again, and each answer costs a fake training step (~0.5 s)."""
     # Precisions that hold tensors of the same sizes have one estimate (bf16-mixed's is fp16's).
     config = config.replace(precision=same_tensors(config.precision))
-    key = (spec.spec_hash, str(spec.source_dir), config, device_kind)
+    key = (spec.spec_hash, str(spec.source_dir), config, device_kind, compute_capability)
     if key not in _cache:
         if len(_cache) >= _CACHE_SIZE:
             _cache.pop(next(iter(_cache)))  # oldest first
-        _cache[key] = _simulate(spec, workload, config, device_kind)
+        _cache[key] = _simulate(spec, workload, config, device_kind, compute_capability)
     return _cache[key]
 
 
-def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str) -> MemoryEstimate:
+def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str,
+              compute_capability: str | None = None) -> MemoryEstimate:
     micro_batches = min(config.grad_accum_steps, _MICRO_BATCHES)
     small_spec = dataclasses.replace(spec, train=dataclasses.replace(
         spec.train, global_batch_size=config.micro_batch_size * micro_batches))
@@ -153,7 +178,8 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     small_config = config.replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1, compile=False)
     # Real (meta) tensors are let in: a model's constant tensors become fake on first use.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    tracker = LiveBytesTracker()
+    tracker = LiveBytesTracker(record=device_kind == "cuda")
+    construction_events = 0
     activations = _ActivationMeter(tracker)
     build = _MetaBuild(workload.build_model)
     chunked = workload.chunked_loss_fn
@@ -168,11 +194,13 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
             with fake_mode, tracker:
                 runner = Runner(small_spec, workload, small_config, device=torch.device("cpu"))
                 build.retie(runner, device_kind)
+                guard = _OptimizerGuard(runner.optimizer, device_kind)
             # GradScaler reads its found-inf flag with .item(), which a fake tensor has no
             # value for; a disabled scaler differs only by a few scalars.
             runner.scaler = torch.amp.GradScaler("cpu", enabled=False)
             if device_kind == "cuda":
                 tracker.reset_peak()  # a GPU run builds the model in host memory
+                construction_events = len(tracker.events)
             for step in range(ESTIMATED_STEPS):
                 # Batches come from the real data source (it may read files or call numpy),
                 # then become fake tensors that the tracker counts as device inputs.
@@ -201,6 +229,7 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
         except AutofitError:
             raise
         except Exception as exc:
+            _note_cuda_error(exc)
             raise EstimateError(f"estimate: {spec.name} cannot run on fake tensors "
                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                                 f"measure it with `autofit trial` instead") from exc
@@ -210,10 +239,86 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     # Runner.global_batch puts every micro batch of a step on the device before the first
     # forward; only `micro_batches` of them were simulated, the others' inputs sit there too.
     idle_bytes = (config.grad_accum_steps - micro_batches) * _input_bytes(real[0])
-    one = _breakdown(runner, tracker.peak_bytes + idle_bytes, activations.peak_bytes)
+    one = dataclasses.replace(_breakdown(runner, tracker.peak_bytes + idle_bytes, activations.peak_bytes),
+                              note=guard.note)
+    if device_kind == "cuda" and config.world_size == 1:
+        one = _on_the_card(one, tracker.events, construction_events, config, real[0], compute_capability)
+    if guard.note:
+        logger.info("estimate {} {}: {}", spec.name, config.short(), guard.note)
     if config.world_size == 1:
         return one
     return per_rank(one, runner.model, config, device_kind)
+
+
+class _OptimizerGuard:
+    """Never runs a real kernel on fake tensors. An optimizer whose step is known not to run on
+    them (Triton or CUDA kernels on raw pointers) gets its state from its documented layout
+    and no step at all; one whose step raises under fake tensors (an op with no fake
+    implementation) gets the state it did not create from its layout, or from the state it
+    created before it raised. `note` says which, for the estimate's result and the log."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device_kind: str):
+        self.optimizer, self.real_step = optimizer, optimizer.step
+        self.name = implementation(optimizer)
+        reason = unfakeable_reason(optimizer, device_kind)
+        self.layout = state_layout(optimizer) if reason else None
+        self.note = ""
+        if self.layout is not None:
+            self.note = f"optimizer state of {self.name} from its documented layout, its step not run ({reason})"
+        optimizer.step = self.step  # the instance's step: what `optimizer_step` calls
+
+    def step(self, *args, **kwargs):
+        if self.layout is not None:
+            fill_state(self.optimizer, self.layout)
+            return None
+        try:
+            return self.real_step(*args, **kwargs)
+        except AutofitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the step on fake tensors is that limit
+            _note_cuda_error(exc)
+            cause = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            self.layout = state_layout(self.optimizer)
+            source = "its documented layout"
+            if self.layout is None:
+                self.layout, source = inferred_layout(self.optimizer), "the state its step created before it raised"
+            if self.layout is None:
+                raise
+            self.note = f"optimizer state of {self.name} from {source}: its step cannot run on fake tensors ({cause})"
+            fill_state(self.optimizer, self.layout)
+            return None
+
+
+_cuda_poisoned = False
+
+
+def cuda_poisoned() -> bool:
+    """Whether an estimate in this process met a CUDA error: sticky, so the process must be
+    replaced (the resident estimator child ends after its answer)."""
+    return _cuda_poisoned
+
+
+def _note_cuda_error(exc: BaseException) -> None:
+    global _cuda_poisoned
+    text = f"{type(exc).__name__} {exc}"
+    if isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA" in text or "illegal memory access" in text:
+        _cuda_poisoned = True
+
+
+def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, config: TrainConfig,
+                 micro_batch, compute_capability: str | None) -> MemoryEstimate:
+    """The step's trace through the caching allocator's rules, after the cuBLAS/cuBLASLt
+    workspaces the trial's first matmuls allocate and keep, and the inputs of the micro
+    batches that were not simulated (on the card before the first forward)."""
+    workspaces = workspace_events(compute_capability)
+    idle = [(("input", i, j), t.numel() * t.element_size())
+            for i in range(config.grad_accum_steps - min(config.grad_accum_steps, _MICRO_BATCHES))
+            for j, t in enumerate(tree_leaves(micro_batch)) if isinstance(t, torch.Tensor)]
+    trace = workspaces + events[:construction_events] + idle + events[construction_events:]
+    peaks = replay(trace, count_from=len(workspaces) + construction_events)
+    workspace_bytes = sum(n for _, n in workspaces)
+    return dataclasses.replace(one, allocated_peak_bytes=peaks.allocated_peak_bytes,
+                               reserved_peak_bytes=peaks.reserved_peak_bytes, workspace_bytes=workspace_bytes)
 
 
 def _fake_limitation(exc: BaseException | None) -> bool:

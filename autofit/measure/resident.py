@@ -9,8 +9,8 @@ lazily imported decompositions), which a fresh child per estimate paid every tim
 Its isolation is a task's: the child is the worker's, in a session of its own, with a folder
 and a log, and dies with the worker. Each request has its own timeout; a request that
 crashes, hangs or exits its child ends that child, and one whose answer is not "ok" ends it
-too (whatever the failed request left in its state goes with it): a fresh child serves the
-next. Trials never run here: each measures in a fresh child (`Worker.run`).
+too (whatever the failed request left in its state goes with it), as does one whose answer
+says `end_child` (an estimate that met a sticky CUDA error): a fresh child serves the next. Trials never run here: each measures in a fresh child (`Worker.run`).
 
 With `AUTOFIT_TRIAL_START=spawn` (no pre-loaded worker) each request is a task of its own.
 """
@@ -82,7 +82,7 @@ class Resident:
             self.close()
             return self.call(payload, timeout_s=max(deadline - time.monotonic(), 0.0), stop_event=stop_event)
         if answer is not None:
-            if answer.get("status") != "ok":
+            if answer.get("status") != "ok" or answer.get("end_child"):
                 self.close()  # what the failed request left behind goes with its child
             return TaskOutcome(ended="exited", result=answer, returncode=0, log_tail="",
                                wall_s=time.perf_counter() - started)
@@ -209,5 +209,5 @@ def serve(payload: dict, context) -> dict:
         answer = target(request, context)
         wire.send(answer)
         served += 1
-        if answer.get("status") != "ok":
+        if answer.get("status") != "ok" or answer.get("end_child"):
             return {"status": "ended", "served": served}

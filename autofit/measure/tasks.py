@@ -21,7 +21,7 @@ from autofit.workload import build_workload, make_workload, TextData, Workload
 from autofit.workload.probe import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.measure.child import run_request
-from autofit.measure.estimate import estimate_memory, EstimateError, max_micro_batch_size
+from autofit.measure.estimate import cuda_poisoned, estimate_memory, EstimateError, max_micro_batch_size
 
 _TRACEBACK_CHARS = 8000
 
@@ -65,6 +65,13 @@ def estimate(request: dict, context: dict) -> dict:
     largest micro batch that fits it."""
     spec, workload = context["spec"], context["workload"]
     config = TrainConfig.from_dict(request["config"])
+    out = _estimate(spec, workload, config, request)
+    if cuda_poisoned():  # a CUDA error is sticky: this child is replaced after answering
+        out["end_child"] = True
+    return out
+
+
+def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, request: dict) -> dict:
     try:
         found = estimate_memory(spec, config, device_kind=request["device_kind"], workload=workload)
         out = {"status": "ok", "estimate": dataclasses.asdict(found)}

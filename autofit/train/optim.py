@@ -74,7 +74,7 @@ def _compensated(spec: OptimizerSpec, groups: list[dict], device: torch.device) 
                                     "pip install torch-optimi") from None
     # On CUDA optimi's Triton kernels (one pass per tensor, no foreach temporaries) where
     # Triton is installed, else its foreach path; on a CPU one tensor at a time.
-    triton = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    triton = device.type == "cuda" and triton_available()
     impl = {"kahan_sum": True, "triton": triton, "foreach": device.type == "cuda" and not triton,
             "eps": 1e-8}  # torch's AdamW eps (optimi's default is 1e-6): the same update as 32-true's
     if spec.name == "adamw":
@@ -118,6 +118,11 @@ def _decay_into_compensation(optimizer: torch.optim.Optimizer, args, kwargs) -> 
                 p.mul_(1 - group["lr"] * decay)
             else:
                 compensation.add_(p, alpha=-group["lr"] * decay)
+
+
+def triton_available() -> bool:
+    """Whether optimi can use its Triton kernels here (a seam: tests make it say yes on a CPU box)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _eight_bit(spec: OptimizerSpec, groups: list[dict]) -> torch.optim.Optimizer:
