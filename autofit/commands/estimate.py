@@ -38,7 +38,7 @@ def estimate_command(spec_path, *, overrides: dict[str, str] | None = None, memo
     if budget is not None:
         out["requested_budget_bytes"] = requested
         out["budget_bytes"] = budget
-        out["fits"] = estimate.peak_bytes <= budget
+        out["fits"] = estimate.fit_bytes <= budget
         out["max_micro_batch_size"] = max_micro
     return out
 

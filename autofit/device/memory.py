@@ -27,9 +27,13 @@ class LiveBytesTracker(TorchDispatchMode):
     (`untyped_storage().resize_()`), which no dispatched op shows.
     """
 
-    def __init__(self, budget_bytes: int | None = None):
+    def __init__(self, budget_bytes: int | None = None, *, record: bool = False):
         super().__init__()
         self.budget_bytes = budget_bytes
+        # With `record`: every storage made and freed, in order, as `(key, bytes)` and
+        # `(key, None)`: the trace `autofit.device.allocator.replay` runs through the CUDA
+        # caching allocator's rules.
+        self.events: list[tuple] | None = [] if record else None
         self.live_bytes = 0
         self.peak_bytes = 0
         self._sizes: dict[int, int] = {}
@@ -50,6 +54,8 @@ class LiveBytesTracker(TorchDispatchMode):
         n_bytes = storage.nbytes()
         self._sizes[key] = n_bytes
         self.live_bytes += n_bytes
+        if self.events is not None:
+            self.events.append((key, n_bytes))
         weakref.finalize(storage, self._free, key)
         self._check(n_bytes)
 
@@ -65,6 +71,8 @@ class LiveBytesTracker(TorchDispatchMode):
             self.peak_bytes = self.live_bytes
 
     def _free(self, key: int) -> None:
+        if key in self._sizes and self.events is not None:
+            self.events.append((key, None))
         self.live_bytes -= self._sizes.pop(key, 0)
 
     def _resized(self, storage) -> None:
@@ -74,6 +82,8 @@ class LiveBytesTracker(TorchDispatchMode):
         n_bytes = storage.nbytes()
         grown = n_bytes - self._sizes[key]
         self._sizes[key] = n_bytes
+        if self.events is not None:  # a re-allocation at the new size
+            self.events += [(key, None), (key, n_bytes)]
         self.live_bytes += grown
         if grown > 0:
             self._check(grown)

@@ -330,10 +330,11 @@ class _Tune:
         return m
 
     def predict(self, config) -> int:
-        """Predicted peak; 0 (unknown: measure it) for a config the estimator cannot run."""
+        """Predicted peak (on CUDA the reserved one, which an OOM follows); 0 (unknown: measure
+        it) for a config the estimator cannot run."""
         try:
             return estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
-                                   worker=self.trial_worker, stop_event=self.stop_event).peak_bytes
+                                   worker=self.trial_worker, stop_event=self.stop_event).fit_bytes
         except EstimateError as exc:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0

@@ -1,0 +1,101 @@
+"""The CUDA caching allocator's model and the cuBLAS workspaces: pure functions, driven with
+traces whose answers follow from PyTorch's CUDACachingAllocator.cpp rules by hand."""
+
+import pytest
+
+from autofit.config.spec import load_spec
+from autofit.config.train_config import TrainConfig
+from autofit.device.allocator import (cublas_workspace_bytes, cublaslt_workspace_bytes, events_from_snapshot,
+                                      replay, round_size, segment_size)
+from autofit.measure.estimate import estimate_memory
+from conftest import tiny_gpt_dict, write_spec
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("request_bytes, block, segment", [
+    (1, 512, 2 * MiB), (512, 512, 2 * MiB), (513, 1024, 2 * MiB), (MiB, MiB, 2 * MiB),  # small pool
+    (MiB + 1, MiB + 512, 20 * MiB), (10 * MiB - 512, 10 * MiB - 512, 20 * MiB),  # large, shared 20 MiB segments
+    (10 * MiB, 10 * MiB, 10 * MiB), (11 * MiB + 1, 11 * MiB + 512, 12 * MiB),  # large, a segment of its own
+])
+def test_rounding_and_segment_sizes(request_bytes, block, segment):
+    assert round_size(request_bytes) == block
+    assert segment_size(block) == segment
+
+
+def test_small_requests_share_one_small_segment():
+    peaks = replay([(i, 100) for i in range(1000)])  # 1000 x 512 B blocks: 500 KiB of one 2 MiB segment
+    assert peaks.allocated_peak_bytes == 1000 * 512 and peaks.requested_peak_bytes == 100_000
+    assert peaks.reserved_peak_bytes == 2 * MiB and peaks.segments == 1
+
+
+def test_medium_requests_are_carved_from_a_20_mib_segment_and_reuse_freed_blocks():
+    trace = [("a", 3 * MiB), ("b", 3 * MiB), ("c", 12 * MiB), ("a", None), ("d", 4 * MiB), ("e", 2 * MiB)]
+    peaks = replay(trace)
+    # a and b split one 20 MiB segment; c, large as it is, takes 12 of the 14 MiB left (best
+    # fit over any cached large block). d fits neither a's 3 MiB hole nor the 2 MiB tail: a
+    # second 20 MiB segment. e takes the 2 MiB tail exactly.
+    assert peaks.reserved_peak_bytes == 40 * MiB and peaks.segments == 2
+    assert peaks.allocated_peak_bytes == (3 + 12 + 4 + 2) * MiB
+
+
+def test_a_freed_block_too_small_for_the_next_request_is_fragmentation():
+    # 11 MiB gets a 12 MiB segment, unsplit (1 MiB left is not more than 1 MiB): 12 MiB allocated.
+    # Freed, it cannot hold 13 MiB: a second segment, reserved 26 MiB for a 14 MiB peak.
+    peaks = replay([("a", 11 * MiB), ("a", None), ("b", 13 * MiB)])
+    assert peaks.allocated_peak_bytes == 14 * MiB
+    assert peaks.reserved_peak_bytes == 26 * MiB
+
+
+def test_freed_neighbours_merge_into_one_block():
+    trace = [("a", 4 * MiB), ("b", 4 * MiB), ("c", 4 * MiB), ("a", None), ("b", None), ("d", 8 * MiB)]
+    peaks = replay(trace)  # a and b merge into 8 MiB: d needs no new segment
+    assert peaks.reserved_peak_bytes == 20 * MiB
+
+
+def test_count_from_leaves_what_came_before_out_of_the_allocated_peak():
+    peaks = replay([("build", 30 * MiB), ("build", None), ("w", 12 * MiB)], count_from=2)
+    assert peaks.allocated_peak_bytes == 12 * MiB
+    assert peaks.reserved_peak_bytes == 30 * MiB  # the segment stays cached and is reused
+
+
+def test_a_recorded_cuda_trace_replays_to_its_own_peaks():
+    """`torch.cuda.memory._snapshot()`'s trace format, as a run on a card records it."""
+    snapshot = {"device_traces": [[
+        {"action": "segment_alloc", "addr": 0, "size": 20 * MiB},
+        {"action": "alloc", "addr": 0, "size": 3 * MiB},
+        {"action": "alloc", "addr": 3 * MiB, "size": 3 * MiB},
+        {"action": "free_requested", "addr": 0, "size": 3 * MiB},
+        {"action": "free_completed", "addr": 0, "size": 3 * MiB},
+        {"action": "alloc", "addr": 0, "size": 2 * MiB},
+    ]]}
+    events = events_from_snapshot(snapshot)
+    assert events == [(0, 3 * MiB), (3 * MiB, 3 * MiB), (0, None), (0, 2 * MiB)]
+    peaks = replay(events)
+    assert peaks.reserved_peak_bytes == 20 * MiB and peaks.allocated_peak_bytes == 6 * MiB
+
+
+@pytest.mark.parametrize("capability, environ, expected", [
+    ("9.0", {}, 32 * MiB), ("8.0", {}, 8 * MiB + 128 * 1024), (None, {}, 32 * MiB),
+    ("9.0", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 32 * MiB),
+    ("9.0", {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, 128 * 1024),
+])
+def test_cublas_workspace_bytes(capability, environ, expected):
+    assert cublas_workspace_bytes(capability, environ) == expected
+
+
+def test_cublaslt_workspace_follows_its_variable_or_cublas():
+    assert cublaslt_workspace_bytes("9.0", {"CUBLASLT_WORKSPACE_SIZE": "1024"}) == MiB
+    assert cublaslt_workspace_bytes("8.0", {}) == cublas_workspace_bytes("8.0", {})
+
+
+def test_a_cuda_estimate_predicts_allocated_and_reserved_and_fits_on_reserved(tmp_path, one_thread):
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    config = TrainConfig(micro_batch_size=8)
+    cpu, cuda = estimate_memory(spec, config), estimate_memory(spec, config, device_kind="cuda", compute_capability="9.0")
+    assert cpu.reserved_peak_bytes == cpu.allocated_peak_bytes == 0 and cpu.fit_bytes == cpu.peak_bytes
+    assert cuda.workspace_bytes == 64 * MiB  # cuBLAS + cuBLASLt, 32 MiB each on Hopper
+    assert cuda.allocated_peak_bytes >= cuda.peak_bytes + cuda.workspace_bytes  # 512-byte blocks
+    assert cuda.reserved_peak_bytes >= cuda.allocated_peak_bytes
+    assert cuda.fit_bytes == cuda.reserved_peak_bytes
+    assert cuda.to_dict()["bytes"]["reserved_peak"] == cuda.reserved_peak_bytes
