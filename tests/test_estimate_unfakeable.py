@@ -190,3 +190,21 @@ def test_a_peak_made_of_the_heads_fp32_logits_is_predicted_within_10_percent(tmp
     e, measured = estimate_memory(spec, config), _tracked_peak(spec, config)
     assert 3 * fp32_logits_bytes > 0.8 * measured  # logits, log-softmax, gradient: most of the peak
     _within(e.peak_bytes, measured)
+
+
+def test_the_fake_step_sees_autocasts_weight_cast_cache():
+    """A weight used three times under autocast is cast to 16 bits once and the copy held for
+    the forward: the cache CUDA autocast keeps, made by the CPU's under the same rule, and so
+    counted by the estimator's tracker without a model of its own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autofit.device.memory import LiveBytesTracker
+
+    mode = FakeTensorMode()
+    with mode:
+        linear, x = torch.nn.Linear(1024, 1024, bias=False), torch.randn(4, 1024)
+    tracker = LiveBytesTracker(record=True)
+    with mode, tracker, torch.autocast("cpu", dtype=torch.bfloat16):
+        linear(linear(linear(x)))
+    weight_casts = [n for _, n in tracker.events if n == 1024 * 1024 * 2]
+    assert len(weight_casts) == 1

@@ -252,6 +252,15 @@ def test_a_resident_s_failed_answer_ends_its_child():
         assert resident.children == 2 and resident.pid is None
 
 
+def test_a_resident_answer_that_asks_to_end_its_child_is_kept_and_the_next_gets_a_fresh_child():
+    with _worker() as worker:
+        resident = Resident(worker, f"{TASKS}:poisoned")
+        answers = [_served(resident.call({}, timeout_s=60)) for _ in range(2)]
+        assert resident.children == 2 and resident.pid is None
+    assert answers[0]["status"] == "ok" and answers[0]["pid"] != answers[1]["pid"]
+    assert not alive(answers[0]["pid"])
+
+
 def test_closing_the_worker_ends_its_resident_and_removes_its_folder(tmp_path, monkeypatch):
     import tempfile
 
