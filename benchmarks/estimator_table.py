@@ -1,7 +1,7 @@
 """The estimator against the card: predicted vs measured allocated and reserved peaks.
 
-On a CUDA box, one command (about 8 minutes on an H100; rows are written as they come, so a
-cut-off run keeps what it measured):
+On a CUDA box, one command (rows are written as they come; run again with the same --json,
+a run cut off by a time limit goes on from the rows it has):
 
     python benchmarks/estimator_table.py --device 0 --json benchmarks/results/estimator-h100.json
 
@@ -129,15 +129,27 @@ def main(argv=None) -> int:
 
     capability, memory_bytes, card = args.compute_capability, None, "none (estimate only)"
     if args.device is not None:
-        import torch  # the parent only reads the card's facts; trials run in children
+        from autofit.device.probe import select_device  # NVML: this process never initialises CUDA
 
-        props = torch.cuda.get_device_properties(int(args.device))
-        capability, memory_bytes, card = f"{props.major}.{props.minor}", props.total_memory, props.name
-    rows = []
+        from autofit.base.errors import DeviceError
+
+        try:
+            info = select_device(args.device)
+        except DeviceError as exc:
+            print(f"estimator_table: {exc}", file=sys.stderr)
+            return 2
+        capability = None if info.compute_capability is None else "{}.{}".format(*info.compute_capability)
+        memory_bytes, card = info.memory_total_bytes, info.name
+    # A run cut off (a command's time limit) is taken up again: rows already in --json are kept.
+    previous = json.loads(Path(args.json).read_text()).get("rows", []) if args.json and Path(args.json).exists() else []
+    rows = [r for r in previous if r.get("status") or args.device is None]
+    done = {(r["model"], r["precision"], r["micro_batch_size"]) for r in rows}
     for name in args.models.split(","):
         spec = load_spec(REPO / SPECS[name])
         for precision in args.precisions.split(","):
             for micro in map(int, args.micro_batches.split(",")):
+                if (spec.name, precision, micro) in done:
+                    continue
                 config = TrainConfig.default_for(spec).replace(
                     precision=precision, micro_batch_size=micro,
                     grad_accum_steps=spec.train.global_batch_size // micro)

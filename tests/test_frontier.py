@@ -331,7 +331,7 @@ def test_the_service_retunes_a_profile_whose_driver_changed_and_validates_its_fr
     calls = []
     monkeypatch.setattr("autofit.tuning.tune.measure", _simulated_measure(calls))
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
-                        lambda spec, config, **_: types.SimpleNamespace(peak_bytes=_simulated_peak_bytes(config)))
+                        lambda spec, config, **_: types.SimpleNamespace(fit_bytes=_simulated_peak_bytes(config)))
     config = write_config(tmp_path)
     spec = load_spec(write_spec(tmp_path / "models", model("alpha", trials=6, patience=6, frontier_points=3),
                                 "alpha.yaml"))

@@ -127,7 +127,7 @@ def test_validation_compares_the_winner_s_loss_curve_with_the_reference_s(tmp_pa
         "validate_steps": 20, "frontier_points": 1})))
     monkeypatch.setattr("autofit.tuning.tune.measure", _simulated(20, drift))
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
-                        lambda spec, config, **_: types.SimpleNamespace(peak_bytes=1000 * config.micro_batch_size))
+                        lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
     outcome = tune(spec, device=cpu_device(), budget_bytes=10**6, out_dir=tmp_path / "profiles", storage=None,
                    report=False)
     curve = outcome.profile.search.loss_curve

@@ -398,7 +398,7 @@ def test_a_batchnorm_model_s_profile_says_which_floor_and_why(tmp_path, monkeypa
 
     monkeypatch.setattr("autofit.tuning.tune.measure", measure)
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
-                        lambda spec, config, **_: types.SimpleNamespace(peak_bytes=1000 * config.micro_batch_size))
+                        lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
     profile = tune(spec, device=cpu_device(), budget_bytes=10**6, out_dir=tmp_path / "profiles", storage=None,
                    report=False).profile
     assert measured and min(c.micro_batch_size for c in measured) == 16

@@ -32,8 +32,9 @@ def estimate_command(spec_path, *, overrides: dict[str, str] | None = None, memo
                                                                 memory_budget=requested)
     # The user's model runs (on fake tensors) in a child, as in a tune: never in this process.
     with trial_worker(spec, "cpu") as worker:
+        capability = None if info.compute_capability is None else "{}.{}".format(*info.compute_capability)
         estimate, max_micro = asks.estimate(worker, spec, config, device_kind=info.kind, budget_bytes=budget,
-                                            stop_event=stopping.requested)
+                                            stop_event=stopping.requested, compute_capability=capability)
     out = {"config": config.to_dict(), "device_kind": info.kind, **estimate.to_dict()}
     if budget is not None:
         out["requested_budget_bytes"] = requested
@@ -54,7 +55,9 @@ def main(args) -> int:
         answer(f"{out['parameters']:,} parameters ({out['trainable_parameters']:,} trainable), "
                f"{out['device_kind']} estimate{per_rank}")
         for part, n_bytes in out["bytes"].items():
-            answer(f"  {part:<12} {format_bytes(n_bytes):>12}")
+            answer(f"  {part:<14} {format_bytes(n_bytes):>12}")
+        if out.get("note"):
+            answer(f"note: {out['note']}")
         answer(f"model state {format_bytes(out['model_state_bytes'])}: {out['model_state_bytes_per_param']:.2f} "
                f"bytes per parameter (weights, gradients, optimizer state)")
         if "max_micro_batch_size" in out:
