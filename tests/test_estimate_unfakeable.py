@@ -155,6 +155,31 @@ def test_a_registered_layout_is_used_when_the_step_fails(wide_spec, opaque_optim
     assert e.optimizer_bytes >= 4 * e.trainable_parameters
 
 
+def test_a_users_optimizer_whose_wrapped_step_meets_fake_tensors_limit_is_estimated(wide_spec, opaque_optimizer,
+                                                                                     monkeypatch, one_thread):
+    """A user's optimizer runs behind autofit's wrapper, which reports its errors as
+    UserCodeError: fake tensors' own limit under it is still handled, a bug of theirs is not."""
+    from autofit.base.errors import UserCodeError
+
+    step = OpaqueSGD.step
+
+    def wrapped(self):
+        try:
+            return step(self)
+        except Exception as exc:
+            raise UserCodeError(f"optimizer.python: raised {exc}") from exc
+
+    monkeypatch.setattr(OpaqueSGD, "step", wrapped)
+    assert "before it raised" in estimate_memory(wide_spec, TrainConfig(micro_batch_size=8)).note
+
+    def buggy(self):
+        raise UserCodeError("optimizer.python: raised KeyError") from KeyError("lr")
+
+    monkeypatch.setattr(OpaqueSGD, "step", buggy)
+    with pytest.raises(UserCodeError):
+        estimate_memory(wide_spec, TrainConfig(micro_batch_size=4, grad_accum_steps=2))
+
+
 def test_one_failed_estimate_does_not_poison_the_next(wide_spec, opaque_optimizer, monkeypatch):
     """A step whose state cannot be inferred (it raised before making any) is an EstimateError;
     the next estimate, with a working optimizer, is unaffected."""

@@ -273,20 +273,29 @@ class _OptimizerGuard:
             return None
         try:
             return self.real_step(*args, **kwargs)
+        except UserCodeError as exc:  # a user's optimizer, wrapped: only fake tensors' own limit is ours
+            if not (_fake_limitation(exc.__cause__) and self._instead(exc.__cause__)):
+                raise
         except AutofitError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the step on fake tensors is that limit
-            _note_cuda_error(exc)
-            cause = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-            self.layout = state_layout(self.optimizer)
-            source = "its documented layout"
-            if self.layout is None:
-                self.layout, source = inferred_layout(self.optimizer), "the state its step created before it raised"
-            if self.layout is None:
+            if not self._instead(exc):
                 raise
-            self.note = f"optimizer state of {self.name} from {source}: its step cannot run on fake tensors ({cause})"
-            fill_state(self.optimizer, self.layout)
-            return None
+        return None
+
+    def _instead(self, exc: BaseException) -> bool:
+        """Makes the state the failed step did not, from the layout or from what the step made;
+        False when neither is known (the estimate fails)."""
+        _note_cuda_error(exc)
+        cause = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        self.layout, source = state_layout(self.optimizer), "its documented layout"
+        if self.layout is None:
+            self.layout, source = inferred_layout(self.optimizer), "the state its step created before it raised"
+        if self.layout is None:
+            return False
+        self.note = f"optimizer state of {self.name} from {source}: its step cannot run on fake tensors ({cause})"
+        fill_state(self.optimizer, self.layout)
+        return True
 
 
 _cuda_poisoned = False
@@ -322,7 +331,10 @@ def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, co
 
 
 def _fake_limitation(exc: BaseException | None) -> bool:
-    return exc is not None and (type(exc).__module__.startswith("torch") or isinstance(exc, NotImplementedError))
+    # torch's own exception types; a custom op with no fake kernel raises a plain RuntimeError
+    # that says so.
+    return exc is not None and (type(exc).__module__.startswith("torch") or isinstance(exc, NotImplementedError)
+                                or (isinstance(exc, RuntimeError) and "fake" in str(exc).lower()))
 
 
 def _input_bytes(micro_batch) -> int:
