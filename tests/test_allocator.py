@@ -6,7 +6,7 @@ import pytest
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
 from autofit.device.allocator import (cublas_workspace_bytes, cublaslt_workspace_bytes, events_from_snapshot,
-                                      replay, round_size, segment_size)
+                                      replay, round_size, segment_size, workspace_events)
 from autofit.measure.estimate import estimate_memory
 from conftest import tiny_gpt_dict, write_spec
 
@@ -77,6 +77,7 @@ def test_a_recorded_cuda_trace_replays_to_its_own_peaks():
 
 @pytest.mark.parametrize("capability, environ, expected", [
     ("9.0", {}, 32 * MiB), ("8.0", {}, 8 * MiB + 128 * 1024), (None, {}, 32 * MiB),
+    ("10.0", {}, 32 * MiB), ("12.0", {}, 32 * MiB), ("8.9", {}, 8 * MiB + 128 * 1024), ("11.0", {}, 8 * MiB + 128 * 1024),
     ("9.0", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 32 * MiB),
     ("9.0", {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, 128 * 1024),
 ])
@@ -84,17 +85,36 @@ def test_cublas_workspace_bytes(capability, environ, expected):
     assert cublas_workspace_bytes(capability, environ) == expected
 
 
-def test_cublaslt_workspace_follows_its_variable_or_cublas():
-    assert cublaslt_workspace_bytes("9.0", {"CUBLASLT_WORKSPACE_SIZE": "1024"}) == MiB
-    assert cublaslt_workspace_bytes("8.0", {}) == cublas_workspace_bytes("8.0", {})
+def test_cublaslt_shares_cublas_workspace_unless_unification_is_off():
+    """PyTorch's CUDA builds run cuBLASLt in cuBLAS's workspace (TORCH_CUBLASLT_UNIFIED_WORKSPACE
+    unset or 1): no second allocation, whatever CUBLASLT_WORKSPACE_SIZE says. Off, it is a
+    block of its own, 1024 KiB by default."""
+    assert cublaslt_workspace_bytes("9.0", {}) == 0
+    assert cublaslt_workspace_bytes("9.0", {"CUBLASLT_WORKSPACE_SIZE": "65536"}) == 0
+    assert cublaslt_workspace_bytes("9.0", {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}) == MiB
+    assert cublaslt_workspace_bytes("8.0", {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0",
+                                            "CUBLASLT_WORKSPACE_SIZE": "4096"}) == 4 * MiB
+    assert workspace_events("9.0", environ={}) == [(("workspace", 0, 0), 32 * MiB)]
+    assert [n for _, n in workspace_events("9.0", environ={"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"})] == [32 * MiB, MiB]
+    assert workspace_events("9.0", environ={"CUBLAS_WORKSPACE_CONFIG": ":0:0"}) == []  # no 0-byte block
+
+
+def test_an_empty_tensor_takes_no_block():
+    """A 0-byte request is a null pointer: no 512-byte block, no 2 MiB segment."""
+    peaks = replay([("empty", 0), ("empty", None)])
+    assert peaks.allocated_peak_bytes == peaks.reserved_peak_bytes == peaks.segments == 0
 
 
 def test_a_cuda_estimate_predicts_allocated_and_reserved_and_fits_on_reserved(tmp_path, one_thread):
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
     config = TrainConfig(micro_batch_size=8)
-    cpu, cuda = estimate_memory(spec, config), estimate_memory(spec, config, device_kind="cuda", compute_capability="9.0")
+    cpu = estimate_memory(spec, config)
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE"):
+            env.delenv(name, raising=False)
+        cuda = estimate_memory(spec, config, device_kind="cuda", compute_capability="9.0")
     assert cpu.reserved_peak_bytes == cpu.allocated_peak_bytes == 0 and cpu.fit_bytes == cpu.peak_bytes
-    assert cuda.workspace_bytes == 64 * MiB  # cuBLAS + cuBLASLt, 32 MiB each on Hopper
+    assert cuda.workspace_bytes == 32 * MiB  # cuBLAS's on Hopper; cuBLASLt shares it
     assert cuda.allocated_peak_bytes >= cuda.peak_bytes + cuda.workspace_bytes  # 512-byte blocks
     assert cuda.reserved_peak_bytes >= cuda.allocated_peak_bytes
     assert cuda.fit_bytes == cuda.reserved_peak_bytes

@@ -8,7 +8,7 @@ max_split_size, no power-of-two rounding) and returns the allocated and reserved
 card would report, `torch.cuda.memory_stats`'s `allocated_bytes.all.peak` and
 `reserved_bytes.all.peak`:
 
-- each request is rounded up to 512 bytes (`round_size`);
+- each request is rounded up to 512 bytes (`round_size`); an empty one takes no block;
 - requests up to 1 MiB come from the small pool, carved from 2 MiB segments; larger ones
   from the large pool, carved from 20 MiB segments below 10 MiB, else from a segment of
   their own size rounded up to 2 MiB (`segment_size`);
@@ -76,6 +76,8 @@ class CachingAllocator:
         self.segments = 0
 
     def malloc(self, key, n_bytes: int) -> None:
+        if n_bytes == 0:  # an empty tensor: the allocator hands out a null pointer, no block
+            return
         size = round_size(n_bytes)
         small = size <= SMALL_SIZE_BYTES
         block = self._take(size, small)
@@ -164,11 +166,18 @@ def replay(events, *, count_from: int = 0) -> AllocatorPeaks:
                           requested_peak_bytes=allocator.requested_peak_bytes, segments=allocator.segments)
 
 
+# Compute capability majors whose default cuBLAS workspace is 32 MiB (CublasHandlePool.cpp:
+# `major == 9 || major == 10 || major == 12` in current PyTorch; older releases: 9.0 only,
+# where a Blackwell card's real workspace is smaller than this model's, the safe side).
+_BIG_WORKSPACE_MAJORS = (9, 10, 12)
+
+
 def cublas_workspace_bytes(compute_capability: str | None = None, environ=None) -> int:
     """One stream's cuBLAS workspace, which PyTorch allocates through the caching allocator at
     the first matmul and keeps (aten/src/ATen/cuda/CublasHandlePool.cpp): CUBLAS_WORKSPACE_CONFIG
-    (`:SIZE_KiB:COUNT`, repeated) when set, else 4096 KiB x 8 on Hopper (compute capability 9.x)
-    and 4096 KiB x 2 + 16 KiB x 8 before it. Unknown capability: Hopper's, the larger."""
+    (`:SIZE_KiB:COUNT`, repeated) when set, else 4096 KiB x 8 on Hopper and Blackwell (compute
+    capability 9.x, 10.x, 12.x) and 4096 KiB x 2 + 16 KiB x 8 on the others. Unknown
+    capability: the larger."""
     environ = os.environ if environ is None else environ
     config = environ.get("CUBLAS_WORKSPACE_CONFIG")
     if config:
@@ -176,25 +185,29 @@ def cublas_workspace_bytes(compute_capability: str | None = None, environ=None) 
         if len(parts) % 2 == 0 and all(p.isdigit() for p in parts):
             return sum(int(size) * int(count) * 1024 for size, count in zip(parts[::2], parts[1::2]))
     major = int(str(compute_capability or "9.0").split(".")[0])
-    return 4096 * 8 * 1024 if major >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 4096 * 8 * 1024 if major in _BIG_WORKSPACE_MAJORS else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def cublaslt_workspace_bytes(compute_capability: str | None = None, environ=None) -> int:
-    """One stream's cuBLASLt workspace: CUBLASLT_WORKSPACE_SIZE (KiB) when set, else the size
-    of cuBLAS's (PyTorch's default since the two share a default size)."""
+    """The cuBLASLt workspace allocated besides cuBLAS's: none by default, since PyTorch's
+    CUDA builds unify the two (TORCH_CUBLASLT_UNIFIED_WORKSPACE unset or 1: cuBLASLt runs in
+    cuBLAS's workspace, capped at its size); with TORCH_CUBLASLT_UNIFIED_WORKSPACE=0, one of
+    CUBLASLT_WORKSPACE_SIZE KiB, default 1024 KiB. (Releases before the unified default had
+    that separate 1 MiB one: this model misses it there, at most one 2 MiB small segment.)"""
     environ = os.environ if environ is None else environ
+    if environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1") != "0":  # c10's check_env: only "0" is off
+        return 0
     value = environ.get("CUBLASLT_WORKSPACE_SIZE", "")
-    if value.isdigit():
-        return int(value) * 1024
-    return cublas_workspace_bytes(compute_capability, environ)
+    return (int(value) if value.isdigit() else 1024) * 1024
 
 
 def workspace_events(compute_capability: str | None = None, *, streams: int = 1, environ=None) -> list[tuple]:
     """The workspaces a training step's matmuls allocate first and keep, as trace events: one
-    cuBLAS and one cuBLASLt workspace per stream the step's matmuls run on (forward and
-    backward share the current stream: 1)."""
+    cuBLAS workspace (and a cuBLASLt one where it is not unified) per stream the step's
+    matmuls run on (forward and backward share the current stream: 1). A size of 0 is no
+    allocation at all."""
     sizes = [cublas_workspace_bytes(compute_capability, environ), cublaslt_workspace_bytes(compute_capability, environ)]
-    return [(("workspace", stream, i), size) for stream in range(streams) for i, size in enumerate(sizes)]
+    return [(("workspace", stream, i), size) for stream in range(streams) for i, size in enumerate(sizes) if size]
 
 
 def events_from_snapshot(snapshot: dict, device: int = 0) -> list[tuple]:
