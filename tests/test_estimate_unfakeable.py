@@ -43,12 +43,37 @@ def _params(dtype) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(*shape).to(dtype)) for shape in ((64, 80), (10,), (4097,), (3, 5))]
 
 
+@pytest.fixture(autouse=True)
+def no_lasting_bnb_overrides():
+    # bitsandbytes keeps per-parameter overrides in a process-wide manager, keyed by id(p)
+    # and by (group, index): one test's override must not reach another's parameters.
+    import bitsandbytes
+    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+    saved = dict(manager.pid2config), dict(manager.index2config)
+    yield
+    manager.pid2config, manager.index2config = saved
+
+
+def _bnb_with_a_32_bit_override(params):
+    """GlobalOptimManager's per-parameter override (what users set for embeddings): that
+    parameter's state is fp32, though the optimizer is 8-bit."""
+    import bitsandbytes
+    optimizer = bitsandbytes.optim.AdamW8bit(params)
+    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+    manager.override_config(params[0], "optim_bits", 32)
+    return optimizer
+
+
 @pytest.mark.parametrize("make, dtype", [
     (lambda ps: torch.optim.AdamW(ps, foreach=False), torch.float32),
     (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), torch.float32),
     (lambda ps: __import__("optimi").AdamW(ps, lr=1e-3, kahan_sum=True, foreach=False), torch.bfloat16),
     (lambda ps: __import__("bitsandbytes").optim.AdamW8bit(ps), torch.float32),
-], ids=["torch-adamw", "torch-sgd", "optimi-adamw-kahan", "bnb-adamw8bit"])
+    # The 5120-element matrix keeps fp32 moments under this floor, as the library's args say.
+    (lambda ps: __import__("bitsandbytes").optim.AdamW8bit(ps, min_8bit_size=8192), torch.float32),
+    (lambda ps: _bnb_with_a_32_bit_override(ps), torch.float32),
+], ids=["torch-adamw", "torch-sgd", "optimi-adamw-kahan", "bnb-adamw8bit", "bnb-adamw8bit-min-size",
+        "bnb-adamw8bit-32bit-override"])
 def test_the_layout_is_the_state_the_real_step_creates(make, dtype):
     real, standin = make(_params(dtype)), make(_params(dtype))
     for opt in (real, standin):

@@ -53,23 +53,37 @@ def _optimi(optimizer, group, p) -> dict[str, StateSpec]:
 
 
 _BNB_BLOCK = 256  # values per fp32 absmax scale (bitsandbytes' blockwise quantization)
-_BNB_MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 moments (the library's default)
+
+
+def _bitsandbytes_config(optimizer, group, p) -> dict:
+    """The library's own per-parameter config (`Optimizer8bit.get_config`): `min_8bit_size`
+    and `optim_bits` live in the optimizer's args and in GlobalOptimManager's per-parameter
+    overrides (e.g. 32-bit state for an embedding), not in the param group."""
+    gindex = next(i for i, g in enumerate(optimizer.param_groups) if g is group)  # dicts of tensors: by identity
+    pindex = next(i for i, q in enumerate(group["params"]) if q is p)
+    return optimizer.get_config(gindex, pindex, group)
 
 
 def _bitsandbytes_8bit(optimizer, group, p) -> dict[str, StateSpec]:
     """bitsandbytes' `Optimizer2State.init_state` at 8 bits: two uint8 moments and an fp32
-    scale per 256-value block; small tensors keep fp32 moments."""
+    scale per 256-value block; tensors under `min_8bit_size`, or with 32-bit state by
+    override, keep fp32 moments."""
     n, shape = p.numel(), tuple(p.shape)
-    if n < group.get("min_8bit_size", _BNB_MIN_8BIT_SIZE):
-        return {"state1": (shape, torch.float32), "state2": (shape, torch.float32)}
+    config = _bitsandbytes_config(optimizer, group, p)
+    state: dict[str, StateSpec] = {}
+    if config["max_unorm"] > 0.0:
+        state["unorm_vec"] = ((1,), torch.float32)
+    if config["optim_bits"] == 32 or n < config["min_8bit_size"]:
+        return state | {"state1": (shape, torch.float32), "state2": (shape, torch.float32)}
     blocks = math.ceil(n / _BNB_BLOCK)
-    return {"state1": (shape, torch.uint8), "state2": (shape, torch.uint8),
-            "absmax1": ((blocks,), torch.float32), "absmax2": ((blocks,), torch.float32)}
+    return state | {"state1": (shape, torch.uint8), "state2": (shape, torch.uint8),
+                    "absmax1": ((blocks,), torch.float32), "absmax2": ((blocks,), torch.float32)}
 
 
-def _bitsandbytes_maps(optimizer, p) -> dict[str, StateSpec]:
+def _bitsandbytes_maps(optimizer, group, p) -> dict[str, StateSpec]:
     """The two 256-entry fp32 quantization maps, one pair shared by every 8-bit tensor."""
-    if p.numel() < _BNB_MIN_8BIT_SIZE:
+    config = _bitsandbytes_config(optimizer, group, p)
+    if config["optim_bits"] == 32 or p.numel() < config["min_8bit_size"]:
         return {}
     return {"qmap1": ((256,), torch.float32), "qmap2": ((256,), torch.float32)}
 
@@ -80,7 +94,7 @@ LAYOUTS: dict[str, Layout] = {
     "optimi.AdamW": _optimi, "optimi.Adam": _optimi, "optimi.SGD": _optimi,
     "bitsandbytes.AdamW8bit": _bitsandbytes_8bit, "bitsandbytes.Adam8bit": _bitsandbytes_8bit,
 }
-SHARED: dict[str, Callable[[torch.optim.Optimizer, torch.Tensor], dict[str, StateSpec]]] = {
+SHARED: dict[str, Layout] = {
     "bitsandbytes.AdamW8bit": _bitsandbytes_maps, "bitsandbytes.Adam8bit": _bitsandbytes_maps,
 }
 
@@ -159,7 +173,7 @@ def fill_state(optimizer: torch.optim.Optimizer, layout: Layout) -> int:
                 continue
             state = optimizer.state[p]
             wanted = dict(layout(optimizer, group, p))
-            for name, spec in (shared_of(optimizer, p) if shared_of else {}).items():
+            for name, spec in (shared_of(optimizer, group, p) if shared_of else {}).items():
                 if name not in shared:
                     shared[name] = _make(spec, p.device)
                 state.setdefault(name, shared[name])
