@@ -7,7 +7,9 @@ from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
 from autofit.device.allocator import (cublas_workspace_bytes, cublaslt_workspace_bytes, events_from_snapshot,
                                       replay, round_size, segment_size, workspace_events)
+from autofit.measure import tasks
 from autofit.measure.estimate import estimate_memory
+from autofit.workload import build_workload
 from conftest import tiny_gpt_dict, write_spec
 
 MiB = 2**20
@@ -119,3 +121,21 @@ def test_a_cuda_estimate_predicts_allocated_and_reserved_and_fits_on_reserved(tm
     assert cuda.reserved_peak_bytes >= cuda.allocated_peak_bytes
     assert cuda.fit_bytes == cuda.reserved_peak_bytes
     assert cuda.to_dict()["bytes"]["reserved_peak"] == cuda.reserved_peak_bytes
+
+
+def test_the_largest_micro_batch_is_judged_for_the_same_card_as_fits(tmp_path, one_thread, monkeypatch):
+    """`autofit estimate` on an Ampere card: a budget that holds the config's reserved peak
+    (8.125 MiB cuBLAS workspace) must give that config's micro batch as the largest that
+    fits, not a smaller one judged with Hopper's 32 MiB workspace."""
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE"):
+        monkeypatch.delenv(name, raising=False)
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    config = TrainConfig(micro_batch_size=spec.train.global_batch_size)
+    ampere = estimate_memory(spec, config, device_kind="cuda", compute_capability="8.0")
+    hopper = estimate_memory(spec, config, device_kind="cuda", compute_capability="9.0")
+    assert ampere.fit_bytes < hopper.fit_bytes  # else this test shows nothing
+    context = {"spec": spec, "workload": build_workload(spec)}
+    out = tasks.estimate({"config": config.to_dict(), "device_kind": "cuda", "budget_bytes": ampere.fit_bytes,
+                          "compute_capability": "8.0"}, context)
+    assert out["estimate"]["reserved_peak_bytes"] == ampere.fit_bytes
+    assert out["max_micro_batch_size"] == config.micro_batch_size

@@ -121,7 +121,8 @@ def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = 
 
 
 def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int, *,
-                         device_kind: str = "cpu", workload: Workload | None = None) -> int | None:
+                         device_kind: str = "cpu", workload: Workload | None = None,
+                         compute_capability: str | None = None) -> int | None:
     """Largest divisor of the global batch whose estimated peak fits `budget_bytes`, with
     `config`'s precision, checkpointing and freezing (accumulation follows); None when even
     a micro batch of 1 does not fit. Memory grows with the micro batch, so a binary search
@@ -134,7 +135,7 @@ def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int
 
     def fits(micro: int) -> bool:
         trial = config.replace(micro_batch_size=micro, grad_accum_steps=rank_batch // micro)
-        return _estimate(spec, workload, trial, device_kind).fit_bytes <= budget_bytes
+        return _estimate(spec, workload, trial, device_kind, compute_capability).fit_bytes <= budget_bytes
 
     lo, hi = 0, len(sizes) - 1  # invariant: everything below lo fits, everything above hi does not
     while lo <= hi:

@@ -77,8 +77,9 @@ def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, request:
                                 compute_capability=request.get("compute_capability"))
         out = {"status": "ok", "estimate": dataclasses.asdict(found)}
         if request.get("budget_bytes") is not None:
-            out["max_micro_batch_size"] = max_micro_batch_size(spec, config, request["budget_bytes"],
-                                                               device_kind=request["device_kind"], workload=workload)
+            out["max_micro_batch_size"] = max_micro_batch_size(
+                spec, config, request["budget_bytes"], device_kind=request["device_kind"], workload=workload,
+                compute_capability=request.get("compute_capability"))  # the card `fits` was judged for
         return out
     except EstimateError as exc:  # fake tensors' limit (data-dependent shapes): measured instead
         return {"status": "estimate_error", "reason": str(exc)}
