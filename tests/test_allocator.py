@@ -87,18 +87,20 @@ def test_cublas_workspace_bytes(capability, environ, expected):
     assert cublas_workspace_bytes(capability, environ) == expected
 
 
-def test_cublaslt_shares_cublas_workspace_unless_unification_is_off():
-    """PyTorch's CUDA builds run cuBLASLt in cuBLAS's workspace (TORCH_CUBLASLT_UNIFIED_WORKSPACE
-    unset or 1): no second allocation, whatever CUBLASLT_WORKSPACE_SIZE says. Off, it is a
-    block of its own, 1024 KiB by default."""
-    assert cublaslt_workspace_bytes("9.0", {}) == 0
-    assert cublaslt_workspace_bytes("9.0", {"CUBLASLT_WORKSPACE_SIZE": "65536"}) == 0
+def test_cublaslt_workspace_follows_torchs_unification_variable():
+    """TORCH_CUBLASLT_UNIFIED_WORKSPACE=1: cuBLASLt runs in cuBLAS's workspace, no second
+    block; =0: its own, 1024 KiB unless CUBLASLT_WORKSPACE_SIZE says; unset: a second one of
+    cuBLAS's size, as torch 2.11 held on an H200 (or CUBLASLT_WORKSPACE_SIZE, capped at it)."""
+    assert cublaslt_workspace_bytes("9.0", {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}) == 0
     assert cublaslt_workspace_bytes("9.0", {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}) == MiB
     assert cublaslt_workspace_bytes("8.0", {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0",
                                             "CUBLASLT_WORKSPACE_SIZE": "4096"}) == 4 * MiB
-    assert workspace_events("9.0", environ={}) == [(("workspace", 0, 0), 32 * MiB)]
-    assert [n for _, n in workspace_events("9.0", environ={"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"})] == [32 * MiB, MiB]
-    assert workspace_events("9.0", environ={"CUBLAS_WORKSPACE_CONFIG": ":0:0"}) == []  # no 0-byte block
+    assert cublaslt_workspace_bytes("9.0", {}) == 32 * MiB
+    assert cublaslt_workspace_bytes("9.0", {"CUBLASLT_WORKSPACE_SIZE": "1024"}) == MiB
+    assert cublaslt_workspace_bytes("8.0", {"CUBLASLT_WORKSPACE_SIZE": "65536"}) == cublas_workspace_bytes("8.0", {})
+    assert workspace_events("9.0", environ={"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}) == [(("workspace", 0, 0), 32 * MiB)]
+    assert [n for _, n in workspace_events("9.0", environ={})] == [32 * MiB, 32 * MiB]
+    assert workspace_events("9.0", environ={"CUBLAS_WORKSPACE_CONFIG": ":0:0"}) == []  # no 0-byte blocks
 
 
 def test_an_empty_tensor_takes_no_block():
@@ -116,7 +118,7 @@ def test_a_cuda_estimate_predicts_allocated_and_reserved_and_fits_on_reserved(tm
             env.delenv(name, raising=False)
         cuda = estimate_memory(spec, config, device_kind="cuda", compute_capability="9.0")
     assert cpu.reserved_peak_bytes == cpu.allocated_peak_bytes == 0 and cpu.fit_bytes == cpu.peak_bytes
-    assert cuda.workspace_bytes == 32 * MiB  # cuBLAS's on Hopper; cuBLASLt shares it
+    assert cuda.workspace_bytes == 64 * MiB  # cuBLAS + cuBLASLt, 32 MiB each on Hopper (unification unset)
     assert cuda.allocated_peak_bytes >= cuda.peak_bytes + cuda.workspace_bytes  # 512-byte blocks
     assert cuda.reserved_peak_bytes >= cuda.allocated_peak_bytes
     assert cuda.fit_bytes == cuda.reserved_peak_bytes

@@ -189,21 +189,27 @@ def cublas_workspace_bytes(compute_capability: str | None = None, environ=None) 
 
 
 def cublaslt_workspace_bytes(compute_capability: str | None = None, environ=None) -> int:
-    """The cuBLASLt workspace allocated besides cuBLAS's: none by default, since PyTorch's
-    CUDA builds unify the two (TORCH_CUBLASLT_UNIFIED_WORKSPACE unset or 1: cuBLASLt runs in
-    cuBLAS's workspace, capped at its size); with TORCH_CUBLASLT_UNIFIED_WORKSPACE=0, one of
-    CUBLASLT_WORKSPACE_SIZE KiB, default 1024 KiB. (Releases before the unified default had
-    that separate 1 MiB one: this model misses it there, at most one 2 MiB small segment.)"""
+    """The cuBLASLt workspace allocated besides cuBLAS's. PyTorch's rule moved between
+    releases (CublasHandlePool.cpp): with TORCH_CUBLASLT_UNIFIED_WORKSPACE=1 cuBLASLt runs in
+    cuBLAS's workspace (none of its own); with =0 it has its own, CUBLASLT_WORKSPACE_SIZE KiB,
+    default 1024 KiB. Unset, torch 2.11 on an H200 held about 63 MiB beyond the tensors, two
+    32 MiB workspaces (benchmarks/results/2026-11-26-doctor-h200.json), while 2.13's docs say
+    the two share one allocation: unset counts a second one of cuBLAS's size (or
+    CUBLASLT_WORKSPACE_SIZE, capped at it), the safe side until a card says otherwise."""
     environ = os.environ if environ is None else environ
-    if environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1") != "0":  # c10's check_env: only "0" is off
+    unified = environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE")  # c10's check_env: "1" on, "0" off
+    if unified == "1":
         return 0
     value = environ.get("CUBLASLT_WORKSPACE_SIZE", "")
-    return (int(value) if value.isdigit() else 1024) * 1024
+    if unified == "0":
+        return (int(value) if value.isdigit() else 1024) * 1024
+    cublas = cublas_workspace_bytes(compute_capability, environ)
+    return min(int(value) * 1024, cublas) if value.isdigit() else cublas
 
 
 def workspace_events(compute_capability: str | None = None, *, streams: int = 1, environ=None) -> list[tuple]:
     """The workspaces a training step's matmuls allocate first and keep, as trace events: one
-    cuBLAS workspace (and a cuBLASLt one where it is not unified) per stream the step's
+    cuBLAS workspace and, unless unified, one cuBLASLt workspace per stream the step's
     matmuls run on (forward and backward share the current stream: 1). A size of 0 is no
     allocation at all."""
     sizes = [cublas_workspace_bytes(compute_capability, environ), cublaslt_workspace_bytes(compute_capability, environ)]
