@@ -79,7 +79,7 @@ def test_a_recorded_cuda_trace_replays_to_its_own_peaks():
 
 @pytest.mark.parametrize("capability, environ, expected", [
     ("9.0", {}, 32 * MiB), ("8.0", {}, 8 * MiB + 128 * 1024), (None, {}, 32 * MiB),
-    ("10.0", {}, 32 * MiB), ("12.0", {}, 32 * MiB), ("8.9", {}, 8 * MiB + 128 * 1024), ("11.0", {}, 8 * MiB + 128 * 1024),
+    ("10.0", {}, 32 * MiB), ("12.0", {}, 32 * MiB), ("8.9", {}, 8 * MiB + 128 * 1024), ("11.0", {}, 32 * MiB),
     ("9.0", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 32 * MiB),
     ("9.0", {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, 128 * 1024),
 ])

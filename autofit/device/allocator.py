@@ -166,17 +166,12 @@ def replay(events, *, count_from: int = 0) -> AllocatorPeaks:
                           requested_peak_bytes=allocator.requested_peak_bytes, segments=allocator.segments)
 
 
-# Compute capability majors whose default cuBLAS workspace is 32 MiB (CublasHandlePool.cpp:
-# `major == 9 || major == 10 || major == 12` in current PyTorch; older releases: 9.0 only,
-# where a Blackwell card's real workspace is smaller than this model's, the safe side).
-_BIG_WORKSPACE_MAJORS = (9, 10, 12)
-
-
 def cublas_workspace_bytes(compute_capability: str | None = None, environ=None) -> int:
     """One stream's cuBLAS workspace, which PyTorch allocates through the caching allocator at
     the first matmul and keeps (aten/src/ATen/cuda/CublasHandlePool.cpp): CUBLAS_WORKSPACE_CONFIG
-    (`:SIZE_KiB:COUNT`, repeated) when set, else 4096 KiB x 8 on Hopper and Blackwell (compute
-    capability 9.x, 10.x, 12.x) and 4096 KiB x 2 + 16 KiB x 8 on the others. Unknown
+    (`:SIZE_KiB:COUNT`, repeated) when set, else 4096 KiB x 8 from compute capability 9 on and
+    4096 KiB x 2 + 16 KiB x 8 before it. PyTorch's own list grew by release (9.0 only; then
+    majors 9, 10, 12; then 9 to 12): from 9 on is the larger, the safe side, in each. Unknown
     capability: the larger."""
     environ = os.environ if environ is None else environ
     config = environ.get("CUBLAS_WORKSPACE_CONFIG")
@@ -185,7 +180,7 @@ def cublas_workspace_bytes(compute_capability: str | None = None, environ=None) 
         if len(parts) % 2 == 0 and all(p.isdigit() for p in parts):
             return sum(int(size) * int(count) * 1024 for size, count in zip(parts[::2], parts[1::2]))
     major = int(str(compute_capability or "9.0").split(".")[0])
-    return 4096 * 8 * 1024 if major in _BIG_WORKSPACE_MAJORS else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 4096 * 8 * 1024 if major >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def cublaslt_workspace_bytes(compute_capability: str | None = None, environ=None) -> int:
