@@ -27,6 +27,7 @@ from autofit.workload import build_workload, Workload
 from autofit.train.knobs import trainable_parameters
 from autofit.train.optim import build_optimizer
 from autofit.train.runner import Runner
+from autofit.train.user_optim import count_state, CountedState, OptimizerStateError
 from autofit.measure.estimate_shard import per_rank
 
 DEVICE_KINDS = ("cpu", "cuda")
@@ -60,6 +61,8 @@ class MemoryEstimate:
     # Several ranks: every byte figure above is one rank's (FSDP2's sharded state included).
     world_size: int = 1
     collective_bytes: int = 0  # FSDP2: gathered units and unsharded gradients in flight; DDP: gradient buckets
+    # How optimizer_bytes was counted when not by the fake run (the user's own optimizer).
+    optimizer_counted: str = ""
 
     @property
     def model_state_bytes(self) -> int:
@@ -80,6 +83,8 @@ class MemoryEstimate:
         }
         if self.world_size > 1:
             out |= {"world_size": self.world_size, "per_rank": True}
+        if self.optimizer_counted:
+            out["optimizer_counted"] = self.optimizer_counted
         return out
 
 
@@ -155,9 +160,11 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = LiveBytesTracker()
     activations = _ActivationMeter(tracker)
-    build = _MetaBuild(workload.build_model)
+    build = _MetaBuild(workload.build_model, workload.optimizer)
     chunked = workload.chunked_loss_fn
-    workload = dataclasses.replace(workload, build_model=build,
+    # The user's optimizer never runs here (its kernels may not take fake tensors): a
+    # stand-in is built, and `retie` gives it the state bytes counted on real tensors.
+    workload = dataclasses.replace(workload, build_model=build, optimizer=workload.optimizer and CountedState,
                                    loss_fn=functools.partial(activations.loss, workload.loss_fn),
                                    chunked_loss_fn=chunked and functools.partial(activations.loss, chunked))
     matmul_precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
@@ -198,6 +205,8 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
             raise EstimateError(f"estimate: {spec.name} cannot run on fake tensors ({type(cause).__name__}: "
                                 f"{str(cause).splitlines()[0] if str(cause) else ''}); "
                                 f"measure it with `autofit trial` instead") from cause
+        except OptimizerStateError as exc:
+            raise EstimateError(f"estimate: {exc}") from exc
         except AutofitError:
             raise
         except Exception as exc:
@@ -211,6 +220,8 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     # forward; only `micro_batches` of them were simulated, the others' inputs sit there too.
     idle_bytes = (config.grad_accum_steps - micro_batches) * _input_bytes(real[0])
     one = _breakdown(runner, tracker.peak_bytes + idle_bytes, activations.peak_bytes)
+    if isinstance(runner.optimizer, CountedState):
+        one = dataclasses.replace(one, optimizer_counted=runner.optimizer.count.how)
     if config.world_size == 1:
         return one
     return per_rank(one, runner.model, config, device_kind)
@@ -235,8 +246,8 @@ class _MetaBuild:
     That `.to()` gives every module a new Parameter, which unties tied weights (GPT-2's
     head and embedding); `retie` restores them, or the estimate would count one twice."""
 
-    def __init__(self, build_model):
-        self.build_model = build_model
+    def __init__(self, build_model, user_optimizer=None):
+        self.build_model, self.user_optimizer = build_model, user_optimizer
         self.ties: list[list[tuple[torch.nn.Module, str]]] = []
 
     def __call__(self) -> torch.nn.Module:
@@ -255,6 +266,10 @@ class _MetaBuild:
             for module, name in rest:
                 module._parameters[name] = first._parameters[first_name]
         runner.params = trainable_parameters(runner.model)
+        if self.user_optimizer is not None:
+            count = count_state(self.user_optimizer, runner.params, runner.spec.optimizer.python or "the optimizer")
+            runner.optimizer = CountedState(runner.params, count)
+            return
         # Rebuilt over the tied parameters, and as the runner builds it on `device_kind`
         # (fused on CUDA: no per-parameter scratch).
         runner.optimizer = build_optimizer(runner.spec.optimizer, runner.params, config=runner.config,

@@ -193,6 +193,10 @@ class Tuner:
             if r.status == "compile_error" and config.compile:
                 # The model did not compile: no compiled config of it is measured again.
                 return r
+            if (r.status == "error" and r.measurement is not None and r.measurement.precision_dropped
+                    and r.config.precision == config.precision):
+                # The model's code cannot run in this precision: none of its configs is measured.
+                return r
             if r.config != config or r.repeat:
                 continue
             if r.status in ("ok", "unhealthy", "error"):
