@@ -360,6 +360,13 @@ class _Tune:
         except EstimateError as exc:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0
+        except InputError:
+            # The user's code raised in this config's estimate. Whether that is the config's
+            # (a precision with no kernel for an op) or the code's, its trial tells
+            # (config_failure); until then it has no prediction.
+            if config.precision in self.ran_precisions:
+                raise
+            return 0
 
     def report_trial(self, record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
         logger.info(format_trial_line(record, best, considered, self.max_trials, self.budget_bytes))
