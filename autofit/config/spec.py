@@ -49,6 +49,9 @@ MAX_SEQ_LEN = 1 << 20
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_BATCH_DIM = 7  # where a model takes its batch (model.batch_dim): a tensor has at most a few dims
 MAX_NESTING = 8  # constructors inside model.args (a config object inside a model class)
+# The one line said when `unsplit_skips_probe`: min micro batch, global batch.
+PROBE_SKIPPED = ("independence probe skipped: search.min_micro_batch_size {} is the whole global batch ({}), so no "
+                 "batch is ever split and samples that depend on each other are harmless")
 _TARGET = re.compile(r"[\w.]+:\w+")  # "module.path:function" (fullmatch)
 
 
@@ -227,7 +230,17 @@ class ModelSpec:
     def probes_batch_dim(self) -> bool:
         """A model autofit did not write, whose batch dimension nobody declared and whose
         loss is per sample: the batch-dimension probe runs before it trains."""
-        return self.model.kind in ("python", OBJECT_SOURCE) and self.model.batch_dim is None and self.loss.per_sample
+        return self.model.kind in ("python", OBJECT_SOURCE) and self.model.batch_dim is None and self.loss.per_sample \
+            and not self.unsplit_skips_probe
+
+    @property
+    def unsplit_skips_probe(self) -> bool:
+        """The probe is not run because no batch is ever split: every allowed micro batch is
+        the whole batch (`search.min_micro_batch_size` at the global batch), so samples that
+        depend on each other are harmless."""
+        floor = self.search.min_micro_batch_size
+        return self.model.kind in ("python", OBJECT_SOURCE) and floor is not None \
+            and floor >= self.train.global_batch_size
 
     def micro_batch_sizes(self) -> list[int]:
         """Micro batch sizes that divide the global batch: the only candidates."""

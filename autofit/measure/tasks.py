@@ -123,4 +123,5 @@ def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> dict:
 def _input_error(exc: AutofitError) -> dict:
     cause = exc.__cause__ or exc
     return {"status": "input_error" if isinstance(exc, (InputError, SpecError)) else "error", "reason": str(exc),
+            "exit_code": exc.exit_code,
             "traceback": "".join(traceback.format_exception(cause))[-_TRACEBACK_CHARS:]}
