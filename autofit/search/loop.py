@@ -67,6 +67,7 @@ class Tuner:
         # Records measured before this are another session's (another day, another load):
         # read, not repeated, but their figures do not decide the winner (search/finish.py).
         self.session_start = time.time()
+        self.warned_no_reference: set[int] = set()  # freezing depths said to have no reference (finish.py)
 
     def records(self) -> list[TrialRecord]:
         return read_records(self.study)
