@@ -4,6 +4,7 @@ handed to `autofit.tune(optimizer=Lion)`: it trains in the runner, trials, valid
 `profile.apply`; a profile records it and `autofit train --profile` builds it again; its state
 is counted on real tensors, never run on fake ones."""
 
+import subprocess
 import sys
 
 import pytest
@@ -120,3 +121,50 @@ def test_tune_records_lion_and_train_from_the_profile_builds_it_again(tmp_path):
     assert exported.returncode == 0, exported.stderr
     assert "Trainer(optimizers=(optimizer, None))" in exported.stdout + exported.stderr
     assert "your lion:make(params, lr=0.001" in exported.stdout + exported.stderr
+
+
+NOTEBOOK = '''
+import subprocess
+import sys
+import torch, torch.nn as nn
+import autofit
+from lion import Lion
+
+def batch_fn(n, generator):  # the same samples every step: the loss must fall
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    return x, x[:, :4].argmax(1)
+
+def loss_fn(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+def make():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+profile = autofit.tune(make, batch_fn, loss_fn, global_batch_size=8, memory_budget="256MiB", trials=2,
+                       optimizer=Lion, optimizer_args={"lr": 3e-3, "betas": (0.9, 0.99)},
+                       search={"precisions": ["32-true"], "warmup_steps": 1, "measure_steps": 1,
+                               "validate_steps": 2, "frontier_points": 1},
+                       out_dir=sys.argv[1] + "/profiles", state_dir=sys.argv[1] + "/state", report=False)
+print("MEASURED", profile.measured.optimizer)
+print("RECORDED", profile.training.optimizer)
+losses = []
+autofit.train_model(make(), batch_fn, loss_fn, profile=profile, steps=10, on_step=lambda s, l: losses.append(l))
+print("LOSSES", losses[0], losses[-1])
+'''
+
+
+def test_autofit_tune_takes_lion_as_a_class_and_train_model_builds_it_from_the_profile(tmp_path):
+    (tmp_path / "lion.py").write_text((FIXTURES / "lion.py").read_text())
+    (tmp_path / "notebook.py").write_text(NOTEBOOK)
+    ran = subprocess.run([sys.executable, "notebook.py", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    said = dict(line.split(" ", 1) for line in ran.stdout.splitlines())
+    assert said["MEASURED"].startswith("lion.Lion/")
+    assert said["RECORDED"] == "{'python': 'lion:Lion', 'args': {'lr': 0.003, 'betas': [0.9, 0.99]}}"
+    first, last = map(float, said["LOSSES"].split())
+    assert last < first
+    # Its log lines are the CLI's (HH:MM:SS LEVEL message), not loguru's default ones.
+    assert all(" | " not in line for line in ran.stderr.splitlines() if " INFO " in line)
