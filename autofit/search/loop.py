@@ -180,7 +180,8 @@ class Tuner:
         ranked = choice.rank(records, self.budget_bytes, fresh_since=self.session_start)
         return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=time.monotonic() - start,
                             resumed=resumed, stop_reason=stop_reason, ranked=[r.record for r in ranked],
-                            noise=noise, choice=choice.describe(ranked, noise, rounds))
+                            noise=noise, choice=choice.describe(ranked, noise, rounds),
+                            session_start=self.session_start)
 
     # --- what is known, what counts ----------------------------------------------------
 
