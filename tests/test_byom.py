@@ -446,7 +446,7 @@ def _recipes() -> dict[str, str]:
 
 
 def test_docs_have_the_recipes():
-    assert sorted(_recipes()) == ["dict", "hf", "loss", "seq-first", "tuple", "vision"]
+    assert sorted(_recipes()) == ["dict", "hf", "loss", "optimizer", "seq-first", "tuple", "vision"]
 
 
 @pytest.mark.parametrize("name", sorted(_recipes()))
@@ -458,6 +458,7 @@ def test_docs_recipes_train(tmp_path, name):
         pytest.importorskip("transformers")
     raw = yaml.safe_load(_recipes()[name].replace("examples/data/train.bin", TOKENS))
     shutil.copy(FIXTURES / "byom_models.py", tmp_path)
+    shutil.copy(FIXTURES / "lion.py", tmp_path)  # the optimizer recipe's, beside the spec
     assert_falls(train_steps(parse_spec(raw, source_dir=tmp_path)))
 
 
