@@ -186,6 +186,22 @@ def test_hf_encoder_decoder_trains_and_its_blocks_span_encoder_and_decoder():
     assert_falls(train_steps(spec, micro_batch_size=4, checkpoint_blocks=2))
 
 
+def test_a_config_key_the_model_reads_is_valid_and_a_typo_still_gets_its_did_you_mean():
+    """T5Config stores decoder_start_token_id as given (transformers 5 has no field for it),
+    and T5 shifts its labels right behind it: the key is valid because the model reads it."""
+    pytest.importorskip("transformers")
+    config = TINY_T5 | {"decoder_start_token_id": 0, "tie_word_embeddings": False, "eos_token_id": 1}
+    spec = make_spec({"hf": {"class": "T5ForConditionalGeneration", "config": config}},
+                     {"kind": "synthetic", "seq_len": 8})
+    assert build_workload(spec).build_model().config.decoder_start_token_id == 0
+    assert_falls(train_steps(spec, micro_batch_size=4))
+    for typo, meant in (("decoder_start_token_idd", "decoder_start_token_id"), ("num_lyers", "num_layers")):
+        with pytest.raises(SpecError, match=rf"^model\.hf\.config\.{typo}: unknown key for T5Config; "
+                                            rf"did you mean {meant}\?$"):
+            build_workload(make_spec({"hf": {"class": "T5ForConditionalGeneration", "config": config | {typo: 2}}},
+                                     {"kind": "synthetic", "seq_len": 8}))
+
+
 @pytest.mark.parametrize("cls, config, labels_shape", [
     ("BertForTokenClassification", {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
                                     "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 16,
@@ -430,7 +446,7 @@ def _recipes() -> dict[str, str]:
 
 
 def test_docs_have_the_recipes():
-    assert sorted(_recipes()) == ["dict", "hf", "loss", "seq-first", "tuple", "vision"]
+    assert sorted(_recipes()) == ["dict", "hf", "loss", "optimizer", "seq-first", "tuple", "vision"]
 
 
 @pytest.mark.parametrize("name", sorted(_recipes()))
@@ -442,6 +458,7 @@ def test_docs_recipes_train(tmp_path, name):
         pytest.importorskip("transformers")
     raw = yaml.safe_load(_recipes()[name].replace("examples/data/train.bin", TOKENS))
     shutil.copy(FIXTURES / "byom_models.py", tmp_path)
+    shutil.copy(FIXTURES / "lion.py", tmp_path)  # the optimizer recipe's, beside the spec
     assert_falls(train_steps(parse_spec(raw, source_dir=tmp_path)))
 
 

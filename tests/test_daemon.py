@@ -111,7 +111,10 @@ class Serve:
 
     def state(self) -> dict:
         path = self.state_dir / "state.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        try:
+            return json.loads(path.read_text()) if path.exists() else {}
+        except UnicodeDecodeError:  # a damaged file a test put there, before the service set it aside
+            return {}
 
     def pairs(self) -> dict:
         return {(p["model"], p["device"]): p for p in self.state().get("pairs", [])}

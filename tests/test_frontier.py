@@ -79,6 +79,23 @@ def test_pareto_keeps_the_fastest_at_each_peak_level_smallest_first():
         (_config(1, 2), 10), (_config(1), 20), (_config(2), 35), (_config(4, 1), 50), (_config(4), 70)]
 
 
+def test_pareto_candidates_are_ranked_on_this_sessions_figures_not_a_resumed_studys():
+    """A resumed study: every config was measured yesterday, mb=2 fast under no load; today
+    mb=1 and mb=4 are measured again and mb=2 is not. Yesterday's figure of mb=2 chooses no
+    candidate, and today's figures of mb=4 rank it, not yesterday's."""
+    result = _result()
+    today = 1_000.0
+    old = [dataclasses.replace(r, measured_at=today - 86_400) for r in result.records]
+    old[3] = dataclasses.replace(old[3], measurement=_m(_config(2), 35, 500))  # yesterday's quiet host
+    fresh = [TrialRecord(number=100 + i, config=c, status="ok", predicted_peak_bytes=int(peak * MiB),
+                         measurement=_m(c, peak, sps), budget_bytes=BUDGET, measured_at=today + i)
+             for i, (c, peak, sps) in enumerate([(_config(1), 20, 50), (_config(4), 70, 60)])]
+    resumed = dataclasses.replace(result, records=old + fresh, session_start=today)
+    assert [(r.config, sps) for r, _, sps in pareto(resumed)] == [(_config(1), 50), (_config(4), 60)]
+    # Without a session start (a result of older code) every figure counts, as before.
+    assert _config(2) in [r.config for r, _, _ in pareto(dataclasses.replace(resumed, session_start=None))]
+
+
 def test_frontier_is_validated_bounded_and_ends_with_the_winner():
     by_config = {c: (peak, sps) for c, peak, sps in SEARCH}
     frontier, runs = _frontier(lambda c: _m(c, by_config[c][0] + 1, by_config[c][1] * 0.97))

@@ -672,15 +672,22 @@ def test_the_unit_does_not_restart_what_serve_exits_with_on_a_config_error():
     assert {ROUND_2[case][1] for case in ROUND_2 if ROUND_2[case][0].startswith("serve")} == {2}
 
 
+# Binary bytes (a disk error, a file overwritten by another program): not even text.
+_BINARY_STATE = bytes(range(256)) * 4
+
+
 @pytest.mark.slow
-def test_serve_sets_a_damaged_state_file_aside_and_starts(tmp_path):
+@pytest.mark.parametrize("kind", ["wrong shape", "binary bytes"])
+def test_serve_sets_a_damaged_state_file_aside_and_starts(tmp_path, kind):
     from autofit.service.status import status_command
     from test_daemon import Serve, write_config, write_inventory
 
     config = write_config(tmp_path)
     (tmp_path / "state").mkdir()
-    damaged = json.dumps(_state(pairs=[{"model": "m", "fingerprint": "f", "device": "d", "tunes": "two"}]))
-    (tmp_path / "state" / "state.json").write_text(damaged)
+    damaged = json.dumps(_state(pairs=[{"model": "m", "fingerprint": "f", "device": "d", "tunes": "two"}])).encode()
+    if kind == "binary bytes":
+        damaged = _BINARY_STATE
+    (tmp_path / "state" / "state.json").write_bytes(damaged)
     serve = Serve(config, write_inventory(tmp_path))
     try:
         state = serve.wait_for("a fresh state file", lambda s: s.get("service", {}).get("pid") == serve.proc.pid,
@@ -689,8 +696,20 @@ def test_serve_sets_a_damaged_state_file_aside_and_starts(tmp_path):
     finally:
         code, _ = serve.terminate()
     assert code == 0, serve.log()
-    assert (tmp_path / "state" / "state.json.damaged").read_text() == damaged
+    assert (tmp_path / "state" / "state.json.damaged").read_bytes() == damaged
     warnings = [line for line in serve.log().splitlines() if "starting without the last run's state" in line]
-    assert len(warnings) == 1 and "pairs[0].tunes: must be an integer" in warnings[0]
+    reason = "not a text file" if kind == "binary bytes" else "pairs[0].tunes: must be an integer"
+    assert len(warnings) == 1 and reason in warnings[0]
     assert "Traceback" not in serve.log()
     assert "not running" in status_command(config)  # the fresh file reads back
+
+
+@pytest.mark.parametrize("content", [_BINARY_STATE, b"\xff" * (17 << 20)])
+def test_an_unreadable_state_file_is_damaged_state_which_serve_sets_aside(tmp_path, content):
+    from autofit.service.state import DamagedState, read_state, set_aside
+
+    (tmp_path / "state.json").write_bytes(content)
+    with pytest.raises(DamagedState, match=r"not a state file written by this autofit serve"):
+        read_state(tmp_path)
+    set_aside(tmp_path)
+    assert read_state(tmp_path) is None and (tmp_path / "state.json.damaged").read_bytes() == content

@@ -371,3 +371,59 @@ def test_warm_up_runs_until_two_steps_agree_within_bounds(monkeypatch, times_s, 
 def test_steady_means_within_the_tolerance_of_the_step_before():
     assert _steady([1.0, 1.0 + STEADY_RTOL * 0.99]) and not _steady([1.0, 1.0 + STEADY_RTOL * 1.01])
     assert not _steady([1.0])
+
+
+def test_a_childs_exit_wakes_the_wire_through_its_pidfd():
+    """The worker's serve loop waits on its socket and its children's pidfds together, with
+    no timeout: a child's exit is an event, not found by a poll."""
+    import os
+    import socket
+    import subprocess
+    import threading
+
+    from autofit.measure import worker_main
+    from autofit.measure.wire import LineSocket
+
+    child = subprocess.Popen(["sleep", "0.2"])
+    fd = worker_main.pidfd(child.pid)
+    if fd is None:
+        pytest.skip("no pidfd_open on this kernel: the worker polls")
+    ours, theirs = socket.socketpair()
+    returned = []
+    try:
+        waiter = threading.Thread(target=lambda: returned.append(LineSocket(ours).receive(None, wake=(fd,))),
+                                  daemon=True)
+        waiter.start()
+        waiter.join(60)  # a receive that only a message could end would still be waiting
+        assert returned == [None] and child.poll() is not None
+    finally:
+        os.close(fd)
+        ours.close()
+        theirs.close()
+        child.wait()
+
+
+def test_the_worker_waits_on_pidfds_and_polls_only_without_them(monkeypatch):
+    import socket
+
+    from autofit.measure import worker_main
+
+    ours, theirs = socket.socketpair()
+    server = worker_main._Server(ours)
+    try:
+        assert server.waits() == (None, ())  # no children: only a message wakes it
+        server.children, server.pidfds = {11: Path("a"), 12: Path("b")}, {11: 7, 12: 8}
+        assert server.waits() == (None, (7, 8))
+        server.reported.add(12)  # its exit is told: no longer waited on
+        assert server.waits() == (None, (7,))
+        server.pidfds[11] = None  # a kernel with no pidfd: the fallback polls
+        assert server.waits() == (worker_main._POLL_S, ())
+    finally:
+        ours.close()
+        theirs.close()
+
+    def no_pidfd(pid):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(worker_main.os, "pidfd_open", no_pidfd)
+    assert worker_main.pidfd(os.getpid()) is None

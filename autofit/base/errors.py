@@ -34,6 +34,13 @@ class UserCodeError(InputError):
     exception's type and message."""
 
 
+class NonFiniteLossError(InputError):
+    """The user's model gave a NaN or infinite loss before any training (the batch-dimension
+    probe): exit 3, as `autofit train` on a diverged loss."""
+
+    exit_code = 3
+
+
 class WriteError(AutofitError):
     """A file autofit could not write: a read-only or full disk, a file-size limit, a folder
     it may not write. The message names the file and says that the previous one is kept."""

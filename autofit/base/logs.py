@@ -53,3 +53,11 @@ def configure(level: str = "INFO", *, debug: bool = False, one_line: bool = Fals
     logger.remove()
     return logger.add(_current_stderr if sink is None else sink, level=level, format=format_record,
                       diagnose=False, backtrace=False)
+
+
+def adopt_default_handler(level: str = "INFO") -> None:
+    """autofit's format for a library call (`autofit.tune()` in a notebook) where loguru still
+    has only its default handler (id 0); a handler the caller added is theirs and stays."""
+    handlers = getattr(getattr(logger, "_core", None), "handlers", None)  # loguru keeps them there
+    if handlers is not None and set(handlers) == {0}:
+        configure(level)

@@ -18,7 +18,7 @@ from autofit.base.errors import AutofitError, NothingFitsError, SpecError
 from autofit.base.output import answer
 from autofit.base.paths import default_store_dir
 from autofit.base.sizes import format_bytes, parse_budget
-from autofit.config.spec import load_spec, MAX_STEPS, ModelSpec
+from autofit.config.spec import load_spec, MAX_STEPS, ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.memory import MemoryGrewError
 from autofit.device.oom import is_oom
@@ -70,6 +70,8 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
         torch_device = resolve_device("cpu" if info.kind == "cpu" else info.index)
     workload = build_workload(spec)
     check_batch_dim(workload)  # a model autofit did not write: its batch where autofit splits it
+    if spec.unsplit_skips_probe and spec.model.batch_dim is None:
+        logger.info(PROBE_SKIPPED, spec.search.min_micro_batch_size, spec.train.global_batch_size)
     if not workload.per_sample and config.micro_batch_size != spec.train.global_batch_size:
         raise SpecError(f"loss.per_sample: false couples the samples of a batch; {config.short()} splits it "
                         f"(over ranks or micro batches): run the whole batch in one process and one micro batch")

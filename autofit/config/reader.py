@@ -58,7 +58,10 @@ class Reader:
         self.used.add(key)
         if key not in self.raw or (self.raw[key] is None and default is not MISSING and not nullable):
             if default is MISSING:
-                raise self.error(f"{self._path(key)}: required key is missing")
+                # A key nothing has read yet that is close to this one is the likely typo.
+                close = difflib.get_close_matches(key, [str(k) for k in self.raw if k not in self.used], n=1)
+                hint = f"; did you mean {key} (the file has {close[0]})?" if close else ""
+                raise self.error(f"{self._path(key)}: required key is missing{hint}")
             return default
         value = self.raw[key]
         if value is None and nullable:

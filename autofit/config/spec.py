@@ -49,6 +49,9 @@ MAX_SEQ_LEN = 1 << 20
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_BATCH_DIM = 7  # where a model takes its batch (model.batch_dim): a tensor has at most a few dims
 MAX_NESTING = 8  # constructors inside model.args (a config object inside a model class)
+# The one line said when `unsplit_skips_probe`: min micro batch, global batch.
+PROBE_SKIPPED = ("independence probe skipped: search.min_micro_batch_size {} is the whole global batch ({}), so no "
+                 "batch is ever split and samples that depend on each other are harmless")
 _TARGET = re.compile(r"[\w.]+:\w+")  # "module.path:function" (fullmatch)
 
 
@@ -107,6 +110,20 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     momentum: float = 0.0  # sgd only
+    # The user's own optimizer: "module.path:function" (or an Optimizer class) called as
+    # fn(params, **args) -> torch.optim.Optimizer; name is then "python" and args holds its
+    # hyperparameters (lr, betas, ... as that optimizer names them).
+    python: str | None = None
+    args: dict = field(default_factory=dict)
+
+
+    def to_dict(self) -> dict:
+        """As a spec writes it; a built-in optimizer's keys as before the user's existed, so
+        its specs keep their hash (and their profiles)."""
+        if self.python is not None:
+            return {"python": self.python, "args": dict(self.args)}
+        return {"name": self.name, "lr": self.lr, "weight_decay": self.weight_decay, "betas": list(self.betas),
+                "momentum": self.momentum}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,7 +198,7 @@ class ModelSpec:
             if data.get(key) is not None:
                 data[key] = _relative(data[key], self.source_dir)
         out["data"] = data
-        out["optimizer"] = dataclasses.asdict(self.optimizer) | {"betas": list(self.optimizer.betas)}
+        out["optimizer"] = self.optimizer.to_dict()
         out["train"] = dataclasses.asdict(self.train)
         out["search"] = dataclasses.asdict(self.search) | {
             name: list(getattr(self.search, name))
@@ -213,7 +230,17 @@ class ModelSpec:
     def probes_batch_dim(self) -> bool:
         """A model autofit did not write, whose batch dimension nobody declared and whose
         loss is per sample: the batch-dimension probe runs before it trains."""
-        return self.model.kind in ("python", OBJECT_SOURCE) and self.model.batch_dim is None and self.loss.per_sample
+        return self.model.kind in ("python", OBJECT_SOURCE) and self.model.batch_dim is None and self.loss.per_sample \
+            and not self.unsplit_skips_probe
+
+    @property
+    def unsplit_skips_probe(self) -> bool:
+        """The probe is not run because no batch is ever split: every allowed micro batch is
+        the whole batch (`search.min_micro_batch_size` at the global batch), so samples that
+        depend on each other are harmless."""
+        floor = self.search.min_micro_batch_size
+        return self.model.kind in ("python", OBJECT_SOURCE) and floor is not None \
+            and floor >= self.train.global_batch_size
 
     def micro_batch_sizes(self) -> list[int]:
         """Micro batch sizes that divide the global batch: the only candidates."""
@@ -415,12 +442,18 @@ def _text_options(r: "Reader", kind: str, path: str | None, source_dir: Path) ->
 
 def parse_optimizer(r: "Reader") -> OptimizerSpec:
     """The `optimizer` section (a profile's `training.optimizer` too)."""
+    if "python" in r.raw:
+        return _python_optimizer(r)
     betas = r.get("betas", list, default=[0.9, 0.999])
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                   for b in betas):
         raise r.error(f"{r.prefix}.betas: two numbers in [0, 1), got {shorten(repr(betas))}")
+    name = r.get("name", str, default="adamw")
+    if name not in OPTIMIZERS:
+        raise r.error(f"{r.prefix}.name: {choice_error(name, OPTIMIZERS)}; your own optimizer is "
+                      f"python: \"module.path:function\" with args: {{...}}")
     opt = OptimizerSpec(
-        name=r.choice("name", OPTIMIZERS, default="adamw"),
+        name=name,
         lr=r.number("lr", default=3e-4, minimum=0.0, exclusive=True),
         weight_decay=r.number("weight_decay", default=0.0, minimum=0.0),
         betas=(float(betas[0]), float(betas[1])),
@@ -428,6 +461,18 @@ def parse_optimizer(r: "Reader") -> OptimizerSpec:
     )
     r.finish()
     return opt
+
+
+def _python_optimizer(r: "Reader") -> OptimizerSpec:
+    """`optimizer: {python: "module:function", args: {...}}`: the user's own optimizer. Its
+    hyperparameters are its own, in args; the built-in keys beside python would be ignored."""
+    target = r.get("python", str)
+    if not _TARGET.fullmatch(target):
+        raise r.error(f"{r.prefix}.python: \"module.path:function\" (a function or an optimizer class "
+                      f"called as fn(params, **args)), got {shorten(target)!r}")
+    args = r.kwargs("args")
+    r.finish()
+    return OptimizerSpec(name="python", python=target, args=dict(args))
 
 
 def _train(r: "Reader") -> TrainSpec:

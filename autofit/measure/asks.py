@@ -4,9 +4,11 @@ child of the worker (the estimates by one resident child, `autofit.measure.resid
 the user's code (their model module, their forward on fake tensors) never runs in the
 asking process; an error in it is an `InputError` (exit 2)."""
 
+from loguru import logger
+
 from autofit.base import stopping
-from autofit.base.errors import InputError, TrialError, TrialTimeoutError
-from autofit.config.spec import ModelSpec
+from autofit.base.errors import InputError, NonFiniteLossError, TrialError, TrialTimeoutError
+from autofit.config.spec import ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import TrainConfig
 from autofit.measure.estimate import EstimateError, MemoryEstimate
 from autofit.measure.process import failure_reason
@@ -52,6 +54,8 @@ def probe_batch_dim(worker: Worker, spec: ModelSpec, *, timeout_s: float | None 
     refuses or whose code raised; TrialError for a child that crashed, TrialTimeoutError for
     one that hung. Nothing for a spec whose model needs no probe (`ModelSpec.probes_batch_dim`)."""
     if not spec.probes_batch_dim:
+        if spec.unsplit_skips_probe:
+            logger.info(PROBE_SKIPPED, spec.search.min_micro_batch_size, spec.train.global_batch_size)
         return
     timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
     # The worker's own start (imports, data) has the trial timeout, as a trial's has, not the probe's.
@@ -74,7 +78,8 @@ def _answer(outcome: TaskOutcome, spec: ModelSpec) -> dict:
         raise InterruptedError("stopped")
     result = outcome.result or {}
     if result.get("status") == "input_error":  # the user's code raised: every config would fail alike
-        raise InputError(result["reason"], traceback_text=result.get("traceback"))
+        error = NonFiniteLossError if result.get("exit_code") == NonFiniteLossError.exit_code else InputError
+        raise error(result["reason"], traceback_text=result.get("traceback"))
     return result
 
 

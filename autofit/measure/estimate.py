@@ -30,6 +30,7 @@ from autofit.train.knobs import trainable_parameters
 from autofit.train.optim import build_optimizer, implementation
 from autofit.train.optim_state import fill_state, inferred_layout, state_layout, unfakeable_reason
 from autofit.train.runner import Runner
+from autofit.train.user_optim import count_state, CountedState, OptimizerStateError
 from autofit.measure.estimate_shard import per_rank
 
 DEVICE_KINDS = ("cpu", "cuda")
@@ -76,6 +77,8 @@ class MemoryEstimate:
     def fit_bytes(self) -> int:
         """What must fit the budget: the reserved peak where it is modelled (CUDA), else the peak."""
         return self.reserved_peak_bytes or self.peak_bytes
+    # How optimizer_bytes was counted when not by the fake run (the user's own optimizer).
+    optimizer_counted: str = ""
 
     @property
     def model_state_bytes(self) -> int:
@@ -101,6 +104,8 @@ class MemoryEstimate:
                              "workspaces": self.workspace_bytes}
         if self.note:
             out["note"] = self.note
+        if self.optimizer_counted:
+            out["optimizer_counted"] = self.optimizer_counted
         return out
 
 
@@ -182,9 +187,11 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     tracker = LiveBytesTracker(record=device_kind == "cuda")
     construction_events = 0
     activations = _ActivationMeter(tracker)
-    build = _MetaBuild(workload.build_model)
+    build = _MetaBuild(workload.build_model, workload.optimizer)
     chunked = workload.chunked_loss_fn
-    workload = dataclasses.replace(workload, build_model=build,
+    # The user's optimizer never runs here (its kernels may not take fake tensors): a
+    # stand-in is built, and `retie` gives it the state bytes counted on real tensors.
+    workload = dataclasses.replace(workload, build_model=build, optimizer=workload.optimizer and CountedState,
                                    loss_fn=functools.partial(activations.loss, workload.loss_fn),
                                    chunked_loss_fn=chunked and functools.partial(activations.loss, chunked))
     matmul_precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
@@ -227,6 +234,8 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
             raise EstimateError(f"estimate: {spec.name} cannot run on fake tensors ({type(cause).__name__}: "
                                 f"{str(cause).splitlines()[0] if str(cause) else ''}); "
                                 f"measure it with `autofit trial` instead") from cause
+        except OptimizerStateError as exc:
+            raise EstimateError(f"estimate: {exc}") from exc
         except AutofitError:
             raise
         except Exception as exc:
@@ -242,6 +251,8 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     idle_bytes = (config.grad_accum_steps - micro_batches) * _input_bytes(real[0])
     one = dataclasses.replace(_breakdown(runner, tracker.peak_bytes + idle_bytes, activations.peak_bytes),
                               note=guard.note)
+    if isinstance(runner.optimizer, CountedState):
+        one = dataclasses.replace(one, optimizer_counted=runner.optimizer.count.how)
     if device_kind == "cuda" and config.world_size == 1:
         one = _on_the_card(one, tracker.events, construction_events, config, real[0], compute_capability)
     if guard.note:
@@ -353,8 +364,8 @@ class _MetaBuild:
     That `.to()` gives every module a new Parameter, which unties tied weights (GPT-2's
     head and embedding); `retie` restores them, or the estimate would count one twice."""
 
-    def __init__(self, build_model):
-        self.build_model = build_model
+    def __init__(self, build_model, user_optimizer=None):
+        self.build_model, self.user_optimizer = build_model, user_optimizer
         self.ties: list[list[tuple[torch.nn.Module, str]]] = []
 
     def __call__(self) -> torch.nn.Module:
@@ -373,6 +384,10 @@ class _MetaBuild:
             for module, name in rest:
                 module._parameters[name] = first._parameters[first_name]
         runner.params = trainable_parameters(runner.model)
+        if self.user_optimizer is not None:
+            count = count_state(self.user_optimizer, runner.params, runner.spec.optimizer.python or "the optimizer")
+            runner.optimizer = CountedState(runner.params, count)
+            return
         # Rebuilt over the tied parameters, and as the runner builds it on `device_kind`
         # (fused on CUDA: no per-parameter scratch).
         runner.optimizer = build_optimizer(runner.spec.optimizer, runner.params, config=runner.config,

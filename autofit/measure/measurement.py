@@ -51,6 +51,9 @@ class Measurement:
     reason: str | None = None  # why the status is not ok
     wall_s: float = 0.0  # the whole trial, process start to result
     input_error: bool = False  # the reason is the user's input (their code raised): every config fails alike
+    # The user's code raised under this precision while other precisions remain to try: the
+    # error is this precision's, which the search drops for the model (tuning/tune.py).
+    precision_dropped: bool = False
     traceback: str | None = None  # of an input error, for --debug
 
     def __post_init__(self):

@@ -48,7 +48,7 @@ def setup_objects(payload: dict) -> dict:
     workload = make_workload(objects["model"], objects["batch_fn"], objects["loss_fn"], name=spec.name,
                              per_sample=spec.loss.per_sample, batch_dim=spec.model.batch_dim,
                              blocks=spec.model.blocks, probe_batch_dim=spec.probes_batch_dim,
-                             target=spec.model.target.rsplit(".", 1)[-1])
+                             target=spec.model.target.rsplit(".", 1)[-1], optimizer=objects.get("optimizer"))
     analysis(spec, workload)
     return {"spec": spec, "workload": workload}
 
@@ -132,4 +132,5 @@ def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> dict:
 def _input_error(exc: AutofitError) -> dict:
     cause = exc.__cause__ or exc
     return {"status": "input_error" if isinstance(exc, (InputError, SpecError)) else "error", "reason": str(exc),
+            "exit_code": exc.exit_code,
             "traceback": "".join(traceback.format_exception(cause))[-_TRACEBACK_CHARS:]}

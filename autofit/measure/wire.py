@@ -13,13 +13,17 @@ class LineSocket:
     def send(self, message: dict) -> None:
         self.sock.sendall((json.dumps(message, default=str) + "\n").encode())
 
-    def receive(self, timeout_s: float | None) -> dict | None:
-        """The next message; None when none came within `timeout_s` (None: wait). EOFError
+    def receive(self, timeout_s: float | None, *, wake: tuple[int, ...] = ()) -> dict | None:
+        """The next message; None when none came within `timeout_s` (None: wait), or when a
+        file descriptor in `wake` became readable first (a child's pidfd: it exited). EOFError
         when the other side is gone (closed, or died)."""
         while b"\n" not in self._buffer:
             with selectors.DefaultSelector() as selector:
                 selector.register(self.sock, selectors.EVENT_READ)
-                if not selector.select(timeout_s):
+                for fd in wake:
+                    selector.register(fd, selectors.EVENT_READ)
+                ready = selector.select(timeout_s)
+                if not any(key.fileobj is self.sock for key, _ in ready):
                     return None
             try:
                 data = self.sock.recv(65536)

@@ -44,8 +44,17 @@ from autofit.base.errors import InputError, SpecError
 from autofit.measure.process import exit_with_parent, parent_death_signal, parent_gone
 from autofit.measure.wire import LineSocket
 
-_POLL_S = 0.05
+_POLL_S = 0.05  # how often children's exits are looked for where the kernel gives no pidfd
 _TRACEBACK_CHARS = 8000
+
+
+def pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when child `pid` exits; None where the kernel
+    (Linux < 5.3) or Python (< 3.9, not Linux) has no pidfd_open."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def resolve(target: str):
@@ -58,6 +67,9 @@ class _Server:
         self.sock, self.wire = sock, LineSocket(sock)
         self.children: dict[int, Path] = {}  # pid -> its folder, until the parent has it reaped
         self.reported: set[int] = set()  # children whose exit the parent has heard of
+        # pid -> a pidfd (readable once the child exits: the wait is event-driven), or None
+        # where the kernel (before Linux 5.3) or Python has none: then the exits are polled.
+        self.pidfds: dict[int, int | None] = {}
         self.context = None
 
     def send(self, message: dict) -> None:
@@ -83,7 +95,8 @@ class _Server:
 
     def serve(self) -> None:
         while True:
-            message = self.receive(_POLL_S)
+            timeout_s, fds = self.waits()
+            message = self.wire.receive(timeout_s, wake=fds)
             self.report_exits()
             if message is None:
                 continue
@@ -94,8 +107,7 @@ class _Server:
                 pid = int(message["pid"])
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, 0)
-                self.children.pop(pid, None)
-                self.reported.discard(pid)
+                self.forget(pid)
             elif op == "exit":
                 return
 
@@ -111,7 +123,22 @@ class _Server:
         if pid == 0:
             _run_child(self.sock, target, folder, self.context)  # never returns
         self.children[pid] = folder
+        self.pidfds[pid] = pidfd(pid)
         self.send({"forked": pid})
+
+    def waits(self) -> tuple[float | None, tuple[int, ...]]:
+        """How the next receive waits: on the socket and the running children's pidfds, with
+        no timeout; polling every _POLL_S where a child has no pidfd."""
+        waiting = [pid for pid in self.children if pid not in self.reported]
+        fds = tuple(fd for pid in waiting if (fd := self.pidfds.get(pid)) is not None)
+        return (_POLL_S if len(fds) < len(waiting) else None), fds
+
+    def forget(self, pid: int) -> None:
+        self.children.pop(pid, None)
+        self.reported.discard(pid)
+        fd = self.pidfds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
 
     def report_exits(self) -> None:
         for pid in list(self.children):
@@ -121,8 +148,7 @@ class _Server:
                 # WNOWAIT: the child stays a zombie until the parent has killed its group.
                 info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
-                info = None
-                self.children.pop(pid)
+                self.forget(pid)
                 continue
             if info is None:
                 continue

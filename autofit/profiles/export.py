@@ -156,11 +156,25 @@ def _hf_optimizer(args: dict, notes: list[str], profile) -> None:
         # The Trainer clips at 1.0 unless told; 0 turns clipping off, as None did in the trials.
         args["max_grad_norm"] = profile.training.max_grad_norm or 0.0
     measured = profile.measured.optimizer
-    if measured in _HF_OPTIM:
+    own = _own_optimizer(profile)
+    if own is not None:
+        notes.append(f"optimizer: measured with {own}; TrainingArguments has no slot for an optimizer of your "
+                     f"own: build it over the model's parameters and pass Trainer(optimizers=(optimizer, None))")
+    elif measured in _HF_OPTIM:
         args["optim"] = _HF_OPTIM[measured]
     elif measured is not None:
         notes.append(f"optimizer: measured with {measured}, which TrainingArguments cannot name; build it "
                      f"(autofit.train.optim.build_optimizer) and pass Trainer(optimizers=(optimizer, None))")
+
+
+def _own_optimizer(profile) -> str | None:
+    """The user's own optimizer the profile ran, as a sentence's object: `lion:make(params, lr=0.0003)`."""
+    training = None if isinstance(profile, TrainConfig) else profile.training
+    if training is None or training.optimizer.get("python") is None:
+        return None
+    args = ", ".join(f"{k}={v!r}" for k, v in (training.optimizer.get("args") or {}).items())
+    measured = f" ({profile.measured.optimizer})" if profile.measured.optimizer else ""
+    return f"your {training.optimizer['python']}(params{', ' + args if args else ''}){measured}"
 
 
 def _hf_lengths(args: dict, notes: list[str], config: TrainConfig, data: dict, fields: set[str] | None) -> None:
@@ -267,7 +281,9 @@ def lightning_notes(profile) -> list[str]:
                      f"gradient_as_bucket_view={config.gradient_as_bucket_view})")
     if config.distributed:
         notes.append(f"several nodes: devices (per node) x num_nodes must equal world_size={config.world_size}")
-    if not isinstance(profile, TrainConfig) and profile.measured.optimizer is not None:
+    if _own_optimizer(profile) is not None:
+        notes.append(f"optimizer: measured with {_own_optimizer(profile)}; return it from configure_optimizers()")
+    elif not isinstance(profile, TrainConfig) and profile.measured.optimizer is not None:
         notes.append(f"optimizer: measured with {profile.measured.optimizer}; return the same from "
                      f"configure_optimizers() (autofit.train.optim.build_optimizer builds it)")
     elif config.optimizer_bits == 8:  # (a bare config, or a profile from before the record)

@@ -37,14 +37,16 @@ def memory_available(info: DeviceInfo | None, *, headroom: float,
                   f"held by other processes, {headroom:.0%} headroom)")
 
 
-def choose(profile: Profile, available_bytes: int | None, why: str, *, name: str | None = None) -> Profile:
+def choose(profile: Profile, available_bytes: int | None, why: str, *, name: str | None = None,
+           doing: str = "running") -> Profile:
     """`profile` running the fastest of its points whose measured peak fits `available_bytes`
-    (None: the winner). Logs which and why; raises NothingFitsError (exit 3) when none fits."""
+    (None: the winner). Logs which and why (`doing`: "exporting" where nothing runs); raises
+    NothingFitsError (exit 3) when none fits."""
     name = name or profile.file_name
     points = profile.points
     winner = points[-1]  # the frontier ends with the winner, whichever point `profile` runs now
     if available_bytes is None:
-        logger.info("profile {}: running the winner {} ({})", name, winner.config.short(), why)
+        logger.info("profile {}: {} the winner {} ({})", name, doing, winner.config.short(), why)
         return profile.at(winner)
     fitting = [p for p in points if p.measured.peak_memory_bytes <= available_bytes]
     if not fitting:
@@ -57,10 +59,11 @@ def choose(profile: Profile, available_bytes: int | None, why: str, *, name: str
     figures = (f"peak {format_bytes(point.measured.peak_memory_bytes)}, "
                f"{point.measured.samples_per_s:.4g} samples/s")
     if point is winner:
-        logger.info("profile {}: running the winner {} ({}): it fits {}", name, point.config.short(), figures, why)
+        logger.info("profile {}: {} the winner {} ({}): it fits {}", name, doing, point.config.short(), figures,
+                    why)
     else:
-        logger.warning("profile {}: running frontier point {} of {}, {} ({}), not the winner {} (peak {}, {:.4g} "
-                       "samples/s): the fastest point that fits {}", name, points.index(point) + 1, len(points),
+        logger.warning("profile {}: {} frontier point {} of {}, {} ({}), not the winner {} (peak {}, {:.4g} "
+                       "samples/s): the fastest point that fits {}", name, doing, points.index(point) + 1, len(points),
                        point.config.short(), figures, winner.config.short(),
                        format_bytes(winner.measured.peak_memory_bytes), winner.measured.samples_per_s, why)
     return profile.at(point)
@@ -96,4 +99,4 @@ def fit_now(profile: Profile, *, memory_budget: int | str | None = None, device=
                                 f"chooses a smaller point")
     else:
         available, why = memory_available(info, headroom=headroom, memory_budget_bytes=budget_bytes)
-    return choose(profile, available, why, name=name)
+    return choose(profile, available, why, name=name, doing="exporting" if export else "running")

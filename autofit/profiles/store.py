@@ -14,6 +14,7 @@ loading a profile never creates a CUDA context in the caller's process.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from loguru import logger
@@ -124,11 +125,32 @@ class ProfileStore:
             listed = [f"{p.model.name} on {p.device.name} ({path.name})" for path, p in everything[:_LISTED_IN_ERRORS]]
             more = len(everything) - _LISTED_IN_ERRORS
             has = f"the store {self.root}/ has: " + "; ".join(listed) + (f"; and {more} more" if more > 0 else "")
+        budgets = sorted({b for _, p in everything
+                          if p.model.name == name and p.device.name == device_name and (b := tuned_budget(p))})
+        if budgets:
+            # Tuned under emulated budgets only: those are what the user can ask for, not the store's listing.
+            return (f"no profile of model {name!r} for the whole of this device ({device_name}); it has profiles "
+                    f"tuned under --memory-budget {', '.join(budgets)}: pass one (`autofit profiles show {name} "
+                    f"--memory-budget {budgets[0]}`), or tune for the whole device with `{tune_hint(self.root)}`")
         emulated = any(p.model.name == name and p.device.is_emulated for _, p in everything)
         hint = (f" (a profile tuned for an emulated card is used only when asked for: by its file name, or by "
                 f"the --memory-budget it was tuned under)" if emulated else "")
         return (f"no profile of model {name!r} for this device ({device_name}); {has}{hint}. Make one "
                 f"here with `{tune_hint(self.root)}` (the model.yaml named {name})")
+
+
+_BUDGET_TAG = re.compile(r"-budget-(\d+)(?:_(\d+))?(b|kib|mib|gib)(?:-|$)")  # device.probe's fingerprint tag
+_UNITS = {"b": "B", "kib": "KiB", "mib": "MiB", "gib": "GiB"}
+
+
+def tuned_budget(profile: Profile) -> str | None:
+    """The `--memory-budget` a profile was tuned under ("256.00MiB"), read from its device's
+    fingerprint tag; None for one tuned for the whole device."""
+    found = _BUDGET_TAG.search(profile.device.fingerprint)
+    if found is None:
+        return None
+    whole, fraction, unit = found.groups()
+    return f"{whole}{'.' + fraction if fraction else ''}{_UNITS[unit]}"
 
 
 def tune_hint(root: Path) -> str:
@@ -233,6 +255,7 @@ def list_rows(store: ProfileStore | str | Path | None = None, specs: tuple[Model
             "checkpoint_blocks": c.checkpoint_blocks, "freeze_blocks": c.freeze_blocks,
             "parallelism": c.parallelism, "world_size": c.world_size,
             "samples_per_s": p.measured.samples_per_s, "created": p.created,
+            "memory_budget": tuned_budget(p),  # the --memory-budget it was tuned under; None: the whole device
             "stale": store.stale_reasons(p, by_name.get(p.model.name)),
         })
     return rows
@@ -241,11 +264,11 @@ def list_rows(store: ProfileStore | str | Path | None = None, specs: tuple[Model
 def render_table(rows: list[dict], root: Path) -> str:
     if not rows:
         return f"no profiles in {root}/ (make one with `{tune_hint(root)}`)\n"
-    header = ("FILE", "MODEL", "DEVICE", "RANKS", "PRECISION", "MICROxACCUM", "CKPT", "FREEZE", "SAMPLES/S",
-              "STALE")
+    header = ("FILE", "MODEL", "DEVICE", "BUDGET", "RANKS", "PRECISION", "MICROxACCUM", "CKPT", "FREEZE",
+              "SAMPLES/S", "STALE")
     # RANKS: a profile is for one world size (`-xN` in its file name); 1 is one process.
     table = [header] + [(
-        r["file"], r["model"], r["device"],
+        r["file"], r["model"], r["device"], r.get("memory_budget") or "-",
         "1" if r["world_size"] == 1 else f"{r['world_size']} {r['parallelism']}",
         r["precision"], f"{r['micro_batch_size']}x{r['grad_accum_steps']}",
         str(r["checkpoint_blocks"]), str(r["freeze_blocks"]), _number(r["samples_per_s"]),

@@ -47,7 +47,8 @@ def ensure_reference(tuner) -> None:
             time.sleep(BUSY_WAIT_S)
             continue
         attempts += 1
-    if depth is not None:
+    if depth is not None and depth not in tuner.warned_no_reference:
+        tuner.warned_no_reference.add(depth)  # ensured before and after the race: said once
         logger.warning("no full-precision reference (fp32 optimizer state) fits at freezing depth {}: numeric "
                        "health of 16-bit precisions and 8-bit optimizer state there is checked for finite losses, "
                        "scaler skips and the first loss only (no mean-loss comparison)", depth)

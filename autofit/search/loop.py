@@ -67,6 +67,7 @@ class Tuner:
         # Records measured before this are another session's (another day, another load):
         # read, not repeated, but their figures do not decide the winner (search/finish.py).
         self.session_start = time.time()
+        self.warned_no_reference: set[int] = set()  # freezing depths said to have no reference (finish.py)
 
     def records(self) -> list[TrialRecord]:
         return read_records(self.study)
@@ -179,7 +180,8 @@ class Tuner:
         ranked = choice.rank(records, self.budget_bytes, fresh_since=self.session_start)
         return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=time.monotonic() - start,
                             resumed=resumed, stop_reason=stop_reason, ranked=[r.record for r in ranked],
-                            noise=noise, choice=choice.describe(ranked, noise, rounds))
+                            noise=noise, choice=choice.describe(ranked, noise, rounds),
+                            session_start=self.session_start)
 
     # --- what is known, what counts ----------------------------------------------------
 
@@ -192,6 +194,10 @@ class Tuner:
         for r in records:
             if r.status == "compile_error" and config.compile:
                 # The model did not compile: no compiled config of it is measured again.
+                return r
+            if (r.status == "error" and r.measurement is not None and r.measurement.precision_dropped
+                    and r.config.precision == config.precision):
+                # The model's code cannot run in this precision: none of its configs is measured.
                 return r
             if r.config != config or r.repeat:
                 continue

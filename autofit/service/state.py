@@ -204,13 +204,14 @@ class _State(TypedDict):
 
 def read_state(state_dir: Path) -> dict | None:
     """The last state written, checked field by field, or None when there is none yet.
-    AutofitError when it cannot be read; DamagedState when it is not what the service writes."""
+    DamagedState when it is not what the service writes or cannot be read at all."""
     path = state_path(state_dir)
     if not os.path.lexists(path):
         return None
-    text = read_text(path, error=AutofitError)
     try:
-        raw = parse_json(text, str(path), error=DamagedState)
+        # Any file there that cannot be read as text (binary bytes, too large, a folder) is as
+        # damaged as a cut-short one: the service sets it aside and starts.
+        raw = parse_json(read_text(path, error=DamagedState), str(path), error=DamagedState)
         if not isinstance(raw, dict) or raw.get("schema") != STATE_SCHEMA:
             schema = raw.get("schema") if isinstance(raw, dict) else None
             raise DamagedState(f"{path}: state schema {schema!r}, this autofit reads {STATE_SCHEMA}")

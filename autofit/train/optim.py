@@ -29,6 +29,7 @@ from autofit.base.errors import AutofitError, SpecError
 from autofit.config.spec import OptimizerSpec
 from autofit.config.train_config import TrainConfig
 from autofit.device.precision import get_policy
+from autofit.workload.optimizer import load_user_optimizer
 
 
 class OptimizerMissingError(AutofitError):
@@ -45,8 +46,12 @@ def param_groups(spec: OptimizerSpec, params: list[nn.Parameter]) -> list[dict]:
 
 
 def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], *, config: TrainConfig,
-                    device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer `config` runs with on `device`, over the trainable `params`."""
+                    device: torch.device, user=None) -> torch.optim.Optimizer:
+    """The optimizer `config` runs with on `device`, over the trainable `params`. The user's
+    own (`spec.python`; `user`: its factory, loaded already) is built as it is, whatever the
+    precision: its update and state are theirs."""
+    if spec.python is not None or user is not None:
+        return (user or load_user_optimizer(spec.python, spec.args, None))(params)
     groups = param_groups(spec, params)
     if config.optimizer_bits == 8:
         return _eight_bit(spec, groups)

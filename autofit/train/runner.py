@@ -85,7 +85,8 @@ class Runner:
         self.params = trainable_parameters(self.model)
         if not self.params:
             raise ValueError("every parameter is frozen: nothing to train")
-        self.optimizer = build_optimizer(spec.optimizer, self.params, config=config, device=device)
+        self.optimizer = build_optimizer(spec.optimizer, self.params, config=config, device=device,
+                                         user=workload.optimizer)
         self.scaler = distributed.grad_scaler(self.policy.make_scaler(device.type), config, device)
         self.skipped_steps = 0
         self.loss_fn = workload.loss_fn

@@ -54,9 +54,13 @@ def pareto(result: SearchResult, demoted: set = frozenset()) -> list[tuple[Trial
     """(record, peak bytes, samples/s) of the search's Pareto frontier, smallest peak first:
     each healthy feasible config that is faster than every config with a smaller peak. A
     config's peak is the largest of its measurements, its speed their central value
-    (`choice.central`, as the choice ranks them)."""
+    (`choice.central`, as the choice ranks them). Once this session has measured anything,
+    only its configs are candidates, at its figures: a resumed study's older figures, taken
+    another day under another load, choose nothing (as the winner's choice)."""
     points = []
-    for ranked in choice.rank(result.records, result.budget_bytes):
+    ranked_all = choice.rank(result.records, result.budget_bytes, fresh_since=result.session_start)
+    fresh = [r for r in ranked_all if r.fresh]
+    for ranked in fresh or ranked_all:
         config = ranked.record.config
         if config in demoted:  # ran out of memory in training: not a point to offer
             continue

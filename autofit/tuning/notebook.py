@@ -30,12 +30,14 @@ from loguru import logger
 from torch.utils._pytree import tree_leaves
 
 from autofit.base.errors import SpecError
+from autofit.base.logs import adopt_default_handler
 from autofit.base.paths import default_state_dir, default_store_dir
 from autofit.base.sizes import parse_budget
 from autofit.config.spec import OBJECT_SOURCE, parse_spec
 from autofit.device.probe import select_device, usable_budget_bytes
 from autofit.workload import make_workload
 from autofit.workload.data import FunctionData
+from autofit.workload.optimizer import from_object
 from autofit.profiles.profile import Profile
 from autofit.tuning.tune import tune as tune_spec
 
@@ -44,7 +46,8 @@ OBJECTS_FILE = "objects.pkl"
 
 def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn: Callable | None = None, *,
          global_batch_size: int, device: str | int | None = None, memory_budget: str | int | None = None,
-         trials: int | None = None, optimizer: dict | None = None, name: str | None = None,
+         trials: int | None = None, optimizer: dict | Callable | type | None = None,
+         optimizer_args: dict | None = None, name: str | None = None,
          per_sample: bool = True, batch_dim: int | None = None, blocks: str | Sequence[str] | None = None,
          max_grad_norm: float | None = 1.0, search: dict | None = None, timeout_s: float | None = None,
          out_dir: str | Path | None = None, state_dir: str | Path | None = None, report: bool = True) -> Profile:
@@ -59,18 +62,29 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
     `per_sample=False`: the loss couples a batch's samples (in-batch negatives): every step
     runs the batch whole. `batch_dim`: where `forward` takes the batch (default 0, probed).
     `blocks`: dotted paths of the block stack (default: found). `optimizer`: the spec's
-    `optimizer:` section (`{"name": "adamw", "lr": 3e-4, ...}`); `search`: its `search:`
+    `optimizer:` section (`{"name": "adamw", "lr": 3e-4, ...}`), or your own optimizer: a
+    `torch.optim.Optimizer` class or a function `fn(params, **optimizer_args)` (or a
+    `functools.partial` of one), pickled with the model and used unchanged; the profile
+    records it as `{python: "module:name", args: ...}`. `search`: the spec's `search:`
     section. `memory_budget`: `"8GiB"` or bytes, as `--memory-budget`.
 
     The study (state_dir) and the profile (out_dir, default ./profiles) are keyed by the
     model's class, the shapes of its parameters and of a sample batch, so running the same
     cell again resumes the study instead of measuring again."""
+    adopt_default_handler()  # the CLI's log lines, not loguru's default ones
     objects = {"model": model, "batch_fn": batch_fn, "loss_fn": loss_fn}
+    optimizer_section = optimizer or {}
+    if optimizer is not None and not isinstance(optimizer, dict):
+        objects["optimizer"], target, args = from_object(optimizer, optimizer_args)
+        optimizer_section = {"python": target, "args": args}
+    elif optimizer_args is not None:
+        raise SpecError("autofit.tune: optimizer_args are the arguments of your own optimizer (optimizer=Class "
+                        "or a function); a built-in one takes them in the optimizer dict")
     model_section = {OBJECT_SOURCE: _target(model),
                      "args": {"fingerprint": _fingerprint(model, batch_fn, loss_fn, batch_dim)},
                      **({"blocks": [blocks] if isinstance(blocks, str) else list(blocks)} if blocks else {}),
                      **({"batch_dim": batch_dim} if batch_dim is not None else {})}
-    spec = parse_spec({"name": name or _default_name(model), "model": model_section, "optimizer": optimizer or {},
+    spec = parse_spec({"name": name or _default_name(model), "model": model_section, "optimizer": optimizer_section,
                        "train": {"global_batch_size": global_batch_size, "max_grad_norm": max_grad_norm},
                        "loss": {"per_sample": per_sample}, "search": search or {}}, source_dir=Path.cwd())
     info = select_device(None if device is None else str(device))
@@ -92,17 +106,21 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
 
 def train_model(model: nn.Module, batch_fn: Callable, loss_fn: Callable | None = None, *, profile: Profile, steps: int,
                 device: str | int | None = None, seed: int = 0, memory_budget: str | int | None = None,
-                log_every: int = 10, on_step: Callable[[int, float], None] | None = None) -> nn.Module:
+                log_every: int = 10, on_step: Callable[[int, float], None] | None = None,
+                optimizer: Callable | type | None = None, optimizer_args: dict | None = None) -> nn.Module:
     """Train `model` for `steps` optimizer steps with `profile` (the point of its frontier that
     fits now), on batches of `batch_fn` drawn from a generator seeded with `seed`; returns
     the trained model (the plan's: `model` itself, moved to `device` and cast as the profile
-    says). `on_step(step, loss)` hears each step's mean loss. A loop of your own is
+    says). `on_step(step, loss)` hears each step's mean loss. `optimizer`: your own, as
+    `autofit.tune` took it (default: the one the profile records, imported by its name). A loop of your own is
     `with profile.apply(model) as plan: plan.step(batch=..., loss_fn=...)`."""
     if not isinstance(steps, int) or steps < 1:
         raise SpecError(f"autofit.train_model: steps must be a positive integer, got {steps!r}")
+    adopt_default_handler()
     workload = make_workload(model, batch_fn, loss_fn, name=profile.model.name, probe_batch_dim=False)
     generator = torch.Generator().manual_seed(seed)
-    with profile.apply(model, device=device, memory_budget=memory_budget) as plan:
+    factory = None if optimizer is None else from_object(optimizer, optimizer_args)[0]
+    with profile.apply(model, factory, device=device, memory_budget=memory_budget) as plan:
         for step in range(1, steps + 1):
             plan.step(batch=workload.data.batch(plan.config.rank_batch_size, generator), loss_fn=workload.loss_fn)
             loss = float(plan.last_loss)

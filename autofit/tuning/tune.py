@@ -157,6 +157,10 @@ class _Tune:
         self.stop_event, self.on_trial, self.guard, self.worker = stop_event, on_trial, guard, worker
         self.objects = objects
         self.timeouts: dict = {}  # config -> timeouts so far: a retry gets twice the time
+        # Precisions in which a config ran, and the first failure of the user's code in each
+        # that has none (config_failure).
+        self.ran_precisions: set[str] = set()
+        self.failed_precisions: dict[str, Measurement] = {}
         self.validations: dict = {}  # config -> its validation runs, which the frontier reuses
         # Every validation run trains the same batches from the same weights: a low-precision
         # one is held to the 32-true baseline's loss curve, not to one short mean.
@@ -318,8 +322,27 @@ class _Tune:
                     stop_event=self.stop_event, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker)
         if m.status == "timeout":
             self.timeouts[config] = self.timeouts.get(config, 0) + 1
-        raise_input_error(m)  # the user's code raised: every other config would fail alike
+        if m.input_error:
+            return self.config_failure(m)
+        if m.status in ("ok", "oom", "unhealthy"):
+            self.ran_precisions.add(config.precision)
         return m
+
+    def config_failure(self, m: Measurement) -> Measurement:
+        """The user's code raised in a trial. In a precision no config of which has run, while
+        another precision is left to try, it is that precision's failure (an op with no kernel
+        under autocast there): the trial's `error`, the precision dropped for the model. In a
+        precision that has run, it is that config's error. Only when every precision has
+        failed is it the user's code: exit 2, its line."""
+        precision = m.config.precision
+        if precision in self.ran_precisions:
+            return dataclasses.replace(m, status="error", input_error=False,
+                                       reason=f"this config only ({precision} ran others): {m.reason}")
+        self.failed_precisions.setdefault(precision, m)
+        if set(self.space.precisions) <= set(self.failed_precisions):
+            raise_input_error(next(iter(self.failed_precisions.values())))
+        return dataclasses.replace(m, status="error", input_error=False, precision_dropped=True,
+                                   reason=f"{precision} dropped for this model: {m.reason}")
 
     def run_long(self, config, steps: int, timeout_s: float) -> Measurement:
         """A validation run: `steps` timed steps, held to the baseline's loss curve."""
@@ -337,6 +360,13 @@ class _Tune:
                                    worker=self.trial_worker, stop_event=self.stop_event).fit_bytes
         except EstimateError as exc:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
+            return 0
+        except InputError:
+            # The user's code raised in this config's estimate. Whether that is the config's
+            # (a precision with no kernel for an op) or the code's, its trial tells
+            # (config_failure); until then it has no prediction.
+            if config.precision in self.ran_precisions:
+                raise
             return 0
 
     def report_trial(self, record: TrialRecord, best: TrialRecord | None, considered: int) -> None:

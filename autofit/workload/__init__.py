@@ -26,6 +26,7 @@ from autofit.config.spec import OBJECT_SOURCE
 from autofit.workload import chunked, hf, text
 from autofit.workload.binding import ModelLoss, UserLoss
 from autofit.workload.blocks import declare_blocks
+from autofit.workload.optimizer import load_user_optimizer
 from autofit.workload.data import (Batch, batch_size_of, batch_to, BatchFn, check_kwargs, dataset_source, DatasetData,
                                    DataSource, describe_batch, FunctionData, InputSpec, load_callable, split_batch,
                                    SyntheticData, TokenFileData, user_code)
@@ -60,6 +61,9 @@ class Workload:
     # A model autofit did not write whose batch dimension nobody declared: `probe.check_batch_dim`
     # checks it before training.
     probe_batch_dim: bool = False
+    # The user's own optimizer (`optimizer.python`, `autofit.tune(optimizer=...)`):
+    # params -> torch.optim.Optimizer; None: the spec's built-in one (train.optim).
+    optimizer: Callable[[list], torch.optim.Optimizer] | None = None
 
     def data_assumptions(self) -> dict:
         """What a profile's peak and speed assume of varying-length data (empty otherwise):
@@ -72,7 +76,8 @@ def make_workload(model: nn.Module | Callable[[], nn.Module], batch_fn: BatchFn 
                   per_sample: bool = True, batch_dim: int | None = None, blocks: str | Sequence[str] | None = None,
                   tokens_per_sample: int | None = None, sample_shape: str | None = None,
                   chunked_loss_fn: Callable | None = None, loss_items: Callable | None = None,
-                  probe_batch_dim: bool | None = None, key_path: str = "model", target: str | None = None) -> Workload:
+                  probe_batch_dim: bool | None = None, key_path: str = "model", target: str | None = None,
+                  optimizer: Callable[[list], torch.optim.Optimizer] | None = None) -> Workload:
     """A Workload from Python objects; the spec path (`build_workload`) ends here too.
 
     `model`: an `nn.Module` (each build is a deep copy: the object itself is never changed)
@@ -87,7 +92,8 @@ def make_workload(model: nn.Module | Callable[[], nn.Module], batch_fn: BatchFn 
     batch (autofit's batches hold it in dim 0 and move it there); None: dim 0, checked by a
     probe (`probe.check_batch_dim`) unless `probe_batch_dim=False`. `blocks`: the dotted
     paths of the block stack's containers (else found). The rest is what a spec also knows:
-    names for errors (`key_path`, `target`), token counts, the chunked loss, `loss_items`.
+    names for errors (`key_path`, `target`), token counts, the chunked loss, `loss_items`,
+    and the user's own optimizer (`optimizer`: params -> torch.optim.Optimizer).
     """
     target = target or (type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__name__", "model"))
     build = _Build(model, tuple([blocks] if isinstance(blocks, str) else blocks or ()) or None, key_path, target)
@@ -100,7 +106,8 @@ def make_workload(model: nn.Module | Callable[[], nn.Module], batch_fn: BatchFn 
     return Workload(name=name, build_model=build, data=data, loss_fn=loss_fn, tokens_per_sample=tokens_per_sample,
                     sample_shape=sample_shape or (data.describe() if hasattr(data, "describe") else "unknown"),
                     chunked_loss_fn=chunked_loss_fn,
-                    loss_items=loss_items, per_sample=per_sample, batch_dim=batch_dim, probe_batch_dim=probe_batch_dim)
+                    loss_items=loss_items, per_sample=per_sample, batch_dim=batch_dim, probe_batch_dim=probe_batch_dim,
+                    optimizer=optimizer)
 
 
 class _Build:
@@ -175,12 +182,15 @@ def build_workload(spec) -> Workload:
         check_kwargs(fn, spec.loss.args, "loss.args", spec.loss.python, positional=2)  # fn(model, micro_batch, ...)
         loss_fn, loss_items, chunked_loss_fn = UserLoss(fn, dict(spec.loss.args), "loss.python", spec.loss.python), \
             None, None
+    optimizer = None
+    if spec.optimizer.python is not None:
+        optimizer = load_user_optimizer(spec.optimizer.python, spec.optimizer.args, spec.source_dir)
     return make_workload(factory, source_data, loss_fn, name=spec.name, per_sample=spec.loss.per_sample,
                          batch_dim=source.batch_dim if source.kind == "python" else 0, blocks=source.blocks,
                          tokens_per_sample=tokens_per_sample, sample_shape=sample_shape,
                          chunked_loss_fn=chunked_loss_fn, loss_items=loss_items,
                          probe_batch_dim=spec.probes_batch_dim,
-                         key_path=f"model.{source.kind}", target=source.target)
+                         key_path=f"model.{source.kind}", target=source.target, optimizer=optimizer)
 
 
 def _data_source(spec, inputs: InputSpec | None, where: str) -> tuple[DataSource, int | None, str]:

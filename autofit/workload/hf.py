@@ -16,7 +16,10 @@ its own loss from the batch's `labels`. transformers is an optional extra (`pip 
 
 import copy
 import difflib
+import functools
 import inspect
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +29,14 @@ import torch.nn as nn
 from autofit.base.errors import SpecError
 from autofit.workload.data import InputSpec
 
-# Keys every config accepts that a default config's to_dict() does not list.
-_COMMON_CONFIG_KEYS = {"num_labels", "attn_implementation", "name_or_path"}
+# Keys every config accepts that a default config's to_dict() does not list: what
+# PreTrainedConfig takes through **kwargs.
+_COMMON_CONFIG_KEYS = {"num_labels", "attn_implementation", "name_or_path", "tie_word_embeddings",
+                       "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+                       "output_attentions", "experts_implementation", "torch_dtype", "is_decoder",
+                       "add_cross_attention", "tie_encoder_decoder", "cross_attention_hidden_size"}
+# `config.name` and `getattr(config, "name"...)` in a model's source: the keys it reads.
+_READS = re.compile(r"\bconfig\.([A-Za-z_]\w*)|getattr\(\s*(?:self\.)?config\s*,\s*[\"'](\w+)[\"']")
 _PROBE_BATCH, _PROBE_TOKENS = 2, 8  # the meta-device forward that tells a classifier's kind
 
 
@@ -169,10 +178,13 @@ def _config(cls: type, config: dict) -> Any:
         raise SpecError(f"model.hf.config: {config_class.__name__} rejects this config: {exc}") from None
     # HF keeps a key it does not know as a plain attribute, so `n_lyer: 2` would silently
     # give the default depth. Such a key shows up in to_dict() while a default config has
-    # no such attribute; keys the class consumes (aliases, legacy names) do not.
+    # no such attribute; keys the class consumes (aliases, legacy names) do not. A key the
+    # config stores as given is still valid when the model's code reads it (T5's
+    # decoder_start_token_id, which it shifts the labels behind).
     default_keys = set(config_class().to_dict())
     known = (default_keys | set(getattr(config_class, "attribute_map", {}))
-             | set(inspect.signature(config_class.__init__).parameters) | _COMMON_CONFIG_KEYS) - {"self", "kwargs"}
+             | set(inspect.signature(config_class.__init__).parameters) | _COMMON_CONFIG_KEYS
+             | _keys_read(cls)) - {"self", "kwargs"}
     kept = hf_config.to_dict()
     for key in config:
         if key in kept and key not in known:
@@ -187,6 +199,24 @@ def _config(cls: type, config: dict) -> Any:
         # it to the generation config, and T5 documents it as the pad token.
         hf_config.decoder_start_token_id = getattr(hf_config, "pad_token_id", None)
     return hf_config
+
+
+def _keys_read(cls: type) -> frozenset[str]:
+    """The config keys the model class's code (its module and its transformers bases') reads."""
+    keys: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("transformers."):
+            keys |= _module_reads(klass.__module__)
+    return frozenset(keys)
+
+
+@functools.cache
+def _module_reads(module_name: str) -> frozenset[str]:
+    try:
+        source = inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):  # no source shipped: nothing read that we can see
+        return frozenset()
+    return frozenset(a or b for a, b in _READS.findall(source))
 
 
 def _inputs(class_name: str, task: str, config: Any, seq_len: int | None, model: nn.Module) -> InputSpec:

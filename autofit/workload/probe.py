@@ -24,10 +24,11 @@ import math
 import torch
 from torch.utils._pytree import tree_leaves
 
-from autofit.base.errors import SpecError
+from autofit.base.errors import NonFiniteLossError, SpecError
 from autofit.workload.data import Batch
 
 PROBE_SAMPLES = 3  # the whole; its parts are the first sample and the other two
+_PROBE_INPUTS = ("its 3 samples together", "its sample 0 alone", "its samples 1-2")  # the calls, in order
 _RTOL, _ATOL = 1e-4, 1e-5  # fp32 on a CPU: batch sizes change only the summation order
 
 
@@ -73,12 +74,20 @@ def _losses(workload, model, batches: list[Batch], calls: list) -> tuple[list[fl
     may call other methods). A SpecError from the loss (its logits did not fit its
     targets) is returned, to be raised only if the outputs' shapes do not say more."""
     losses, outputs, error = [], [], None
-    for batch in batches:
+    for i, batch in enumerate(batches):
         calls.clear()
         try:
-            losses.append(float(workload.loss_fn(model, batch)))
+            loss = float(workload.loss_fn(model, batch))
         except SpecError as exc:
             error = error or exc
+        else:
+            if not math.isfinite(loss):
+                # Not a sign of coupled samples: a loss that is not a number compares with nothing.
+                raise NonFiniteLossError(
+                    f"model: the loss is {loss} on call {i + 1} of {len(batches)} of the batch-dimension probe, "
+                    f"on {_PROBE_INPUTS[i]} (the data's batch of {PROBE_SAMPLES} from seed 0; eval mode, fp32, "
+                    f"before any training): the model or its loss gives a non-finite loss")
+            losses.append(loss)
         outputs.append(calls[0] if len(calls) == 1 else None)
     return losses, outputs, error
 
