@@ -147,7 +147,7 @@ class OpaqueSGD(torch.optim.Optimizer):
 
 @pytest.fixture
 def opaque_optimizer(monkeypatch):
-    def build(spec, params, *, config, device):
+    def build(spec, params, *, config, device, user=None):
         return OpaqueSGD(params, lr=spec.lr)
 
     monkeypatch.setattr(estimate_module, "build_optimizer", build)
