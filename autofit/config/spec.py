@@ -122,9 +122,8 @@ class TrainSpec:
 @choice_fields(spec=True)
 class SearchSpec:
     """The spec's `search:` section. Besides the fields below, one field per knob of the
-    registry a user opts in to (`autofit.config.knobs.spec_knobs`: checkpoint_policies,
-    optimizer_bits, chunked_loss, compile), holding the values searched: the default alone
-    unless opted in."""
+    registry a user opts in to (`autofit.config.knobs.spec_knobs`, named by its `choices`),
+    holding the values searched: the default alone unless opted in."""
 
     precisions: tuple[str, ...] = PRECISIONS  # the allowed set; unsupported ones are skipped
     max_freeze_blocks: int = 0  # freezing changes what is trained: opt-in

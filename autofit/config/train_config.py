@@ -20,9 +20,8 @@ PARALLELISMS = ("none", "ddp", "fsdp")  # one process; DistributedDataParallel; 
 @config_fields
 class TrainConfig:
     """One point of the search space; what a profile records and a run applies. Besides the
-    fields below, one field per knob of the registry (`autofit.config.knobs.KNOBS`:
-    checkpoint_policy, length_bucketing, optimizer_bits, chunked_loss, compile), at its place
-    in a profile and at its default."""
+    fields below, one field per knob of the registry (`autofit.config.knobs.KNOBS`), at its
+    place in a profile and at its default."""
 
     precision: str = "32-true"  # 32-true | tf32 | 16-mixed | bf16-mixed | bf16-true
     micro_batch_size: int  # samples per forward/backward

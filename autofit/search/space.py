@@ -51,9 +51,9 @@ class Knob:
 @choice_fields(spec=False)
 class SearchSpace:
     """Every knob's allowed values. micro batch x accumulation is always the global batch.
-    Besides the fields below, one field per registry knob (`KnobDef.choices`: length_bucketing,
-    optimizer_bits, chunked_loss, checkpoint_policies, compile) holding its allowed values:
-    declared as a knob only with a choice; a single value is what every config runs."""
+    Besides the fields below, one field per registry knob (named by its `KnobDef.choices`)
+    holding its allowed values: declared as a knob only with a choice; a single value is
+    what every config runs."""
 
     global_batch_size: int
     precisions: tuple[str, ...]
