@@ -27,7 +27,13 @@ def knob_lists(root: Path) -> list[str]:
     for path in sorted((root / "autofit").rglob("*.py")):
         if path.relative_to(root) == REGISTRY:
             continue
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        # The training side's hook registry is keyed by knob name (config/ cannot import train/).
+        hooks = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and [getattr(t, "id", None) for t in node.targets] == ["APPLY_HOOKS"]}
+        for node in ast.walk(tree):
+            if id(node) in hooks:
+                continue
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                 # A name, or a pair that starts with one: (("compile", False), ...).
                 firsts = (e.elts[0] if isinstance(e, ast.Tuple) and e.elts else e for e in node.elts)
@@ -52,9 +58,18 @@ def test_the_scan_finds_a_hand_written_list(tmp_path):
     (tmp_path / "autofit").mkdir()
     (tmp_path / "autofit" / "x.py").write_text('MEMORY = ("optimizer_bits", "chunked_loss")\n'
                                                'c = config.replace(compile=True, length_bucketing=False)\n'
-                                               'DEFAULTS = (("compile", False), ("chunked_loss", False))\n')
+                                               'DEFAULTS = (("compile", False), ("chunked_loss", False))\n'
+                                               'APPLY_HOOKS = {"compile": f, "chunked_loss": g}\n')
     assert [line.split(": ")[0] for line in knob_lists(tmp_path)] == ["autofit/x.py:1", "autofit/x.py:2",
                                                                       "autofit/x.py:3"]
+
+
+def test_each_apply_hook_is_a_registered_knob():
+    from autofit.train.knobs import APPLY_HOOKS
+
+    assert set(APPLY_HOOKS) <= set(KNOBS)
+    for name in APPLY_HOOKS:
+        assert KNOBS[name].applied_by.startswith("autofit.train.knobs:")
 
 
 def test_each_knob_is_a_field_of_the_config_the_spec_and_the_space():
