@@ -50,8 +50,24 @@ class _Parser(argparse.ArgumentParser):
 
 # --- the subcommands' arguments ----------------------------------------------------------
 
+def _common_options() -> dict[str, argparse.ArgumentParser]:
+    """The options several commands share, each declared once (argparse parents)."""
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", help="a GPU index or cpu (default: the first GPU, else the CPU)")
+    budget = argparse.ArgumentParser(add_help=False)
+    budget.add_argument("--memory-budget",
+                        help="24GiB, 0.8 (of the device's memory) or bytes: a smaller card emulated on this one "
+                             "(tune, trial; on the CPU enforced), the budget an estimate or a run is held to, and "
+                             "for a profile the one tuned under it and its fastest point that fits "
+                             "(default: the whole device)")
+    return {"device": device, "budget": budget}
+
+
+COMMON = _common_options()
+BOTH = [COMMON["device"], COMMON["budget"]]
+
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a model.yaml with the built-in AMP runner")
+    p = sub.add_parser("train", parents=BOTH, help="train a model.yaml with the built-in AMP runner")
     p.add_argument("spec", help="model.yaml")
     p.add_argument("--profile", help="a profile from `autofit tune`: a model name (the store's profile for this "
                                      "device), a file in the store, or a path")
@@ -60,20 +76,13 @@ def _add_train(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier run's checkpoint in the checkpoint folder (default: refuse)")
     p.add_argument("--metrics-out", help="write the final metrics JSON here")
-    p.add_argument("--device", help="cuda index or cpu (default: cuda:0 if present, else cpu)")
     p.add_argument("--checkpoint-dir", help="default: runs/<name>")
-    p.add_argument("--memory-budget", help="cap memory (24GiB, 0.8, bytes); on CPU it is enforced. With "
-                                           "--profile NAME: the profile tuned under this budget if the store has "
-                                           "one; the fastest frontier point whose peak fits it "
-                                           "(default: the GPU's free memory now)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_tune(sub) -> None:
-    p = sub.add_parser("tune", help="search for the fastest config that fits and write a profile")
+    p = sub.add_parser("tune", parents=BOTH, help="search for the fastest config that fits and write a profile")
     p.add_argument("spec", help="model.yaml")
-    p.add_argument("--device", help="cuda index or cpu (default: the first GPU, else the CPU)")
-    p.add_argument("--memory-budget", help="emulate a smaller device: 24GiB, 0.8 (of total), bytes")
     p.add_argument("--nproc", type=int, default=1,
                    help="tune for N ranks (one per GPU, or N CPU processes): DDP or FSDP2, trials through "
                         "torchrun; budgets are per rank (default: 1)")
@@ -92,13 +101,11 @@ def _add_probe(sub) -> None:
 
 
 def _add_trial(sub) -> None:
-    p = sub.add_parser("trial", help="measure one configuration in a child process")
+    p = sub.add_parser("trial", parents=BOTH, help="measure one configuration in a child process")
     p.add_argument("spec", help="model.yaml")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="a TrainConfig field: precision, micro_batch_size, grad_accum_steps, checkpoint_blocks, "
                         "freeze_blocks (repeatable)")
-    p.add_argument("--device", help="GPU index or cpu (default: the first GPU, else cpu)")
-    p.add_argument("--memory-budget", help="emulate a smaller device: 24GiB, 0.8 (of total), bytes")
     p.add_argument("--timeout", type=float, help="seconds before the child is killed (default: search.trial_timeout_s)")
     p.add_argument("--warmup-steps", type=int, help="default: search.warmup_steps")
     p.add_argument("--measure-steps", type=int, help="timed optimizer steps (default: search.measure_steps)")
@@ -106,19 +113,16 @@ def _add_trial(sub) -> None:
 
 
 def _add_estimate(sub) -> None:
-    p = sub.add_parser("estimate", help="predict peak memory without running (fake tensors, no GPU needed)")
+    p = sub.add_parser("estimate", parents=BOTH,
+                       help="predict peak memory without running (fake tensors, no GPU needed)")
     p.add_argument("spec", help="model.yaml")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a TrainConfig field (repeatable)")
-    p.add_argument("--memory-budget", help="also find the largest micro batch that fits: 24GiB, 0.8, bytes")
-    p.add_argument("--device", help="GPU index or cpu: the kind of device predicted for, and the total a "
-                                    "fractional budget refers to (default: the first GPU, else cpu)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
 
 def _add_doctor(sub) -> None:
-    p = sub.add_parser("doctor", help="check that autofit's device paths hold on this device (run it first on a "
+    p = sub.add_parser("doctor", parents=[COMMON["device"]], help="check that autofit's device paths hold on this device (run it first on a "
                                       "new GPU): exit 0 when every check holds, 1 when one fails")
-    p.add_argument("--device", help="GPU index or cpu (default: the first GPU, else the CPU)")
     p.add_argument("--check", action="append", metavar="NAME",
                    help=f"run only this check (repeatable): {', '.join(CHECK_NAMES)}")
     p.add_argument("--timeout", type=float, help="seconds before one check's process is killed (default: 300)")
@@ -131,26 +135,18 @@ def _add_profiles(sub) -> None:
     actions.required = True
     store_help = "profile folder (default: $AUTOFIT_STORE, else ./profiles)"
     which = "a model name (picks the profile for this device), a file in the store, or a path"
-    device_help = "match profiles for this GPU index or cpu (default: the first GPU, else the CPU)"
     ls = actions.add_parser("list", help="a table of the store's profiles, with staleness")
     ls.add_argument("--store", help=store_help)
     ls.add_argument("--spec", action="append", metavar="MODEL_YAML",
                     help="also check profiles of this model.yaml's name against its spec hash (repeatable)")
     ls.add_argument("--json", action="store_true", help="print the rows as JSON")
-    show = actions.add_parser("show", help="print one profile")
+    show = actions.add_parser("show", parents=BOTH, help="print one profile")
     show.add_argument("profile", metavar="NAME_OR_PATH", help=which)
     show.add_argument("--store", help=store_help)
-    show.add_argument("--device", help=device_help)
-    show.add_argument("--memory-budget", help="the profile tuned under this emulated budget "
-                                              "(as given to `autofit tune --memory-budget`)")
-    export = actions.add_parser("export", help="one profile as yaml, json, HF TrainingArguments, Lightning or env")
+    export = actions.add_parser("export", parents=BOTH, help="one profile as yaml, json, HF TrainingArguments, Lightning or env")
     export.add_argument("profile", metavar="NAME_OR_PATH", help=which)
     export.add_argument("--format", default="yaml", choices=("yaml", "json", "hf", "lightning", "env"))
     export.add_argument("--store", help=store_help)
-    export.add_argument("--device", help=device_help)
-    export.add_argument("--memory-budget", help="the profile tuned under this emulated budget if the store has one, "
-                                                "and the fastest frontier point whose peak fits it "
-                                                "(24GiB, 0.8, bytes; default: the GPU's free memory now)")
     export.add_argument("--n-blocks", type=int, help="hf: the model's layer count, so partial checkpointing "
                                                      "can be exported as every_n_layers")
 

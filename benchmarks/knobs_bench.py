@@ -37,11 +37,12 @@ import torch
 from autofit import __version__
 from autofit.base.errors import AutofitError
 from autofit.config.spec import ModelSpec, SearchSpec
+from autofit.device.budget import Budget
 from autofit.config.train_config import TrainConfig
 from autofit.base.sizes import format_bytes
 from autofit.measure.trial import measure
 from autofit.tuning.space import search_space
-from autofit.tuning.tune import tune
+from autofit.tuning.tune import tune, TuneSetup
 
 HEAD_TO_HEAD_ROUNDS = 3
 # The opt-in `search` keys and the values `with` searches. Keys this autofit's SearchSpec
@@ -90,8 +91,8 @@ def _tune_once(spec: ModelSpec, bench, say) -> dict:
     load_before = os.getloadavg()[0]
     try:
         with tempfile.TemporaryDirectory(prefix="autofit-bench-knobs-") as tmp:
-            outcome = tune(spec, device=bench.info, budget_bytes=bench.budget_bytes, out_dir=Path(tmp),
-                           storage=None, on_trial=on_trial, report=False)
+            outcome = tune(TuneSetup(spec=spec, device=bench.info, budget=Budget(usable_bytes=bench.budget_bytes),
+                                     out_dir=Path(tmp), storage=None, report=False), on_trial=on_trial)
     except AutofitError as exc:
         return {"error": str(exc), "wall_s": time.monotonic() - started}
     result, validated = outcome.result, outcome.validated

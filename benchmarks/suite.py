@@ -37,6 +37,7 @@ import torch
 from loguru import logger
 
 from autofit import __version__
+from autofit.device.budget import Budget
 from autofit.device.probe import DeviceInfo, select_device, usable_budget_bytes
 from autofit.base.errors import AutofitError
 from autofit.measure.estimate import estimate_memory, EstimateError
@@ -48,7 +49,7 @@ from autofit.config.spec import load_spec, ModelSpec
 from autofit.measure.trial import measure
 from autofit.base.paths import default_state_dir
 from autofit.tuning.space import search_space
-from autofit.tuning.tune import tune
+from autofit.tuning.tune import tune, TuneSetup
 from autofit.workload import build_workload
 
 import knobs_bench  # benchmarks/, beside this file
@@ -242,8 +243,9 @@ def run_tune(bench: ModelBench, grid_entries: list[dict], grid_summary: dict) ->
         started = time.monotonic()
         try:
             with tempfile.TemporaryDirectory(prefix="autofit-bench-") as tmp:
-                outcome = tune(spec, device=bench.info, budget_bytes=bench.budget_bytes, out_dir=Path(tmp),
-                               storage=bench.state.storage, stop_event=stop, on_trial=on_trial)
+                outcome = tune(TuneSetup(spec=spec, device=bench.info, budget=Budget(usable_bytes=bench.budget_bytes),
+                                         out_dir=Path(tmp), storage=bench.state.storage),
+                               stop_event=stop, on_trial=on_trial)
             saved["tune"] = _tune_summary(outcome)
         except InterruptedError:
             saved["tune_wall_s"] += time.monotonic() - started

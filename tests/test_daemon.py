@@ -485,13 +485,13 @@ def test_two_gpus_of_a_kind_get_a_two_rank_profile_tuned_on_both(tmp_path, monke
 
     calls = []
 
-    def fake_tune(spec, **kwargs):
-        calls.append(kwargs)
+    def fake_tune(setup, **kwargs):
+        calls.append(setup)
         raise NothingFitsError("stop here")
 
     monkeypatch.setattr("autofit.service.job.tune", fake_tune)
     second._work(tmp_path / "profiles", f"sqlite:///{tmp_path / 'studies.db'}")
-    assert calls[0]["nproc"] == 2 and calls[0]["execute_on"] == "0,1"
+    assert calls[0].nproc == 2 and calls[0].execute_on == "0,1"
 
     gpus.foreign["gpu1"] = (4242,)
     service._poll()

@@ -8,6 +8,7 @@ import autofit.measure.child as trial_child
 import autofit.measure.steps as trial_steps
 import autofit.train.runner as runner_module
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.device.precision import PrecisionPolicy
 from autofit.search import TrialRecord, health_problem
 from autofit.config.spec import load_spec
@@ -120,7 +121,7 @@ def test_validation_compares_the_winner_s_loss_curve_with_the_reference_s(tmp_pa
     import types
 
     from autofit.device.probe import cpu_device
-    from autofit.tuning.tune import tune
+    from autofit.tuning.tune import tune, TuneSetup
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={
         "precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 4, "patience": 4,
@@ -128,8 +129,8 @@ def test_validation_compares_the_winner_s_loss_curve_with_the_reference_s(tmp_pa
     monkeypatch.setattr("autofit.tuning.tune.measure", _simulated(20, drift))
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
                         lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
-    outcome = tune(spec, device=cpu_device(), budget_bytes=10**6, out_dir=tmp_path / "profiles", storage=None,
-                   report=False)
+    outcome = tune(TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6),
+                             out_dir=tmp_path / "profiles", storage=None, report=False))
     curve = outcome.profile.search.loss_curve
     assert outcome.profile.config.precision == winner
     assert curve["reference"].startswith("32-true") and curve["rtol"] == 0.01 and curve["window_steps"] == 5

@@ -8,6 +8,7 @@ import pytest
 
 from autofit.config.spec import SearchSpec
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
 from autofit.search import make_study, MemoryModel, SearchSpace, seeding, TrialRecord, Tuner
 from autofit.search.memory import fit_points
@@ -382,7 +383,7 @@ def test_a_batchnorm_model_s_profile_says_which_floor_and_why(tmp_path, monkeypa
 
     from autofit.device.probe import cpu_device
     from autofit.config.spec import load_spec
-    from autofit.tuning.tune import tune
+    from autofit.tuning.tune import tune, TuneSetup
     from conftest import tiny_gpt_dict, write_spec
     from test_health import _simulated
 
@@ -399,8 +400,8 @@ def test_a_batchnorm_model_s_profile_says_which_floor_and_why(tmp_path, monkeypa
     monkeypatch.setattr("autofit.tuning.tune.measure", measure)
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
                         lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
-    profile = tune(spec, device=cpu_device(), budget_bytes=10**6, out_dir=tmp_path / "profiles", storage=None,
-                   report=False).profile
+    profile = tune(TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6),
+                             out_dir=tmp_path / "profiles", storage=None, report=False)).profile
     assert measured and min(c.micro_batch_size for c in measured) == 16
     assert all(p.config.micro_batch_size >= 16 for p in profile.points)
     floor = profile.to_dict()["search"]["micro_batch_floor"]

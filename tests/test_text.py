@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from autofit.config.spec import parse_spec
+from autofit.device.budget import Budget
 from autofit.workload import build_workload, text
 from conftest import EXAMPLES, run_main, tiny_gpt_dict, write_spec
 
@@ -154,7 +155,7 @@ def test_tune_fits_the_longest_batch_and_an_epoch_stays_within_budget(tmp_path):
     from autofit.train.recover import Demotion
     from autofit.train.loop import train
     from autofit.profiles.demotions import record_demotion
-    from autofit.tuning.tune import tune
+    from autofit.tuning.tune import tune, TuneSetup
 
     spec = parse_spec(text_spec_dict(train={"global_batch_size": 16}, search={
         "precisions": ["32-true", "bf16-mixed"], "trials": 4, "patience": 3, "warmup_steps": 0,
@@ -166,8 +167,8 @@ def test_tune_fits_the_longest_batch_and_an_epoch_stays_within_budget(tmp_path):
     record_demotion(tmp_path / "store" / "tiny-text--cpu.yaml", Demotion(
         step=7, from_config=left, to_config=resumed_at, reason="out of memory", time="2026-11-22T00:00:00Z"),
         spec_hash=spec.spec_hash)
-    outcome = tune(spec, device=select_device("cpu"), budget_bytes=budget, out_dir=tmp_path / "store",
-                   storage=None, report=False)
+    outcome = tune(TuneSetup(spec=spec, device=select_device("cpu"), budget=Budget(usable_bytes=budget),
+                             out_dir=tmp_path / "store", storage=None, report=False))
     profile = outcome.profile
     assert outcome.result.records[0].config == resumed_at and profile.config != left
     assert profile.data["longest_tokens"] == 33 and profile.data["padding"] == "dynamic"

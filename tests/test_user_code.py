@@ -46,8 +46,9 @@ def test_tune_imports_no_user_module_in_its_own_process(tmp_path, monkeypatch):
     import sys
 
     from autofit.config.spec import load_spec
+    from autofit.device.budget import Budget
     from autofit.device.probe import cpu_device
-    from autofit.tuning.tune import tune
+    from autofit.tuning.tune import tune, TuneSetup
 
     (tmp_path / "mymodels.py").write_text(
         "import torch\n\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(4, 2))\n")
@@ -59,6 +60,6 @@ def test_tune_imports_no_user_module_in_its_own_process(tmp_path, monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
     path = faulty_spec(tmp_path, "raise")  # copies faulty.py (the dataset) beside the spec
     path = write_spec(tmp_path, spec)
-    tune(load_spec(path), device=cpu_device(), budget_bytes=2**30, out_dir=tmp_path / "profiles", storage=None,
-         report=False)
+    tune(TuneSetup(spec=load_spec(path), device=cpu_device(), budget=Budget(usable_bytes=2**30),
+                   out_dir=tmp_path / "profiles", storage=None, report=False))
     assert "mymodels" not in sys.modules and "faulty" not in sys.modules

@@ -31,6 +31,11 @@ def default_state_dir() -> Path:
     return home_dir(f"{STATE_DIR_ENV} or XDG_STATE_HOME, or pass --state-dir") / ".local" / "state" / "autofit"
 
 
+def sqlite_storage(state_dir: Path) -> str:
+    """The default study storage: one SQLite file in the state folder."""
+    return f"sqlite:///{Path(state_dir).resolve() / 'studies.db'}"
+
+
 def default_store_dir() -> Path:
     """The profile store: $AUTOFIT_STORE, else ./profiles."""
     return Path(os.environ.get(STORE_ENV) or "profiles")

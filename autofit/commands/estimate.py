@@ -7,10 +7,11 @@ import json
 
 from autofit.base import stopping
 from autofit.base.output import answer
-from autofit.base.sizes import format_bytes, parse_budget
+from autofit.base.sizes import format_bytes
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig, with_overrides
-from autofit.device.probe import select_device, usable_budget_bytes
+from autofit.device.budget import budget_for
+from autofit.device.probe import select_device
 from autofit.device.support import require_supported
 from autofit.measure import asks
 from autofit.measure.trial import trial_worker
@@ -26,10 +27,9 @@ def estimate_command(spec_path, *, overrides: dict[str, str] | None = None, memo
                             global_batch_size=spec.train.global_batch_size)
     info = select_device(device)
     require_supported(config.precision, info)
-    requested = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
     # What `tune` would allow under the same budget: search.memory_headroom is kept free.
-    budget = None if requested is None else usable_budget_bytes(info, headroom=spec.search.memory_headroom,
-                                                                memory_budget=requested)
+    given = budget_for(info, memory_budget, headroom=spec.search.memory_headroom)
+    requested, budget = given.requested_bytes, given.usable_bytes if given.emulated else None
     # The user's model runs (on fake tensors) in a child, as in a tune: never in this process.
     with trial_worker(spec, "cpu") as worker:
         capability = None if info.compute_capability is None else "{}.{}".format(*info.compute_capability)

@@ -17,9 +17,10 @@ from autofit.base.atomic import finite, write_json
 from autofit.base.errors import AutofitError, NothingFitsError, SpecError
 from autofit.base.output import answer
 from autofit.base.paths import default_store_dir
-from autofit.base.sizes import format_bytes, parse_budget
+from autofit.base.sizes import format_bytes
 from autofit.config.spec import load_spec, MAX_STEPS, ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import check_global_batch, TrainConfig
+from autofit.device.budget import Budget, budget_for
 from autofit.device.memory import MemoryGrewError
 from autofit.device.oom import is_oom
 from autofit.device.precision import set_process_flags
@@ -53,8 +54,10 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     torch_device = distributed.rank_device(world.local_rank, device) if ranks else None
     # A bad index is one line here, not a CUDA error later.
     info = select_device(("cpu" if torch_device.type == "cpu" else torch_device.index) if ranks else device)
-    budget_bytes = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
-    config, loaded, profile_path = _config(spec, profile, info, world, memory_budget, budget_bytes)
+    # The cap is the request itself: a run has no search headroom to keep.
+    budget = budget_for(info, memory_budget, headroom=0.0)
+    budget_bytes = budget.requested_bytes
+    config, loaded, profile_path = _config(spec, profile, info, world, budget)
     require_supported(config.precision, info)
     if loaded is not None and loaded.measured.flags:
         # What was measured is what runs: TF32/cuDNN flags, and on a CPU the intra-op threads.
@@ -107,8 +110,8 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
         raise
 
 
-def _config(spec: ModelSpec, profile: str | Path | None, info: DeviceInfo, world, memory_budget: str | None,
-            budget_bytes: int | None) -> tuple[TrainConfig, Profile | None, Path | None]:
+def _config(spec: ModelSpec, profile: str | Path | None, info: DeviceInfo, world,
+            budget: Budget) -> tuple[TrainConfig, Profile | None, Path | None]:
     """(the config this job runs, the profile it comes from, that profile's file): the spec's
     default (under torchrun: as DDP), or the profile's fastest point that fits now."""
     config, loaded, profile_path = TrainConfig.default_for(spec), None, None
@@ -122,10 +125,10 @@ def _config(spec: ModelSpec, profile: str | Path | None, info: DeviceInfo, world
     if profile is not None:
         # A name is the store's profile for this device (or for the emulated card of
         # --memory-budget); a file is used as is. locate() warns if it was tuned elsewhere.
-        profile_path, loaded, _stale = locate(profile, device=info, memory_budget=memory_budget)
+        profile_path, loaded, _stale = locate(profile, device=info, memory_budget=budget)
         loaded.check_spec(spec)
         # The fastest frontier point that fits the memory free now, or the budget.
-        loaded = loaded.fitted(memory_budget=budget_bytes, device=info, memory_headroom=spec.search.memory_headroom,
+        loaded = loaded.fitted(memory_budget=budget.requested_bytes, device=info, memory_headroom=spec.search.memory_headroom,
                                name=str(profile_path))
         config = loaded.config
     check_global_batch(config, spec.train.global_batch_size)

@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 from autofit.base.output import answer
-from autofit.base.sizes import format_bytes, parse_budget
+from autofit.base.sizes import format_bytes
 from autofit.config.spec import load_spec, MAX_TRIAL_STEPS
 from autofit.config.train_config import TrainConfig, with_overrides
-from autofit.device.probe import select_device, usable_budget_bytes
+from autofit.device.budget import budget_for
+from autofit.device.probe import select_device
 from autofit.device.support import require_supported
 from autofit.measure.asks import probe_batch_dim
 from autofit.measure.measurement import Measurement
@@ -31,11 +32,10 @@ def trial_command(spec_path: str | Path, *, overrides: dict[str, str] | None = N
     check_count("--measure-steps", measure_steps, maximum=MAX_TRIAL_STEPS)
     info = select_device(device)
     require_supported(config.precision, info)
-    requested = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
+    given = budget_for(info, memory_budget, headroom=0.0)
     # A CPU trial without a budget is held only by the machine's RAM; a GPU trial always
     # by what the other processes on the card leave free.
-    budget = None if info.kind == "cpu" and requested is None else usable_budget_bytes(
-        info, headroom=0.0, memory_budget=requested)
+    budget = None if info.kind == "cpu" and not given.emulated else given.usable_bytes
     device_arg = "cpu" if info.kind == "cpu" else str(info.index)
     with trial_worker(spec, device_arg) as worker:
         # A model autofit did not write: its batch where autofit splits it (checked once, in a child).

@@ -11,12 +11,12 @@ from pathlib import Path
 from autofit.base import stopping
 from autofit.base.errors import SpecError
 from autofit.base.output import answer
-from autofit.base.paths import default_state_dir, default_store_dir
-from autofit.base.sizes import parse_budget
+from autofit.base.paths import default_state_dir, default_store_dir, sqlite_storage
 from autofit.config.spec import load_spec, MAX_TRIALS
-from autofit.device.probe import select_device, usable_budget_bytes
+from autofit.device.budget import budget_for
+from autofit.device.probe import select_device
 from autofit.search.study import storage_errors
-from autofit.tuning.tune import tune, TuneOutcome
+from autofit.tuning.tune import tune, TuneOutcome, TuneSetup
 from autofit.commands.args import check_count, check_seconds, ensure_folder
 
 
@@ -35,18 +35,16 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
         raise SpecError(f"--nproc: must be a positive divisor of train.global_batch_size "
                         f"({spec.train.global_batch_size}), got {nproc}")
     info = select_device(device)
-    emulated = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, device_name=info.name)
-    budget_bytes = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=emulated)
+    budget = budget_for(info, memory_budget, headroom=spec.search.memory_headroom, time_s=timeout_s)
     if storage is None:
         folder = ensure_folder(Path(state_dir) if state_dir is not None else default_state_dir(), "--state-dir")
-        storage = f"sqlite:///{folder.resolve() / 'studies.db'}"
+        storage = sqlite_storage(folder)
     out_dir = ensure_folder(Path(out_dir) if out_dir is not None else default_store_dir(), "--out")
     # Ctrl-C (the CLI's stop flag) ends the search at the next safe point, kills the trial
     # under way and leaves the study to resume.
     with storage_errors(storage):
-        return tune(spec, device=info, budget_bytes=budget_bytes, out_dir=out_dir, storage=storage,
-                    trials=trials, timeout_s=timeout_s, report=report, emulated_budget_bytes=emulated, nproc=nproc,
-                    stop_event=stopping.requested)
+        return tune(TuneSetup(spec=spec, device=info, budget=budget, out_dir=out_dir, storage=storage, trials=trials,
+                              report=report, nproc=nproc), stop_event=stopping.requested)
 
 
 def main(args) -> int:

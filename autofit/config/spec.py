@@ -16,12 +16,11 @@ from typing import Any
 
 from autofit.base.documents import read_yaml
 from autofit.base.errors import SpecError
+from autofit.config.knobs import choice_fields, spec_knobs
 from autofit.config.reader import choice_error, MISSING, Reader, shorten
 
 SCHEMA_VERSION = 1
 PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
-# What a checkpointed block keeps (autofit/knobs.py): its input only, or its matmul and attention outputs too.
-CHECKPOINT_POLICIES = ("full", "selective")
 MODEL_SOURCES = ("builtin", "hf", "python")
 # A model handed to `autofit.tune()` as a Python object: its spec names the class and a
 # fingerprint of its structure (model.args) and is never read from a file.
@@ -137,14 +136,15 @@ class TrainSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+@choice_fields(spec=True)
 class SearchSpec:
+    """The spec's `search:` section. Besides the fields below, one field per knob of the
+    registry a user opts in to (`autofit.config.knobs.spec_knobs`, named by its `choices`),
+    holding the values searched: the default alone unless opted in."""
+
     precisions: tuple[str, ...] = PRECISIONS  # the allowed set; unsupported ones are skipped
     max_freeze_blocks: int = 0  # freezing changes what is trained: opt-in
     activation_checkpointing: bool = True
-    # Opt-in knobs (the default searches only the first value): the checkpoint policies of
-    # the checkpointed blocks.
-    checkpoint_policies: tuple[str, ...] = ("full",)
-    compile: tuple[bool, ...] = (False,)  # [false, true]: also torch.compile'd steps
     memory_headroom: float = 0.05  # fraction of usable memory left free
     trials: int = 40  # most configurations measured (pruned proposals and repeats do not count)
     patience: int = 12  # stop after this many measured trials without a better one
@@ -157,9 +157,6 @@ class SearchSpec:
     # BatchNorm, whose statistics are the micro batch's, else no floor. A value at or above
     # the global batch excludes accumulation (the exact math of one batch).
     min_micro_batch_size: int | None = None
-    # Memory knobs that change the optimizer's numerics or the loss's code path: opt-in.
-    optimizer_bits: tuple[int, ...] = (32,)  # [32, 8]: also bitsandbytes' 8-bit AdamW state
-    chunked_loss: tuple[bool, ...] = (False,)  # [false, true]: also the chunked LM loss (LM heads)
     # Validation: a low-precision run's loss curve (5-step medians) may leave the 32-true
     # baseline's over the same batches by this fraction.
     loss_curve_rtol: float = 0.01
@@ -202,7 +199,7 @@ class ModelSpec:
         out["train"] = dataclasses.asdict(self.train)
         out["search"] = dataclasses.asdict(self.search) | {
             name: list(getattr(self.search, name))
-            for name in ("precisions", "checkpoint_policies", "optimizer_bits", "chunked_loss", "compile")}
+            for name in ("precisions", *(k.choices for k in spec_knobs()))}
         return out
 
     @property
@@ -498,8 +495,8 @@ def _seed(r: "Reader") -> int:
     return seed
 
 
-_OPT_IN_DEFAULTS = {"checkpoint_policies": ["full"], "min_micro_batch_size": None, "optimizer_bits": [32],
-                    "chunked_loss": [False], "compile": [False], "loss_curve_rtol": 0.01}
+_OPT_IN_DEFAULTS = {"min_micro_batch_size": None, "loss_curve_rtol": 0.01} | {
+    k.choices: [k.default] for k in spec_knobs()}
 
 
 def _search(r: "Reader") -> SearchSpec:
@@ -516,8 +513,6 @@ def _search(r: "Reader") -> SearchSpec:
         precisions=tuple(dict.fromkeys(precisions)),
         max_freeze_blocks=r.nonnegative_int("max_freeze_blocks", default=0, maximum=MAX_TRIAL_STEPS),
         activation_checkpointing=r.get("activation_checkpointing", bool, default=True),
-        checkpoint_policies=_choices(r, "checkpoint_policies", CHECKPOINT_POLICIES, default=("full",)),
-        compile=_choices(r, "compile", (False, True), default=(False,)),
         memory_headroom=headroom,
         trials=r.positive_int("trials", default=40, maximum=MAX_TRIALS),
         patience=r.positive_int("patience", default=12, maximum=MAX_TRIALS),
@@ -528,8 +523,7 @@ def _search(r: "Reader") -> SearchSpec:
         trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True,
                                  maximum=MAX_TIMEOUT_S),
         min_micro_batch_size=r.positive_int("min_micro_batch_size", default=None, maximum=MAX_GLOBAL_BATCH_SIZE),
-        optimizer_bits=_choices(r, "optimizer_bits", (32, 8), default=(32,)),
-        chunked_loss=_choices(r, "chunked_loss", (False, True), default=(False,)),
+        **{k.choices: _choices(r, k.choices, k.values, default=(k.default,)) for k in spec_knobs()},
         loss_curve_rtol=r.number("loss_curve_rtol", default=0.01, minimum=0.0, exclusive=True, maximum=1.0),
     )
     r.finish()

@@ -9,26 +9,25 @@ import dataclasses
 from dataclasses import dataclass
 
 from autofit.base.errors import SpecError
+from autofit.config.knobs import config_fields, KNOBS
 from autofit.config.reader import read_as
-from autofit.config.spec import CHECKPOINT_POLICIES, ModelSpec, PRECISIONS
+from autofit.config.spec import ModelSpec, PRECISIONS
 
 PARALLELISMS = ("none", "ddp", "fsdp")  # one process; DistributedDataParallel; FSDP2 fully_shard
-OPTIMIZER_BITS = (32, 8)  # the optimizer's moments in fp32, or blockwise 8-bit (bitsandbytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+@config_fields
 class TrainConfig:
-    """One point of the search space; what a profile records and a run applies."""
+    """One point of the search space; what a profile records and a run applies. Besides the
+    fields below, one field per knob of the registry (`autofit.config.knobs.KNOBS`), at its
+    place in a profile and at its default."""
 
     precision: str = "32-true"  # 32-true | tf32 | 16-mixed | bf16-mixed | bf16-true
     micro_batch_size: int  # samples per forward/backward
     grad_accum_steps: int = 1  # micro batches per optimizer step
     checkpoint_blocks: int = 0  # blocks of the block stack with activation checkpointing
-    checkpoint_policy: str = "full"  # full | selective: what each checkpointed block keeps (see CHECKPOINT_POLICIES)
     freeze_blocks: int = 0  # embeddings + the first k blocks frozen (0: nothing frozen)
-    # Text data: each step's samples sorted by length before the micro batches are cut, so
-    # dynamic padding pads less. The step trains on the same samples: the update is the same.
-    length_bucketing: bool = False
     # Data parallelism over `world_size` ranks (one process per GPU, launched by torchrun).
     # The defaults are one process, so profiles written before these fields load unchanged.
     parallelism: str = "none"  # none | ddp | fsdp
@@ -36,22 +35,12 @@ class TrainConfig:
     reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
     bucket_cap_mb: int = 25  # ddp: gradient bucket size, MiB (torch's default)
     gradient_as_bucket_view: bool = False  # ddp: gradients are views into the buckets (one copy fewer)
-    # Memory knobs that change numerics or the loss's code path; opt-in in `search`. The
-    # defaults are what every run did before them, so older profiles load unchanged.
-    optimizer_bits: int = 32  # 32: the moments in fp32; 8: blockwise 8-bit moments (bitsandbytes AdamW8bit)
-    chunked_loss: bool = False  # LM heads: head + cross-entropy in chunks, the full logits never exist
-    # torch.compile of each block (the whole model without a block stack); compile time is
-    # measured apart from throughput.
-    compile: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise SpecError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.parallelism not in PARALLELISMS:
             raise SpecError(f"parallelism: must be one of {', '.join(PARALLELISMS)}, got {self.parallelism!r}")
-        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
-            raise SpecError(f"checkpoint_policy: must be one of {', '.join(CHECKPOINT_POLICIES)}, "
-                            f"got {self.checkpoint_policy!r}")
         for name in ("reshard_after_forward", "gradient_as_bucket_view"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name}: must be true or false, got {getattr(self, name)!r}")
@@ -63,28 +52,17 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise SpecError(f"{name}: must be an integer >= 0, got {value!r}")
-        for name in ("length_bucketing", "chunked_loss", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise SpecError(f"{name}: must be true or false, got {getattr(self, name)!r}")
-        if isinstance(self.optimizer_bits, bool) or self.optimizer_bits not in OPTIMIZER_BITS:
-            raise SpecError(f"optimizer_bits: must be 32 or 8, got {self.optimizer_bits!r}")
-        if self.optimizer_bits == 8 and self.precision == "bf16-true":
-            # bf16 weights need the Kahan-compensated update (torch-optimi), which has no
-            # 8-bit state; bitsandbytes' update to a bf16 weight rounds small steps away.
-            raise SpecError("optimizer_bits: 8-bit state needs fp32 weights; bf16-true keeps bf16 weights "
-                            "(use optimizer_bits 32 with bf16-true, or another precision)")
-        if self.optimizer_bits == 8 and self.parallelism == "fsdp":
-            raise SpecError("optimizer_bits: 8-bit state does not run under FSDP2 (bitsandbytes' update takes no "
-                            "DTensor shards); use parallelism ddp or optimizer_bits 32")
-        if self.chunked_loss and self.parallelism != "none":
-            # The chunked loss reads the head's weight outside the model's forward, where
-            # DDP's and FSDP2's hooks do not see it.
-            raise SpecError(f"chunked_loss: runs in one process only, got parallelism {self.parallelism}")
+        for knob in KNOBS.values():
+            knob.check(getattr(self, knob.name))
+        for knob in KNOBS.values():
+            if (why := knob.refusal(getattr(self, knob.name), self.precision, self.parallelism)) is not None:
+                raise SpecError(why)
         # Inert knobs are reset to their defaults, so configs that differ only there are one
         # config (equal, one hash, measured once): the policy of no checkpointed block, and
         # another strategy's knobs.
-        if self.checkpoint_blocks == 0:
-            object.__setattr__(self, "checkpoint_policy", "full")
+        for knob in KNOBS.values():
+            if knob.active_with is not None and getattr(self, knob.active_with) == 0:
+                object.__setattr__(self, knob.name, knob.default)
         if self.parallelism != "fsdp":
             object.__setattr__(self, "reshard_after_forward", True)
         if self.parallelism != "ddp":
@@ -111,10 +89,9 @@ class TrainConfig:
         out = dataclasses.asdict(self)
         # Knobs at their defaults are left out: a profile mentions what it changes, and the
         # records of configs that never had these knobs stay as they were.
-        for name, default in (("length_bucketing", False), ("optimizer_bits", 32), ("chunked_loss", False),
-                              ("checkpoint_policy", "full"), ("compile", False)):
-            if out[name] == default:
-                del out[name]
+        for knob in KNOBS.values():
+            if out[knob.name] == knob.default:
+                del out[knob.name]
         # A strategy's own knobs are written only with that strategy: a one-process profile
         # does not list DDP bucket sizes it never used.
         if self.parallelism != "fsdp":
@@ -137,13 +114,12 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def short(self) -> str:
+        # A knob acting on an axis reads with it (ckpt=4sel); the others follow in registry order.
+        tag = {k.name: k.tags.get(getattr(self, k.name), "") for k in KNOBS.values()}
+        joined = {k.active_with: tag.pop(k.name) for k in KNOBS.values() if k.active_with}
         text = (f"{self.precision} mb={self.micro_batch_size}x{self.grad_accum_steps} "
-                f"ckpt={self.checkpoint_blocks}{'sel' if self.checkpoint_policy == 'selective' else ''} "
-                f"freeze={self.freeze_blocks}"
-                + (" bucketed" if self.length_bucketing else "")
-                + (" adam8bit" if self.optimizer_bits == 8 else "")
-                + (" chunked-ce" if self.chunked_loss else "")
-                + (" compiled" if self.compile else ""))
+                f"ckpt={self.checkpoint_blocks}{joined.get('checkpoint_blocks', '')} "
+                f"freeze={self.freeze_blocks}" + "".join(f" {t}" for t in tag.values() if t))
         if self.parallelism == "fsdp":
             text += f" fsdp x{self.world_size}" + ("" if self.reshard_after_forward else " keep-gathered")
         elif self.parallelism == "ddp":

@@ -12,12 +12,11 @@ from autofit.config.spec import ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import TrainConfig
 from autofit.measure.estimate import EstimateError, MemoryEstimate
 from autofit.measure.process import failure_reason
+from autofit.measure.messages import task
 from autofit.measure.resident import Resident
 from autofit.measure.worker import TaskOutcome, Worker
 
-ESTIMATE_TASK = "autofit.measure.tasks:estimate"
-ANALYZE_TASK = "autofit.measure.tasks:analyze"
-PROBE_TASK = "autofit.measure.tasks:probe"
+ESTIMATE_TASK, ANALYZE_TASK, PROBE_TASK = task("estimate"), task("analyze"), task("probe")
 _SKIP_PROBE = "declare model.batch_dim to skip the probe (0: forward takes the batch in dim 0)"
 
 

@@ -35,6 +35,7 @@ from autofit.train.optim import implementation
 from autofit.train.runner import Runner
 from autofit.train.stagnation import UpdateProbe
 from autofit.measure.claims import claim_cuda_context
+from autofit.measure.messages import TrialRequest
 from autofit.measure.cuda_overhead import create_context, nvml_before, nvml_overhead, nvml_pids, prepare_device
 from autofit.measure.process import die_with_parent, exit_with_parent
 from autofit.measure.steps import CompileFailed, StepLog, Steps
@@ -43,13 +44,13 @@ _TRACEBACK_CHARS = 8000  # of a user's exception, for the parent's --debug
 
 
 class _Trial:
-    def __init__(self, request: dict, workload: Workload | None = None):
-        self.config = TrainConfig.from_dict(request["config"])
-        self.spec = parse_spec(request["spec"], source_dir=Path(request["source_dir"]))
+    def __init__(self, request: TrialRequest, workload: Workload | None = None):
+        self.config = TrainConfig.from_dict(request.config)
+        self.spec = parse_spec(request.spec, source_dir=Path(request.source_dir))
         self.workload = workload  # built by the worker before the fork; else here
-        self.budget_bytes = request["budget_bytes"]
-        self.warmup_steps, self.measure_steps = request["warmup_steps"], request["measure_steps"]
-        device = request["device"]
+        self.budget_bytes = request.budget_bytes
+        self.warmup_steps, self.measure_steps = request.warmup_steps, request.measure_steps
+        device = request.device
         self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(device.split(",")[0]))
         world = distributed.launched_world()
         if world is not None and self.config.distributed:
@@ -62,10 +63,10 @@ class _Trial:
             # Before anything creates a context (the process group may): the used memory it
             # is measured against, and the claim that tells the service this context is ours.
             before = self._nvml_before = nvml_before(self.device.index)
-            self._nvml_pids = claim_cuda_context(request.get("claim_dir"), lambda: nvml_pids(before),
+            self._nvml_pids = claim_cuda_context(request.claim_dir, lambda: nvml_pids(before),
                                                  lambda: create_context(self.device))
         if world is not None and self.config.distributed:
-            distributed.init_process_group(self.device, timeout_s=max(30.0, 0.8 * request.get("timeout_s", 600)))
+            distributed.init_process_group(self.device, timeout_s=max(30.0, 0.8 * request.timeout_s))
         self.tracker = LiveBytesTracker(budget_bytes=self.budget_bytes) if self.device.type == "cpu" else None
         self.steps: Steps | None = None
         self.overhead_bytes: int | None = 0 if self.device.type == "cpu" else None
@@ -163,11 +164,14 @@ class _Trial:
 # ---- entry point ---------------------------------------------------------------------------
 
 
-def run_request(request: dict, workload: Workload | None = None) -> dict:
-    """The Measurement fields for one request; every failure becomes a status. `workload`:
-    built already (by the pre-loaded worker), else built here."""
+def run_request(request: TrialRequest | dict, workload: Workload | None = None) -> dict:
+    """The Measurement fields for one request (a dict: as it crossed the boundary); every
+    failure becomes a status. `workload`: built already (by the pre-loaded worker), else
+    built here."""
     started = time.perf_counter()
-    out = {"config": request["config"], "budget_bytes": request["budget_bytes"]}
+    if isinstance(request, dict):
+        request = TrialRequest.from_dict(request)
+    out = {"config": request.config, "budget_bytes": request.budget_bytes}
     trial = None
     try:
         trial = _Trial(request, workload)
@@ -205,7 +209,7 @@ def main(request_path: str, result_path: str) -> int:
     # The parent quotes the last line; a traceback never shows local variables (a user's
     # secrets may sit in them) in a log that `--verbose` prints.
     logger.add(sys.stderr, level="INFO", format="{message}", diagnose=False, backtrace=False)
-    request = json.loads(Path(request_path).read_text())
+    request = TrialRequest.from_dict(json.loads(Path(request_path).read_text()))
     world = distributed.launched_world()
     if world is None or world.world_size == 1:
         exit_with_parent(Path(request_path).parent)

@@ -3,7 +3,7 @@ a task whose answer is cheap once its process is warm. A memory estimate is one:
 training step whose cost is mostly torch's first-use work (fake-tensor dispatch caches,
 lazily imported decompositions), which a fresh child per estimate paid every time.
 
-    resident = Resident.of(worker, "autofit.measure.tasks:estimate")
+    resident = Resident.of(worker, task("estimate"))
     outcome = resident.call(request, timeout_s=600)      # a TaskOutcome, as Worker.run's
 
 Its isolation is a task's: the child is the worker's, in a session of its own, with a folder
@@ -30,9 +30,10 @@ from pathlib import Path
 
 from autofit.measure.worker import POLL_S, stop_asked, task_log_tail, TaskOutcome, Worker, WorkerStopped
 from autofit.measure.worker_main import resolve
+from autofit.measure.messages import task
 from autofit.measure.wire import LineSocket
 
-SERVE_TASK = "autofit.measure.resident:serve"
+SERVE_TASK = task("serve")
 _EXIT_S = 5.0  # a child whose connection closed has exited, or is about to
 _PEER = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
 

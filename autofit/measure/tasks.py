@@ -21,6 +21,7 @@ from autofit.workload import build_workload, make_workload, TextData, Workload
 from autofit.workload.probe import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.measure.child import run_request
+from autofit.measure.messages import TrialRequest
 from autofit.measure.estimate import cuda_poisoned, estimate_memory, EstimateError, max_micro_batch_size
 
 _TRACEBACK_CHARS = 8000
@@ -55,9 +56,10 @@ def setup_objects(payload: dict) -> dict:
 
 def trial(request: dict, context: dict) -> dict:
     """One trial: the fields of a `Measurement` (autofit.measure.child.run_request)."""
-    if request.pop("claim", False):  # the service's guard reads the CUDA claim in the trial folder
-        request["claim_dir"] = request["_folder"]
-    return run_request(request, workload=context["workload"])
+    trial_request = TrialRequest.from_dict(request)
+    if trial_request.claim:  # the service's guard reads the CUDA claim in the trial folder
+        trial_request = dataclasses.replace(trial_request, claim=False, claim_dir=request["_folder"])
+    return run_request(trial_request, workload=context["workload"])
 
 
 def estimate(request: dict, context: dict) -> dict:

@@ -24,13 +24,12 @@ from autofit.base.errors import DeviceError, InputError
 from autofit.config.spec import ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.measure.measurement import Measurement
+from autofit.measure.messages import task, TrialRequest
 from autofit.measure.process import child_env, failure_reason, kill_group, torchrun_args, wait_for_child
 from autofit.measure.worker import StopEither, TaskOutcome, Worker
 
 _LOG_TAIL_CHARS = 4000
-SETUP_TASK = "autofit.measure.tasks:setup"
-OBJECTS_SETUP_TASK = "autofit.measure.tasks:setup_objects"
-TRIAL_TASK = "autofit.measure.tasks:trial"
+SETUP_TASK, OBJECTS_SETUP_TASK, TRIAL_TASK = task("setup"), task("setup_objects"), task("trial")
 
 
 def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
@@ -53,7 +52,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
         raise DeviceError(f"device: {device!r} lists {len(device.split(','))} GPUs for {config.world_size} rank(s)")
     timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
     request = trial_request(spec, config, device=device, budget_bytes=budget_bytes, warmup_steps=warmup_steps,
-                            measure_steps=measure_steps, timeout_s=timeout_s) | {"claim": guard is not None}
+                            measure_steps=measure_steps, timeout_s=timeout_s, claim=guard is not None)
     if config.world_size > 1:
         return _measure_ranks(request, config, device=device, timeout_s=timeout_s, stop_event=stop_event, guard=guard)
     children = []
@@ -67,7 +66,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
         if worker is None:  # a worker for this trial alone
             worker = stack.enter_context(trial_worker(spec, device))
         try:
-            outcome = worker.run(TRIAL_TASK, request, timeout_s=timeout_s, stop_event=stop_event, on_child=on_child,
+            outcome = worker.run(TRIAL_TASK, request.to_dict(), timeout_s=timeout_s, stop_event=stop_event, on_child=on_child,
                                  start_timeout_s=spec.search.trial_timeout_s)
         finally:
             if guard is not None and children:
@@ -108,16 +107,16 @@ def _measurement(result: dict | None, outcome, config: TrainConfig, budget_bytes
     return measurement
 
 
-def _measure_ranks(request: dict, config: TrainConfig, *, device: str, timeout_s: float, stop_event,
+def _measure_ranks(request: TrialRequest, config: TrainConfig, *, device: str, timeout_s: float, stop_event,
                    guard) -> Measurement:
     """Several ranks: `torch.distributed.run` in a fresh process (its ranks too), each rank
     the trial child; their result files are merged."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
         request_path, result_path, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "log")
-        if request.pop("claim"):
-            request["claim_dir"] = tmp
-        request_path.write_text(json.dumps(request, default=str))
+        if request.claim:
+            request = dataclasses.replace(request, claim=False, claim_dir=tmp)
+        request_path.write_text(json.dumps(request.to_dict(), default=str))
         with open(log_path, "wb") as log_file:
             command = [sys.executable, *torchrun_args(config.world_size), str(request_path), str(result_path)]
             proc = None
@@ -141,15 +140,15 @@ def _measure_ranks(request: dict, config: TrainConfig, *, device: str, timeout_s
 
 def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
                   warmup_steps: int | None = None, measure_steps: int | None = None,
-                  timeout_s: float | None = None) -> dict:
+                  timeout_s: float | None = None, claim: bool = False) -> TrialRequest:
     """What the child is asked to measure (request.json)."""
-    return {
-        "spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
-        "device": device, "budget_bytes": budget_bytes,
-        "warmup_steps": spec.search.warmup_steps if warmup_steps is None else warmup_steps,
-        "measure_steps": spec.search.measure_steps if measure_steps is None else measure_steps,
-        "timeout_s": spec.search.trial_timeout_s if timeout_s is None else timeout_s,
-    }
+    return TrialRequest(
+        spec=spec.to_dict(), source_dir=str(spec.source_dir), config=config.to_dict(),
+        device=device, budget_bytes=budget_bytes,
+        warmup_steps=spec.search.warmup_steps if warmup_steps is None else warmup_steps,
+        measure_steps=spec.search.measure_steps if measure_steps is None else measure_steps,
+        timeout_s=spec.search.trial_timeout_s if timeout_s is None else timeout_s, claim=claim,
+    )
 
 
 def _read_result(result_path: Path, world_size: int) -> dict | None:

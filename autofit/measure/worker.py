@@ -3,8 +3,8 @@ task (a trial, a validation run, an estimate, the model's analysis, a doctor che
 fresh child it forks, with a timeout, a stop event and the child's folder; kill the child's
 process group on every path; read its result.
 
-    with Worker(setup="autofit.measure.tasks:setup", payload={"spec": ..., ...}, device="cpu") as worker:
-        outcome = worker.run("autofit.measure.tasks:trial", request, timeout_s=600)
+    with Worker(setup=task("setup"), payload={"spec": ..., ...}, device="cpu") as worker:
+        outcome = worker.run(task("trial"), request.to_dict(), timeout_s=600)
 
 A child that answers many requests (a tune's estimates) is a resident task
 (`autofit.measure.resident`), built on `fork`, `wait_exit` and `end_child` here.

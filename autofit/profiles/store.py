@@ -21,8 +21,9 @@ from loguru import logger
 
 from autofit.base.errors import ProfileError
 from autofit.base.paths import default_store_dir
-from autofit.base.sizes import format_bytes, parse_budget
+from autofit.base.sizes import format_bytes
 from autofit.config.spec import ModelSpec
+from autofit.device.budget import Budget, budget_for
 from autofit.device.probe import DeviceInfo, probe_devices, select_device, torch_version, with_memory_budget
 from autofit.profiles.profile import device_from_info, Profile
 
@@ -196,16 +197,18 @@ def _file_in(store: ProfileStore, text: str) -> Path | None:
 
 def locate(path_or_name: str | Path, *, store: ProfileStore | str | Path | None = None,
            device: DeviceInfo | str | int | None = None,
-           memory_budget: str | int | None = None) -> tuple[Path, Profile, list[str]]:
+           memory_budget: str | int | Budget | None = None) -> tuple[Path, Profile, list[str]]:
     """(path, profile, stale reasons) for a file or a model name; warns about a device
     mismatch and staleness. `load_profile`, `autofit train` and `autofit profiles
     show/export` use it. With `memory_budget`, a name finds first the profile tuned under
     that emulated budget (`tune --memory-budget`), else the whole device's; without it, a
-    profile tuned under an emulated budget or for an emulated GPU is never handed out."""
+    profile tuned under an emulated budget or for an emulated GPU is never handed out. A
+    `Budget` is one a command already parsed."""
     store = _as_store(store)
     info = _device_info(device)
-    budget_bytes = parse_budget(None if memory_budget is None else str(memory_budget),
-                                total_bytes=info.memory_total_bytes, device_name=info.name)
+    if not isinstance(memory_budget, Budget):
+        memory_budget = budget_for(info, memory_budget, headroom=0.0)
+    budget_bytes = memory_budget.requested_bytes
     emulated = None if budget_bytes is None else device_from_info(with_memory_budget(info, budget_bytes))
     here = device_from_info(info)
     path = _file_in(store, str(path_or_name))

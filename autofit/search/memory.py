@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
 from autofit.device.precision import same_tensors
 from autofit.search.study import TrialRecord
@@ -75,9 +76,10 @@ def _group(config: TrainConfig) -> tuple:
     # Per strategy too: DDP's and FSDP2's buffers are modelled, not traced. Per checkpoint
     # policy: a selective block's saved matmul outputs are kernel-dependent on a GPU.
     checkpointing = config.checkpoint_blocks > 0 and config.checkpoint_policy
-    # Per compile setting: a compiled step is estimated eagerly (docs/estimator.md).
+    # Per knob calibrated apart (compile: a compiled step is estimated eagerly, docs/estimator.md).
     # Precisions that hold the same tensors share one (tf32 and fp32; fp16 and bf16 autocast).
-    return same_tensors(config.precision), checkpointing, config.parallelism, config.compile
+    return (same_tensors(config.precision), checkpointing, config.parallelism,
+            *(getattr(config, k.name) for k in KNOBS.values() if k.calibrated_apart and not k.active_with))
 
 
 def _keeps_more(config: TrainConfig, than: TrainConfig) -> bool:
@@ -95,14 +97,16 @@ def _needs_more(config: TrainConfig, than: TrainConfig) -> bool:
     """`config` holds everything `than` holds in memory, or more."""
     if config.precision != than.precision or config.parallelism != than.parallelism:
         return False  # (and the replace below could ask for 8-bit state where it cannot run)
+    ordered = [k for k in KNOBS.values() if k.holds_more is not None]
     same_otherwise = config.replace(micro_batch_size=than.micro_batch_size, grad_accum_steps=than.grad_accum_steps,
                                     checkpoint_blocks=than.checkpoint_blocks, checkpoint_policy=than.checkpoint_policy,
-                                    freeze_blocks=than.freeze_blocks, optimizer_bits=than.optimizer_bits,
-                                    chunked_loss=than.chunked_loss)
+                                    freeze_blocks=than.freeze_blocks, **{k.name: getattr(than, k.name) for k in ordered})
     return (same_otherwise == than and config.micro_batch_size >= than.micro_batch_size
             and _keeps_more(config, than) and config.freeze_blocks <= than.freeze_blocks
-            # 32-bit state holds more than 8-bit; the whole logits more than chunks of them
-            and config.optimizer_bits >= than.optimizer_bits and config.chunked_loss <= than.chunked_loss)
+            # Each knob's memory order (32-bit state holds more than 8-bit; the whole logits
+            # more than chunks of them).
+            and all(k.holds_more.index(getattr(config, k.name)) <= k.holds_more.index(getattr(than, k.name))
+                    for k in ordered))
 
 
 def record_budget(record: TrialRecord) -> int | None:

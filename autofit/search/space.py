@@ -1,8 +1,9 @@
 """The search space: every knob's allowed values, declared in one place (`SearchSpace.knobs`).
 
-To add a knob: give `TrainConfig` the field, give `SearchSpace` a field holding its allowed
-values, and declare it in `SearchSpace.knobs()` (one `Knob` line). Suggesting, enqueueing,
-the grid, its size and the neighbours all follow from that declaration.
+The option knobs come from the registry (`autofit.config.knobs.KNOBS`): adding a row there
+gives `SearchSpace` its field of allowed values and declares its `Knob`; their roles and
+rules decide seeds, planned twins and coherence. Suggesting, enqueueing, the grid, its size
+and the neighbours all follow from the declarations.
 """
 
 import itertools
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import optuna
 
+from autofit.config.knobs import choice_fields, coherent, KNOBS
 from autofit.config.train_config import MicroBatchFloor, TrainConfig
 
 
@@ -46,28 +48,24 @@ class Knob:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+@choice_fields(spec=False)
 class SearchSpace:
-    """Every knob's allowed values. micro batch x accumulation is always the global batch."""
+    """Every knob's allowed values. micro batch x accumulation is always the global batch.
+    Besides the fields below, one field per registry knob (named by its `KnobDef.choices`)
+    holding its allowed values: declared as a knob only with a choice; a single value is
+    what every config runs."""
 
     global_batch_size: int
     precisions: tuple[str, ...]
     micro_batch_sizes: tuple[int, ...]  # divisors of the global batch, ascending
     max_checkpoint_blocks: int
     max_freeze_blocks: int
-    length_bucketing: tuple[bool, ...] = (False,)  # (False, True) where sorting by length can help
-    # What each checkpointed block keeps; ("full", "selective") when the spec opts in.
-    checkpoint_policies: tuple[str, ...] = ("full",)
-    compile: tuple[bool, ...] = (False,)  # (False, True) when the spec opts in to torch.compile'd steps
     # Ranks (`--nproc`). Above 1 the strategy and its memory knobs join the space, and the
     # micro batches divide each rank's share of the global batch.
     world_size: int = 1
     parallelisms: tuple[str, ...] = ("ddp", "fsdp")
     # Why `micro_batch_sizes` starts where it does (a model with BatchNorm); None: every divisor.
     micro_batch_floor: MicroBatchFloor | None = None
-    # Opt-in memory knobs (spec `search.optimizer_bits`, `search.chunked_loss`). Declared as
-    # knobs only with a choice; a single value is what every config of the space runs.
-    optimizer_bits: tuple[int, ...] = (32,)
-    chunked_loss: tuple[bool, ...] = (False,)
 
     def knobs(self) -> tuple[Knob, ...]:
         """The knobs, in the order Optuna suggests them. Add a new knob here."""
@@ -78,16 +76,12 @@ class SearchSpace:
                  values=tuple(range(self.max_checkpoint_blocks + 1)), steps=(-1, 1)),
             Knob(field="freeze_blocks", param="freeze_blocks", values=tuple(range(self.max_freeze_blocks + 1))),
         )
-        # Opt-in knobs are declared only where they have a choice: studies without them keep
-        # their parameters.
-        for name in ("length_bucketing", "optimizer_bits", "chunked_loss"):
-            if len(getattr(self, name)) > 1:
-                knobs += (Knob(field=name, param=name, values=getattr(self, name), ordered=False),)
-        if len(self.checkpoint_policies) > 1 and self.max_checkpoint_blocks:
-            knobs += (Knob(field="checkpoint_policy", param="checkpoint_policy", values=self.checkpoint_policies,
-                           ordered=False),)
-        if len(self.compile) > 1:
-            knobs += (Knob(field="compile", param="compile", values=self.compile, ordered=False),)
+        # Option knobs are declared only where they have a choice (and the axis they act on
+        # exists): studies without them keep their parameters.
+        axes = {"checkpoint_blocks": self.max_checkpoint_blocks}
+        knobs += tuple(Knob(field=k.name, param=k.name, values=getattr(self, k.choices), ordered=False)
+                       for k in KNOBS.values()
+                       if len(getattr(self, k.choices)) > 1 and (k.active_with is None or axes[k.active_with]))
         if self.world_size == 1:
             return knobs
         # A strategy's knob is inert under the other strategy (TrainConfig resets it), so
@@ -113,7 +107,7 @@ class SearchSpace:
         (compiling scales a config's speed about alike at every batch, so it is a twin, not a
         dimension to seed)."""
         return (self.strategy_of(config) | self.memory_knobs_of(config)
-                | ({"compile": config.compile} if len(self.compile) > 1 else {}))
+                | {k.name: getattr(config, k.name) for k in self._searched("twin")})
 
     def strategy_of(self, config: TrainConfig) -> dict:
         """`config`'s strategy and its memory knobs ({} on one rank)."""
@@ -126,13 +120,9 @@ class SearchSpace:
         """The memory knobs at their most frugal that `precision` and `strategy` allow ({}
         when the space has no choice): where seeds look for micro batches the plain settings
         cannot fit."""
-        out = {}
         parallelism = (strategy or {}).get("parallelism", "none")
-        if 8 in self.optimizer_bits and len(self.optimizer_bits) > 1 and _eight_bit_allowed(precision, parallelism):
-            out["optimizer_bits"] = 8
-        if True in self.chunked_loss and len(self.chunked_loss) > 1:
-            out["chunked_loss"] = True
-        return out
+        return {k.name: k.lean for k in self._searched("memory")
+                if k.lean in getattr(self, k.choices) and k.refusal(k.lean, precision, parallelism) is None}
 
     def seed_group(self, config: TrainConfig) -> tuple:
         """The seeds `config` counts for: its precision, its strategy and its memory knobs.
@@ -142,17 +132,22 @@ class SearchSpace:
 
     def memory_knobs_of(self, config: TrainConfig) -> dict:
         """`config`'s searched memory knobs ({} when none is searched)."""
-        return {name: getattr(config, name) for name in ("optimizer_bits", "chunked_loss")
-                if len(getattr(self, name)) > 1}
+        return {k.name: getattr(config, k.name) for k in self._searched("memory")}
+
+    def _searched(self, role: str) -> list:
+        """The registry's knobs of `role` with a choice in this space."""
+        return [k for k in KNOBS.values() if k.role == role and len(getattr(self, k.choices)) > 1]
 
     def config(self, precision: str, micro_batch_size: int, checkpoint_blocks: int = 0,
                freeze_blocks: int = 0, **other) -> TrainConfig:
         rank_batch = self.global_batch_size // self.world_size
         if self.world_size > 1:
             other = {"parallelism": self.parallelisms[0], **other, "world_size": self.world_size}
-        # The first allowed value is the default (the plain one when both are allowed).
-        bits = self.optimizer_bits[0] if _eight_bit_allowed(precision, other.get("parallelism", "none")) else 32
-        other = {"optimizer_bits": bits, "chunked_loss": self.chunked_loss[0], **other}
+        # A memory knob's first allowed value is the default (the plain one when both are
+        # allowed), where the precision and strategy let it run.
+        parallelism = other.get("parallelism", "none")
+        other = {k.name: first if k.refusal(first := getattr(self, k.choices)[0], precision, parallelism) is None
+                 else k.default for k in KNOBS.values() if k.role == "memory"} | other
         return TrainConfig(precision=precision, micro_batch_size=micro_batch_size,
                            grad_accum_steps=rank_batch // micro_batch_size,
                            checkpoint_blocks=checkpoint_blocks, freeze_blocks=freeze_blocks, **other)
@@ -177,8 +172,9 @@ class SearchSpace:
         values = {k.field: k.suggest(trial) for k in self.knobs()}
         # Checkpointing beyond the trainable blocks is the same point as checkpointing all of them.
         values["checkpoint_blocks"] = min(values["checkpoint_blocks"], self.checkpointable(values["freeze_blocks"]))
-        if not _eight_bit_allowed(values["precision"], values.get("parallelism", "none")):
-            values["optimizer_bits"] = 32  # bf16 weights and FSDP2 shards keep 32-bit state
+        for k in KNOBS.values():  # e.g. bf16 weights and FSDP2 shards keep 32-bit optimizer state
+            if k.name in values and k.refusal(values[k.name], values["precision"], values.get("parallelism", "none")):
+                values[k.name] = k.default
         return self._from_values(values)
 
     def params(self, config: TrainConfig) -> dict:
@@ -188,7 +184,7 @@ class SearchSpace:
     def grid(self) -> list[TrainConfig]:
         knobs = self.knobs()
         combos = (dict(zip((k.field for k in knobs), combo)) for combo in itertools.product(*(k.values for k in knobs)))
-        configs = (self._from_values(v) for v in combos if _coherent(v))
+        configs = (self._from_values(v) for v in combos if coherent(v))
         # No checkpointed block has no policy: those configs come once (TrainConfig resets it).
         return list(dict.fromkeys(c for c in configs if self.valid(c)))
 
@@ -196,12 +192,15 @@ class SearchSpace:
     def size(self) -> int:
         """len(grid()), without building it."""
         size = 1
+        # Checkpointing (with the knobs acting on it) and freezing are counted below; the
+        # precision with the knobs whose rules depend on it, as the coherent combinations.
+        ruled = [k for k in self.knobs() if k.field in KNOBS and KNOBS[k.field].rules]
+        axes = {k.field for k in self.knobs() if k.field in KNOBS and KNOBS[k.field].active_with}
         for k in self.knobs():
-            if k.field not in ("checkpoint_blocks", "freeze_blocks", "checkpoint_policy", "precision",
-                               "optimizer_bits"):
+            if k.field not in ("checkpoint_blocks", "freeze_blocks", "precision", *axes) and k not in ruled:
                 size *= len(k.values)
-        bits = self.optimizer_bits if len(self.optimizer_bits) > 1 else (32,)
-        size *= sum(_coherent({"precision": p, "optimizer_bits": b}) for p in self.precisions for b in bits)
+        size *= sum(coherent(dict(zip(("precision", *(k.field for k in ruled)), combo)))
+                    for combo in itertools.product(self.precisions, *(k.values for k in ruled)))
         policies = len(self.policies())
         return size * sum(policies * self.checkpointable(f) + 1 for f in range(self.max_freeze_blocks + 1))
 
@@ -223,8 +222,8 @@ class SearchSpace:
                 # A policy without checkpointed blocks is inert: no neighbour there. No 8-bit
                 # state with bf16 weights.
                 out += [c for v in k.values if v != getattr(config, k.field)
-                        and _coherent({**self.memory_knobs_of(config), "precision": config.precision,
-                                       "parallelism": config.parallelism, k.field: v})
+                        and coherent({**self.memory_knobs_of(config), "precision": config.precision,
+                                      "parallelism": config.parallelism, k.field: v})
                         if (c := config.replace(**{k.field: v})) != config]
         return out
 
@@ -240,13 +239,3 @@ class SearchSpace:
             values[name] = knob.values[index]
         return self._from_values(values)
 
-
-def _eight_bit_allowed(precision: str, parallelism: str = "none") -> bool:
-    """8-bit optimizer state needs fp32 weights and whole (not FSDP2-sharded) parameters:
-    TrainConfig refuses it with bf16-true and with fsdp."""
-    return precision != "bf16-true" and parallelism != "fsdp"
-
-
-def _coherent(values: dict) -> bool:
-    return values.get("optimizer_bits", 32) == 32 or _eight_bit_allowed(values["precision"],
-                                                                         values.get("parallelism", "none"))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from autofit.base.documents import read_yaml
 from autofit.base.errors import SpecError
+from autofit.base.paths import sqlite_storage
 from autofit.base.redact import redact_text, redact_url
 from autofit.config.reader import Reader
 from autofit.config.spec import MAX_TIMEOUT_S, MAX_TRIALS
@@ -60,7 +61,7 @@ class ServiceConfig:
 
     @property
     def storage_url(self) -> str:
-        return self.storage or f"sqlite:///{self.state_dir / 'studies.db'}"
+        return self.storage or sqlite_storage(self.state_dir)
 
     def to_dict(self) -> dict:
         return {"path": str(self.path), "models_dir": str(self.models_dir), "store_dir": str(self.store_dir),

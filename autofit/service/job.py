@@ -27,10 +27,11 @@ from loguru import logger
 
 from autofit.base.errors import AutofitError, NothingFitsError, TrialTimeoutError
 from autofit.config.spec import ModelSpec
+from autofit.device.budget import Budget
 from autofit.search.shared import creation_lock
 from autofit.profiles.profile import utc_now
 from autofit.tuning.space import device_for_ranks, study_name
-from autofit.tuning.tune import tune, TuneOutcome
+from autofit.tuning.tune import tune, TuneOutcome, TuneSetup
 from autofit.service.guard import TrialGuard
 from autofit.service.inventory import Gpu
 from autofit.service.state import iso_utc, PairState
@@ -46,7 +47,7 @@ class TuneJob:
     key: str  # the pair's key
     gpu: Gpu  # the first of `gpus`: its label and kind name the job
     spec: ModelSpec
-    budget_bytes: int
+    budget: Budget  # each rank's
     trials: int
     started: str = field(default_factory=utc_now)
     stop_event: threading.Event = field(default_factory=threading.Event)
@@ -134,10 +135,9 @@ class TuneJob:
             # tune() writes the profile into the store itself, atomically, after validation.
             # Emulated cards run their trials on the CPU; N ranks take one GPU each, by index.
             execute_on = "cpu" if device.emulated else ",".join(str(g.device.index) for g in self.gpus)
-            self.outcome = tune(self.spec, device=device, budget_bytes=self.budget_bytes, out_dir=store_dir,
-                                storage=storage, execute_on=execute_on, trials=self.trials,
-                                stop_event=self.stop_event, on_trial=on_trial, nproc=self.nproc, guard=self.guard,
-                                worker=self.worker)
+            setup = TuneSetup(spec=self.spec, device=device, budget=self.budget, out_dir=store_dir, storage=storage,
+                              execute_on=execute_on, trials=self.trials, nproc=self.nproc, worker=self.worker)
+            self.outcome = tune(setup, stop_event=self.stop_event, on_trial=on_trial, guard=self.guard)
         except Exception as exc:  # every ending is judged by the main thread, in settle()
             self.error = exc
         finally:

@@ -17,7 +17,7 @@ from loguru import logger
 from autofit.base.errors import AutofitError
 from autofit.base.sizes import format_bytes
 from autofit.config.spec import ModelSpec
-from autofit.device.probe import usable_budget_bytes
+from autofit.device.budget import budget_for
 from autofit.service.config import ServiceConfig
 from autofit.service.guard import PidRule, TrialGuard
 from autofit.service.inventory import descendant_pids, Gpu, IdleTracker
@@ -90,7 +90,7 @@ class Scheduler:
         # The budget is each rank's: every GPU of a kind has the same memory.
         job = TuneJob(key=pair.key, gpu=gpus[0], gpus=tuple(gpus), spec=spec,
                       trials=config.trials or spec.search.trials,
-                      budget_bytes=usable_budget_bytes(gpus[0].device, headroom=headroom),
+                      budget=budget_for(gpus[0].device, None, headroom=headroom),
                       worker=config.worker)
         # Checked on every tick of the tune, not only at the next poll: a job that starts
         # while a trial holds most of the card would run out of memory.
@@ -103,7 +103,7 @@ class Scheduler:
             self.tunes[gpu.slot] = job
             self.gpu_busy[gpu.slot] = "tuning"
         logger.info("{}: tuning {} (tune #{} of this pair), budget {}{}", job.label, spec.name, pair.tunes,
-                    format_bytes(job.budget_bytes), f" per rank, {job.nproc} ranks" if job.nproc > 1 else "")
+                    format_bytes(job.budget.usable_bytes), f" per rank, {job.nproc} ranks" if job.nproc > 1 else "")
         job.start(store_dir=config.store_dir, storage=config.storage_url)
         return job
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autofit.base.errors import SpecError
-from autofit.config.spec import CHECKPOINT_POLICIES
+from autofit.config.knobs import CHECKPOINT_POLICIES, KNOBS
 from autofit.config.train_config import MicroBatchFloor, TrainConfig
 from autofit.workload.blocks import Blocks, find_block_stack
 
@@ -212,13 +212,24 @@ def apply_compile(model: nn.Module) -> list[str]:
     return [name for name, _ in targets]
 
 
+# The apply hooks of the registry's knobs that change the model (`autofit.config.knobs.KNOBS`),
+# keyed by knob name: hook(model, value), called in registry order after freezing and
+# checkpointing for a knob away from its default. A knob applied elsewhere (the optimizer,
+# the loss, the data) names its place in its row's `applied_by`.
+APPLY_HOOKS = {
+    "compile": lambda model, on: apply_compile(model),  # last: a checkpointed block is compiled with it
+}
+
+
 def apply_config(model: nn.Module, config: TrainConfig) -> nn.Module:
-    """Freezing, checkpointing and compiling, in place; returns the model for chaining."""
+    """Freezing, checkpointing and the knobs' hooks (compiling), in place; returns the model
+    for chaining."""
     apply_freezing(model, config.freeze_blocks)
     apply_checkpointing(model, config.checkpoint_blocks, first_block=config.freeze_blocks,
                         policy=config.checkpoint_policy)
-    if config.compile:  # last: a checkpointed block is compiled with its checkpointing
-        apply_compile(model)
+    for knob in KNOBS.values():
+        if knob.name in APPLY_HOOKS and (value := getattr(config, knob.name)) != knob.default:
+            APPLY_HOOKS[knob.name](model, value)
     return model
 
 

@@ -31,15 +31,15 @@ from torch.utils._pytree import tree_leaves
 
 from autofit.base.errors import SpecError
 from autofit.base.logs import adopt_default_handler
-from autofit.base.paths import default_state_dir, default_store_dir
-from autofit.base.sizes import parse_budget
+from autofit.base.paths import default_state_dir, default_store_dir, sqlite_storage
 from autofit.config.spec import OBJECT_SOURCE, parse_spec
-from autofit.device.probe import select_device, usable_budget_bytes
+from autofit.device.budget import budget_for
+from autofit.device.probe import select_device
 from autofit.workload import make_workload
 from autofit.workload.data import FunctionData
 from autofit.workload.optimizer import from_object
 from autofit.profiles.profile import Profile
-from autofit.tuning.tune import tune as tune_spec
+from autofit.tuning.tune import tune as tune_spec, TuneSetup
 
 OBJECTS_FILE = "objects.pkl"
 
@@ -88,9 +88,7 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
                        "train": {"global_batch_size": global_batch_size, "max_grad_norm": max_grad_norm},
                        "loss": {"per_sample": per_sample}, "search": search or {}}, source_dir=Path.cwd())
     info = select_device(None if device is None else str(device))
-    emulated = parse_budget(None if memory_budget is None else str(memory_budget),
-                            total_bytes=info.memory_total_bytes, device_name=info.name)
-    budget_bytes = usable_budget_bytes(info, headroom=spec.search.memory_headroom, memory_budget=emulated)
+    budget = budget_for(info, memory_budget, headroom=spec.search.memory_headroom, time_s=timeout_s)
     state = Path(state_dir) if state_dir is not None else default_state_dir()
     state.mkdir(parents=True, exist_ok=True)
     out = Path(out_dir) if out_dir is not None else default_store_dir()
@@ -98,9 +96,8 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
     with tempfile.TemporaryDirectory(prefix="autofit-objects-") as folder:
         path = Path(folder) / OBJECTS_FILE
         _pickle(objects, path)
-        outcome = tune_spec(spec, device=info, budget_bytes=budget_bytes, out_dir=out,
-                            storage=f"sqlite:///{state.resolve() / 'studies.db'}", trials=trials, timeout_s=timeout_s,
-                            emulated_budget_bytes=emulated, report=report, objects=path)
+        outcome = tune_spec(TuneSetup(spec=spec, device=info, budget=budget, out_dir=out,
+                                      storage=sqlite_storage(state), trials=trials, report=report, objects=path))
     return outcome.profile
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from loguru import logger
 
 from autofit.base.errors import DeviceError, SpecError
+from autofit.config.knobs import spec_knobs
 from autofit.config.spec import divisors, ModelSpec
 from autofit.config.train_config import MicroBatchFloor
 from autofit.device.probe import DeviceInfo
@@ -66,7 +67,5 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: 
         max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
         length_bucketing=(False, True) if analysis["bucketing"] else (False,),
-        checkpoint_policies=spec.search.checkpoint_policies,
-        optimizer_bits=spec.search.optimizer_bits, chunked_loss=chunked,
-        compile=spec.search.compile,
+        **{k.choices: getattr(spec.search, k.choices) for k in spec_knobs()} | {"chunked_loss": chunked},
     )

@@ -27,6 +27,7 @@ from autofit.base.redact import redact_url
 from autofit.base.sizes import format_bytes
 from autofit.base.version import VERSION
 from autofit.config.spec import ModelSpec
+from autofit.device.budget import Budget
 from autofit.device.probe import DeviceInfo, with_memory_budget
 from autofit.measure import asks
 from autofit.measure.estimate import EstimateError, MemoryEstimate
@@ -87,26 +88,40 @@ def _record_dict(r: TrialRecord) -> dict:
             "foreign_cores": None if m is None else m.foreign_cores}
 
 
-def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Path, storage: str | None,
-         execute_on: str | None = None, trials: int | None = None, timeout_s: float | None = None,
-         emulated_budget_bytes: int | None = None, stop_event: threading.Event | None = None,
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuneSetup:
+    """What to tune, on what, under which budget, and where its study and profile live: built
+    by `autofit tune`, `autofit.tune()` and the service alike, and handed to `tune()` whole."""
+
+    spec: ModelSpec
+    device: DeviceInfo
+    budget: Budget  # `device.budget.budget_for`: usable bytes, the search's time, an emulated card's request
+    out_dir: Path  # the profile store
+    storage: str | None  # Optuna storage URL (`base.paths.sqlite_storage` by default); None: in memory
+    trials: int | None = None  # most trials; None: search.trials
+    # > 1: data-parallel jobs over that many ranks (DDP or FSDP2, each trial through
+    # torchrun); the budget is then each rank's.
+    nproc: int = 1
+    report: bool = True  # the HTML report beside the profile
+    execute_on: str | None = None  # where trials run ("cpu" or CUDA indices); None: the device itself
+    worker: str | None = None  # this worker's name in a study it shares with others; None: the host name
+    # The pickled model, batch_fn and loss_fn of `autofit.tune()` (`tuning.notebook`), which
+    # the trial worker loads instead of building the spec's workload.
+    objects: Path | None = None
+
+
+def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
          on_trial: Callable[[TrialRecord, TrialRecord | None, int], None] | None = None,
-         report: bool = True, nproc: int = 1, guard=None,
-         worker: str | None = None, objects: Path | None = None) -> TuneOutcome:
-    """Search, validate and save. `execute_on` is where trials run ("cpu" or a CUDA index;
-    default: the device itself; an emulated GPU runs on the CPU under its budget).
-    `emulated_budget_bytes` (from --memory-budget) keys a study apart from the full card's.
-    `nproc` > 1 tunes data-parallel jobs over that many ranks (DDP or FSDP2, each trial
-    launched through torchrun); `budget_bytes` is then each rank's. `guard` (the service's
-    `service.guard.TrialGuard`) watches every trial child.
-    `worker` names this worker in a study it shares with others (default: the host name).
-    `objects`: the pickled model, batch_fn and loss_fn of `autofit.tune()` (`tuning.notebook`),
-    which its trial worker loads instead of building the spec's workload.
+         guard=None) -> TuneOutcome:
+    """Search, validate and save. An emulated GPU runs its trials on the CPU under its
+    budget; an emulated budget keys a study apart from the full card's. `guard` (the
+    service's `service.guard.TrialGuard`) watches every trial child.
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
-    run = _Tune(spec, device=device, budget_bytes=budget_bytes, out_dir=Path(out_dir), storage=storage,
-                execute_on=execute_on, max_trials=trials or spec.search.trials, timeout_s=timeout_s,
-                emulated_budget_bytes=emulated_budget_bytes, stop_event=stop_event, on_trial=on_trial,
-                nproc=nproc, guard=guard, worker=worker or socket.gethostname(), objects=objects)
+    spec = setup.spec
+    run = _Tune(spec, device=setup.device, budget=setup.budget, out_dir=Path(setup.out_dir), storage=setup.storage,
+                execute_on=setup.execute_on, max_trials=setup.trials or spec.search.trials, stop_event=stop_event,
+                on_trial=on_trial, nproc=setup.nproc, guard=guard, worker=setup.worker or socket.gethostname(),
+                objects=setup.objects)
     with contextlib.ExitStack() as cleanup:  # the study's locks and the worker are released however it ends
         run.prepare(cleanup)
         result, shared = run.search()
@@ -115,7 +130,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
         run.verdict(result)
         chosen = run.validate(result)
         frontier = run.frontier(result, chosen)
-        return run.write(result, chosen, frontier, report=report)
+        return run.write(result, chosen, frontier, report=setup.report)
 
 
 @dataclass
@@ -142,13 +157,14 @@ class _Chosen:
 class _Tune:
     """One tune's settings and what its stages hand each other."""
 
-    def __init__(self, spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Path,
-                 storage: str | None, execute_on: str | None, max_trials: int, timeout_s: float | None,
-                 emulated_budget_bytes: int | None, stop_event: threading.Event | None, on_trial, nproc: int,
+    def __init__(self, spec: ModelSpec, *, device: DeviceInfo, budget: Budget, out_dir: Path,
+                 storage: str | None, execute_on: str | None, max_trials: int,
+                 stop_event: threading.Event | None, on_trial, nproc: int,
                  guard, worker: str, objects: Path | None = None):
         if objects is not None and nproc > 1:  # ranks rebuild the workload from a spec file
             raise SpecError("a model given as a Python object is tuned in one process: nproc must be 1")
-        self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget_bytes, out_dir, storage
+        self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget.usable_bytes, out_dir, storage
+        emulated_budget_bytes, timeout_s = budget.requested_bytes, budget.time_s
         self.execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
         if emulated_budget_bytes is not None:
             device = with_memory_budget(device, emulated_budget_bytes)

@@ -1,0 +1,66 @@
+"""What crosses the process boundary between a tune (the parent) and its children, built and
+read here only: the tasks a child can run, by name, and a trial's request as a typed value
+with a schema version. A trial's reply is a `Measurement` (`measure/measurement.py`).
+
+Which side runs what:
+
+| side | modules | imports torch |
+|---|---|---|
+| parent | `trial` (a trial asked and its reply read), `asks` (estimates, analysis, the batch-dimension probe), `worker` (starting a worker, a task's folder and timeout) | no |
+| both | `messages`, `measurement` (the reply), `wire` (the socket's lines), `process` (groups, parent death), `claims` (the child writes its CUDA claim, the service's guard reads it), `resident` (`Resident` in the parent, `serve` in its child) | no |
+| child | `worker_main` (the pre-loaded worker that forks each task), `tasks` (what a task runs), `child` (one trial's measurement), `steps`, `cuda_overhead`, `estimate`, `estimate_shard` | yes |
+
+A child finds its task by the target string here (`module:function`): the parent must not
+import the child's modules (they import torch and the user's code), so the registry is the
+one place those names are written, and `tests/test_messages.py` resolves each of them.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+SCHEMA = 1  # of TrialRequest; a child refuses a request of another schema by name
+
+TASKS = {
+    "setup": "autofit.measure.tasks:setup",  # the worker's one-time setup: spec, workload
+    "setup_objects": "autofit.measure.tasks:setup_objects",  # the same from autofit.tune()'s pickled objects
+    "trial": "autofit.measure.tasks:trial",  # one trial: a TrialRequest -> Measurement fields
+    "estimate": "autofit.measure.tasks:estimate",  # the predicted peak on fake tensors
+    "analyze": "autofit.measure.tasks:analyze",  # the model's facts: blocks, BatchNorm floor, LM head
+    "probe": "autofit.measure.tasks:probe",  # the batch-dimension probe
+    "serve": "autofit.measure.resident:serve",  # the resident estimator child's loop
+}
+
+
+def task(name: str) -> str:
+    """The target a child imports for task `name`."""
+    return TASKS[name]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrialRequest:
+    """What a trial child is asked to measure (request.json, or a worker task's payload)."""
+
+    spec: dict  # ModelSpec.to_dict()
+    source_dir: str
+    config: dict  # TrainConfig.to_dict()
+    device: str  # "cpu", a CUDA index, or indices joined by "," for ranks
+    budget_bytes: int | None  # the device memory the trial may use in total; None: unheld (a CPU)
+    warmup_steps: int
+    measure_steps: int
+    timeout_s: float = 600.0
+    claim: bool = False  # the service's guard watches: claim the CUDA context in the trial folder
+    claim_dir: str | None = None  # that folder, once the child knows it
+    schema: int = SCHEMA
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "TrialRequest":
+        """A request as it crossed the boundary; keys the worker adds (`_folder`) are not its."""
+        schema = raw.get("schema", SCHEMA)
+        if schema != SCHEMA:
+            raise ValueError(f"trial request: schema {schema}, this autofit reads {SCHEMA} (parent and child "
+                             f"are different versions)")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})

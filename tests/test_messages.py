@@ -1,0 +1,48 @@
+"""What crosses the process boundary (`autofit.measure.messages`): one task registry, typed requests."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from conftest import tiny_gpt_dict, write_spec
+
+from autofit.config.spec import load_spec
+from autofit.config.train_config import TrainConfig
+from autofit.measure.messages import SCHEMA, TASKS, TrialRequest
+from autofit.measure.trial import trial_request
+
+ROOT = Path(__file__).resolve().parents[1]
+_TARGET = re.compile(r"autofit\.measure\.\w+:\w+")
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_each_task_names_a_function_of_the_measure_layer(name):
+    # Resolved from the source, as the layer contract reads it: no import runs the child's code.
+    module, function = TASKS[name].split(":")
+    assert module.startswith("autofit.measure.")
+    tree = ast.parse((ROOT / Path(*module.split("."))).with_suffix(".py").read_text())
+    assert function in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def test_no_task_target_is_written_outside_the_registry():
+    written = [f"{path.relative_to(ROOT)}: {match}" for path in sorted((ROOT / "autofit").rglob("*.py"))
+               if path.name != "messages.py" for match in _TARGET.findall(path.read_text())]
+    assert written == []
+
+
+def test_a_trial_request_crosses_as_json_types_and_back(tmp_path):
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    request = trial_request(spec, TrainConfig(micro_batch_size=8), budget_bytes=2**20, claim=True)
+    raw = request.to_dict()
+    assert raw["schema"] == SCHEMA and raw["config"] == {"precision": "32-true", "micro_batch_size": 8,
+                                                         "grad_accum_steps": 1, "checkpoint_blocks": 0,
+                                                         "freeze_blocks": 0, "parallelism": "none", "world_size": 1}
+    assert TrialRequest.from_dict(raw | {"_folder": "/tmp/x"}) == request  # the worker's own key is not the request's
+
+
+def test_a_request_of_another_schema_is_refused_by_name(tmp_path):
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    raw = trial_request(spec, TrainConfig(micro_batch_size=8)).to_dict() | {"schema": SCHEMA + 1}
+    with pytest.raises(ValueError, match=f"schema {SCHEMA + 1}, this autofit reads {SCHEMA}"):
+        TrialRequest.from_dict(raw)
