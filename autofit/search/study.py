@@ -104,6 +104,7 @@ class SearchResult:
     ranked: list[TrialRecord] = field(default_factory=list)  # feasible and healthy, fastest first
     noise: float | None = None  # relative spread of repeated measurements of the contenders
     choice: str = ""  # how the winner was chosen among contenders within noise
+    one_liner: TrainConfig | None = None  # the one-liner measured first (`seeding.one_liner`), if any
 
     def count(self, status: str) -> int:
         return sum(r.status == status and not r.repeat for r in self.records)
