@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 # The share of the budget the search's own loop may take: the rest re-measures the leaders,
 # validates the winner against the one-liner and writes the profile.
-SEARCH_SHARE = 0.55
+SEARCH_SHARE = 0.6
 
 
 @dataclass
 class Deadline:
     budget_s: float | None  # None: no time budget (the tune ends on its other rules)
     clock: Callable[[], float] = time.monotonic
+    search_share: float = SEARCH_SHARE
     start: float = field(init=False)
 
     def __post_init__(self):
@@ -39,4 +40,4 @@ class Deadline:
 
     def search_s(self) -> float | None:
         """How long the search loop may run: its share of the budget."""
-        return None if self.budget_s is None else SEARCH_SHARE * self.budget_s
+        return None if self.budget_s is None else self.search_share * self.budget_s

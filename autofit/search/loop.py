@@ -23,7 +23,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
 from autofit.search import choice, finish, seeding
 from autofit.search.deadline import Deadline
-from autofit.search.health import health_problem
+from autofit.search.health import health_problem, REFERENCE_PRECISIONS
 from autofit.search.memory import MemoryModel, record_budget
 from autofit.search.plan import Plan
 from autofit.search.shared import StudyLocks
@@ -103,7 +103,8 @@ class Tuner:
             if self.one_liner is not None and self.one_liner not in starts:
                 starts = (self.one_liner, *starts)
         self.plan = Plan(self.space, starts, known=self.known, fits_of=self.fits,
-                         estimate=self.memory.predicted_peak)
+                         estimate=self.memory.predicted_peak,
+                         fast_first=any(p not in REFERENCE_PRECISIONS for p in self.one_liner_precisions))
         stop_reason = None
         while stop_reason is None:
             claimed, stop_reason = self._claim_next(progress)
@@ -147,8 +148,8 @@ class Tuner:
         except BaseException:  # the user's code failed the trial (exit 2), or a signal stops the tune
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING in the study
             raise
-        if self.should_stop() and record.status not in ("ok", "oom"):
-            # Cut short by a stop request: not a result. Failing the trial leaves the config
+        if self.halted() and record.status not in ("ok", "oom"):
+            # Cut short by a stop request or the time budget's end: not a result. Failing the trial leaves the config
             # unmeasured, so a resumed study measures it.
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             return self._stop_text()
@@ -156,6 +157,8 @@ class Tuner:
         records = self.records()  # other workers sharing the study may have finished trials too
         if record.status == "oom":
             self.plan.after_oom(config, records)
+            if config == self.one_liner:
+                self._one_liner_again(records)
         best, new_best = progress.best, _best(records, self.budget_bytes)
         # A best found unhealthy once its reference is measured gives way to a slower one:
         # that is a new best too (patience counts from it, and the plan turns to it).
@@ -171,6 +174,19 @@ class Tuner:
         progress.best = new_best
         self.on_trial(record, new_best, self.spent(records))
         return None
+
+    def _one_liner_again(self, records: list[TrialRecord]) -> None:
+        """The one-liner ran out of memory (the estimate was low): the largest micro batch of
+        it that fits under the fit that has just learned from the OOM, next."""
+        again = seeding.one_liner(self.space, self.fits(records), self.one_liner_precisions)
+        smaller = [m for m in self.space.micro_batch_sizes if m < self.one_liner.micro_batch_size]
+        if again is None and smaller:
+            # The fit, raised by the OOM, says nothing fits without checkpointing; the user's
+            # one-liner would halve its batch and try again: so does the floor.
+            again = self.space.config(self.one_liner.precision, smaller[-1])
+        if again is not None and self.known(again, records) is None:
+            self.one_liner = again
+            self.plan.queue.insert(0, again)
 
     def finish(self, searched: tuple[str, int, float]) -> SearchResult:
         """After `search()`: a full-precision reference at each contender's freezing depth
