@@ -22,6 +22,14 @@ from autofit.tuning.frontier import median_run, total_peak
 # 1-minute load average per core above which throughput measured on a CPU is flagged.
 LOADED_HOST = 0.8
 VALIDATION_ATTEMPTS = 2  # a validation that times out is retried once with twice the time
+# Steps of the 32-true run whose losses are the reference curve where the one-liner is not
+# 32-true (a GPU): enough windows to show a drift, not a throughput run.
+REFERENCE_STEPS = 12
+
+
+class Halted(Exception):
+    """The tune was halted (a stop, or its time budget ran out) while validating: what was
+    measured so far makes the profile."""
 
 
 def run_timeout_s(spec: ModelSpec, record: TrialRecord, steps: int) -> float:
@@ -124,8 +132,28 @@ def host_load() -> float | None:
 
 
 def baseline_record(result: SearchResult, demoted: set = frozenset()) -> TrialRecord | None:
-    """What a user without autofit runs: 32-true, no checkpointing or freezing, the largest
-    micro batch that fits (and did not run out of memory in training)."""
+    """The floor of the profile: what a user without autofit runs. The one-liner the search
+    measured first (`search.seeding.one_liner`) where it ran within the budget (its latest
+    trial); else the 32-true reference (`reference_record`)."""
+    one = [r for r in result.records if r.config == result.one_liner and not r.repeat
+           and r.feasible(result.budget_bytes) and r.config not in demoted]
+    if one:
+        return one[-1]
+    return reference_record(result, demoted)
+
+
+def over_32_true(result: SearchResult, winner: TrialRecord, demoted: set = frozenset()) -> float | None:
+    """The winner's search trial over the 32-true reference's (`reference_record`): a ratio of
+    trial figures, no interval. None without a 32-true trial that ran."""
+    reference = reference_record(result, demoted)
+    if reference is None or not reference.samples_per_s or not winner.samples_per_s:
+        return None
+    return round(winner.samples_per_s / reference.samples_per_s, 3)
+
+
+def reference_record(result: SearchResult, demoted: set = frozenset()) -> TrialRecord | None:
+    """32-true, no checkpointing or freezing, the largest micro batch that fits (and did not
+    run out of memory in training)."""
     plain = [r for r in result.records if r.config.precision == "32-true" and r.config.checkpoint_blocks == 0
              and r.config.freeze_blocks == 0 and r.config.optimizer_bits == 32 and not r.config.chunked_loss
              and r.feasible(result.budget_bytes) and r.config not in demoted]

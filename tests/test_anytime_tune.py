@@ -1,0 +1,139 @@
+"""One time budget for the whole tune, and the anytime profile: at the budget's end or on a
+stop, the best config measured so far, validated if there was time, else marked so. In
+process, with simulated runs in place of trial children (`autofit.tuning.tune.measure`)."""
+
+import threading
+import time
+import types
+
+import pytest
+
+from autofit.base.errors import EXIT_INCOMPLETE
+from autofit.base.sizes import parse_duration
+from autofit.config.spec import load_spec
+from autofit.device.probe import cpu_device
+from autofit.measure.measurement import Measurement
+from autofit.profiles.profile import Profile
+from autofit.tuning.tune import tune
+from conftest import run_cli, tiny_gpt_dict, write_spec
+
+SEARCH = {"precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 6, "patience": 6,
+          "validate_steps": 20, "frontier_points": 1}
+
+
+def _measure(*, validation_blocks: bool, calls: list, speed=None):
+    """Trials take 0.05 s; a validation run (20 steps) waits for the tune's stop when
+    `validation_blocks` (a run longer than the budget), else takes 0.05 s too."""
+    speed = speed or (lambda c: (300.0 if c.precision == "bf16-mixed" else 100.0) * c.micro_batch_size
+                      / (c.micro_batch_size + 1))
+
+    def measure(spec, config, *, measure_steps=None, budget_bytes=None, stop_event=None, **_):
+        calls.append((config, measure_steps, time.monotonic()))
+        validating = measure_steps == spec.search.validate_steps
+        if validating and validation_blocks:
+            stop_event.wait(60)
+            return Measurement(status="error", config=config, reason="stopped", budget_bytes=budget_bytes)
+        time.sleep(0.05)
+        sps = speed(config)
+        return Measurement(status="ok", config=config, peak_memory_bytes=1000, overhead_bytes=0, samples_per_s=sps,
+                           step_time_s=8 / sps, step_times_s=[8 / sps] * 2, losses=[4.0, 3.9, 3.8, 3.7] * 6,
+                           budget_bytes=budget_bytes, wall_s=0.05)
+    return measure
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    def install(**kwargs):
+        calls = []
+        monkeypatch.setattr("autofit.tuning.tune.measure", _measure(calls=calls, **kwargs))
+        monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
+                            lambda spec, config, **_: types.SimpleNamespace(peak_bytes=1000 * config.micro_batch_size))
+        return calls
+    return install
+
+
+def _tune(tmp_path, **kwargs):
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
+    return tune(spec, device=cpu_device(), budget_bytes=10**6, out_dir=tmp_path / "profiles", storage=None,
+                report=False, **kwargs)
+
+
+def test_at_the_budgets_end_the_best_measured_config_is_the_profile_marked_unvalidated(tmp_path, simulated):
+    calls = simulated(validation_blocks=True)
+    start = time.monotonic()
+    outcome = _tune(tmp_path, time_budget_s=12.0)
+    assert time.monotonic() - start < 12.0 + 2.0  # the budget, plus the cut run's end
+    trials = [c for c, steps, _ in calls if steps is None]
+    profile = Profile.load(outcome.profile_path)
+    assert profile.config in trials  # a config measured, not a guess
+    assert profile.config.precision == "bf16-mixed"  # the fastest measured
+    assert not profile.search.validated and "time budget of 12s ran out" in profile.search.unvalidated
+    assert profile.measured.validated_steps == 0
+    assert outcome.incomplete and "not validated" in outcome.incomplete
+
+
+def test_a_stop_during_validation_ends_the_tune_within_two_seconds_with_the_best_measured(tmp_path, simulated):
+    calls = simulated(validation_blocks=True)
+    stop = threading.Event()
+    timer = None
+
+    def watch():  # the stop comes once the first validation run has started
+        while not any(steps == 20 for _, steps, _ in calls):
+            time.sleep(0.02)
+        stop.set()
+        nonlocal timer
+        timer = time.monotonic()
+
+    threading.Thread(target=watch, daemon=True).start()
+    outcome = _tune(tmp_path, time_budget_s=600.0, stop_event=stop)
+    assert time.monotonic() - timer < 2.0
+    assert outcome.incomplete and "a stop was asked for" in outcome.incomplete
+    assert not outcome.profile.search.validated
+    # No validation was started after the stop ("trying the next best" is gone).
+    assert all(t <= timer for _, steps, t in calls if steps == 20)
+
+
+def test_with_time_the_profile_is_validated_and_states_its_speedup_over_the_one_liner(tmp_path, simulated):
+    calls = simulated(validation_blocks=False)
+    outcome = _tune(tmp_path, time_budget_s=120.0)
+    search = outcome.profile.search
+    assert search.validated and not outcome.incomplete
+    assert search.baseline_kind == "one-liner"
+    # On the CPU the one-liner is 32-true at the largest micro batch that fits: measured first.
+    first = calls[0][0]
+    assert (first.precision, first.checkpoint_blocks, first.micro_batch_size) == ("32-true", 0, 8)
+    assert search.baseline["config"]["precision"] == "32-true"
+    assert search.speedup is not None and search.speedup > 1.0 and search.speedup_over_32_true > 1.0
+
+
+def test_nothing_beats_the_one_liner_so_it_is_the_profile_and_the_note_says_so(tmp_path, simulated):
+    calls = simulated(validation_blocks=False, speed=lambda c: 100.0 if c.precision == "32-true"
+                      and c.micro_batch_size == 8 else 50.0)
+    outcome = _tune(tmp_path, time_budget_s=120.0)
+    assert calls[0][0] == outcome.profile.config
+    assert "one-liner" in outcome.profile.search.note
+
+
+def test_durations_parse_with_units_and_refuse_nonsense():
+    assert parse_duration("90") == 90.0 and parse_duration("90s") == 90.0
+    assert parse_duration("2min") == 120.0 and parse_duration("1.5h") == 5400.0
+    for bad in ("soon", "-5", "0", "10 parsecs", True):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+def test_search_time_budget_in_the_spec_has_a_documented_default(tmp_path):
+    assert load_spec(write_spec(tmp_path, tiny_gpt_dict())).search.time_budget_s == 300.0
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"time_budget": "2min"})))
+    assert spec.search.time_budget_s == 120.0
+
+
+def test_a_bad_time_budget_is_one_line_and_exit_2(tmp_path):
+    spec = write_spec(tmp_path, tiny_gpt_dict())
+    result = run_cli("tune", spec, "--device", "cpu", "--time-budget", "soon", "--state-dir", tmp_path / "state",
+                     "--out", tmp_path / "profiles", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert "--time-budget" in result.stderr
+    help_text = run_cli("tune", "--help", cwd=tmp_path).stdout
+    assert "--time-budget" in help_text and "exit 5" in help_text and "--timeout" in help_text
+    assert EXIT_INCOMPLETE == 5
