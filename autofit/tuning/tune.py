@@ -339,12 +339,18 @@ class _Tune:
         if not candidates:
             raise TrialTimeoutError(f"{why} before a config passed validation; rerun to resume the study")
 
-        def figure(record: TrialRecord) -> float:
-            runs = self._passed(record.config)
-            return median_run(runs).samples_per_s if runs else record.samples_per_s
-
-        winner = max(candidates, key=figure)
+        # The search's choice (its ranking weighs the noise it saw); the floor holds it to the
+        # one-liner in like figures: validation runs where both have them, else search trials.
+        winner = candidates[0]
         baseline = baseline_record(result, self.demoted)
+        if baseline is not None and baseline.config != winner.config:
+            ours, theirs = self._passed(winner.config), self._passed(baseline.config)
+            if ours and theirs:
+                slower = median_run(ours).samples_per_s < median_run(theirs).samples_per_s
+            else:
+                slower = winner.samples_per_s < baseline.samples_per_s
+            if slower:
+                winner = baseline
         runs = self._passed(winner.config)
         validated = bool(runs)
         if validated:
