@@ -137,3 +137,40 @@ def test_a_bad_time_budget_is_one_line_and_exit_2(tmp_path):
     help_text = run_cli("tune", "--help", cwd=tmp_path).stdout
     assert "--time-budget" in help_text and "exit 5" in help_text and "--timeout" in help_text
     assert EXIT_INCOMPLETE == 5
+
+
+def _rec(number, config, status="ok", sps=10.0, repeat=False, peak=1000):
+    from autofit.search import TrialRecord
+
+    m = Measurement(status=status, config=config, samples_per_s=sps if status == "ok" else 0.0,
+                    peak_memory_bytes=peak, budget_bytes=2000)
+    return TrialRecord(number=number, config=config, status=status, predicted_peak_bytes=peak, measurement=m,
+                       repeat=repeat, budget_bytes=2000)
+
+
+def test_the_table_shows_each_configs_validated_or_latest_figure_numbered_as_the_log():
+    from autofit.config.train_config import TrainConfig
+    from autofit.search import SearchResult
+    from autofit.tuning.report import format_trial_line, trials_table
+
+    a, b, c = (TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m) for m in (8, 4, 2))
+    records = [_rec(0, a, sps=5.9), _rec(1, b, sps=264.9), _rec(2, c, "oom", peak=1900), _rec(3, a, sps=300.0,
+                                                                                             repeat=True)]
+    result = SearchResult(records=records, budget_bytes=2000, wall_s=0, resumed=0, stop_reason="", ranked=records[:2])
+    table = trials_table(result, records[0], {a: Measurement(status="ok", config=a, samples_per_s=320.9)})
+    row_a = next(line for line in table.splitlines() if a.short() in line)
+    assert "320.9" in row_a and "validated" in row_a and row_a.startswith("★")
+    assert "264.9" in next(line for line in table.splitlines() if b.short() in line)
+    oom_row = next(line for line in table.splitlines() if c.short() in line)
+    assert "> 1.95 KiB" in oom_row or "> 2000" in oom_row or ">" in oom_row.split("oom")[1]
+    assert "%" not in oom_row
+    line = format_trial_line(records[1], records[1], 2, 24, 2000)
+    assert line.startswith("trial #1 ") and "(2/24)" in line
+    assert "needs >" in format_trial_line(records[2], records[1], 3, 24, 2000)
+
+
+def test_a_speedup_is_called_busy_only_when_other_work_was_measured():
+    from autofit.tuning.speedup import Speedup
+
+    assert not Speedup(ratio=None, low=0.5, high=2.0, pairs=7, foreign_cores=0.0, cores=2).busy
+    assert Speedup(ratio=None, low=0.5, high=2.0, pairs=7, foreign_cores=1.4, cores=2).busy

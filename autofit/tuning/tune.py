@@ -256,9 +256,10 @@ class _Tune:
         self.locks.finish(should_stop=self.should_stop)
         shared = shared_profile(self.study, since=self.written_before)
         result = self.tuner.result(searched) if shared else self.tuner.finish(searched)
-        logger.info("search stopped: {}; {} trials ({} measured, {} pruned, {} oom) in {:.0f}s",
-                    result.stop_reason, len(result.records), result.measured, result.count("pruned"),
-                    result.count("oom"), result.wall_s)
+        searched = sum(r.measurement is not None and not r.repeat for r in result.records)
+        logger.info("search stopped: {}; {} trials run ({} oom), {} re-measures, {} pruned without running, in {:.0f}s",
+                    result.stop_reason, searched, result.count("oom"), result.measured - searched,
+                    result.count("pruned"), result.wall_s)
         if self.halt.is_set() and not result.ranked:
             if self.stop_event is not None and self.stop_event.is_set():
                 raise InterruptedError("tune stopped before any config was measured; rerun to resume the study")
@@ -395,7 +396,8 @@ class _Tune:
         report_path = None
         if report:
             report_path = write_html_report(profile_path.with_suffix(".report.html"), profile, result, chosen.winner)
-        logger.info("\n{}", trials_table(result, chosen.winner))
+        validated = {c: median_run(self._passed(c)) for c in self.validations if self._passed(c)}
+        logger.info("\n{}", trials_table(result, chosen.winner, validated))
         if chosen.speedup is not None:
             logger.info("speed-up over the one-liner {} (interleaved validation runs): {}",
                         chosen.baseline.config.short(), chosen.speedup.text())
