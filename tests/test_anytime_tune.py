@@ -174,3 +174,20 @@ def test_a_speedup_is_called_busy_only_when_other_work_was_measured():
 
     assert not Speedup(ratio=None, low=0.5, high=2.0, pairs=7, foreign_cores=0.0, cores=2).busy
     assert Speedup(ratio=None, low=0.5, high=2.0, pairs=7, foreign_cores=1.4, cores=2).busy
+
+
+def test_a_validation_window_is_sized_in_seconds_between_its_bounds(tmp_path):
+    from autofit.config.train_config import TrainConfig
+    from autofit.search import TrialRecord
+    from autofit.tuning.validation import MIN_VALIDATE_STEPS, VALIDATE_WINDOW_S, validation_steps
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"validate_steps": 50})))
+    config = TrainConfig(micro_batch_size=8)
+
+    def at(step_s):
+        m = Measurement(status="ok", config=config, samples_per_s=8 / step_s, step_time_s=step_s)
+        return validation_steps(spec, TrialRecord(number=0, config=config, status="ok", predicted_peak_bytes=1,
+                                                  measurement=m))
+    assert at(1.2) == max(MIN_VALIDATE_STEPS, round(VALIDATE_WINDOW_S / 1.2 + 0.5))  # fp32 on the H100: 9, not 50
+    assert at(0.02) == 50  # a fast step: the spec's most
+    assert at(100.0) == MIN_VALIDATE_STEPS
