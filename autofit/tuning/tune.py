@@ -126,8 +126,15 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
                 nproc=nproc, guard=guard, worker=worker or socket.gethostname(), objects=objects, deadline=deadline)
     with contextlib.ExitStack() as cleanup:  # the study's locks and the worker are released however it ends
         run.watch(cleanup)
-        run.prepare(cleanup)
-        result, shared = run.search()
+        try:
+            run.prepare(cleanup)
+            result, shared = run.search()
+        except InterruptedError:
+            if run.stop_event is not None and run.stop_event.is_set():
+                raise  # the user's stop: the CLI exits 128 + the signal
+            raise TrialTimeoutError(f"{run.halt_reason()} before any config was measured (the model's probe and "
+                                    f"the first trial took longer); give more time: --time-budget, "
+                                    f"search.time_budget") from None
         if shared is not None:
             return run.shared_outcome(*shared, result=result)
         run.verdict(result)
