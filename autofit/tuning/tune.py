@@ -139,7 +139,7 @@ def tune(spec: ModelSpec, *, device: DeviceInfo, budget_bytes: int, out_dir: Pat
             return run.shared_outcome(*shared, result=result)
         run.verdict(result)
         try:
-            if run.halt.is_set():
+            if run.halted():
                 raise Halted()
             chosen = run.validate(result)
             frontier = run.frontier(result, chosen)
@@ -201,7 +201,15 @@ class _Tune:
 
     @property
     def should_stop(self) -> Callable[[], bool]:
-        return self.halt.is_set
+        return self.halted
+
+    def halted(self) -> bool:
+        """A stop was asked for or the budget ran out: read at once, not at the watcher's next
+        look (a run cut by the stop must not pass for a result in between)."""
+        if not self.halt.is_set() and ((self.stop_event is not None and self.stop_event.is_set())
+                                       or self.deadline.expired()):
+            self.halt.set()
+        return self.halt.is_set()
 
     def watch(self, cleanup: contextlib.ExitStack) -> None:
         """Set `halt` (the stop every measurement and wait of this tune watches) when a stop
@@ -267,7 +275,7 @@ class _Tune:
         logger.info("search stopped: {}; {} trials run ({} oom), {} re-measures, {} pruned without running, in {:.0f}s",
                     result.stop_reason, searched, result.count("oom"), result.measured - searched,
                     result.count("pruned"), result.wall_s)
-        if self.halt.is_set() and not result.ranked:
+        if self.halted() and not result.ranked:
             if self.stop_event is not None and self.stop_event.is_set():
                 raise InterruptedError("tune stopped before any config was measured; rerun to resume the study")
             raise TrialTimeoutError(f"{self.halt_reason()} before any config was measured; rerun to resume the "
@@ -448,12 +456,12 @@ class _Tune:
         m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
                     stop_event=self.halt, measure_steps=steps, timeout_s=min(timeout_s, self.deadline.left_s() + 1),
                     guard=self.guard, worker=self.trial_worker)
-        if self.halt.is_set() and m.status != "ok":
+        if self.halted() and m.status != "ok":
             raise Halted()
         m = self.curve.check(m)
         if keep:
             self.validations.setdefault(config, []).append(m)
-        if self.halt.is_set():
+        if self.halted():
             raise Halted()
         return m
 
@@ -466,7 +474,7 @@ class _Tune:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0
         except InterruptedError:
-            if not self.halt.is_set():
+            if not self.halted():
                 raise
             return 0  # halted (a stop, the budget's end): nothing more is measured, whatever it predicts
 
