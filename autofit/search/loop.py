@@ -176,15 +176,18 @@ class Tuner:
         return None
 
     def _one_liner_again(self, records: list[TrialRecord]) -> None:
-        """The one-liner ran out of memory (the estimate was low): the largest micro batch of
-        it that fits under the fit that has just learned from the OOM, next."""
-        again = seeding.one_liner(self.space, self.fits(records), self.one_liner_precisions)
-        smaller = [m for m in self.space.micro_batch_sizes if m < self.one_liner.micro_batch_size]
-        if again is None and smaller:
-            # The fit, raised by the OOM, says nothing fits without checkpointing; the user's
-            # one-liner would halve its batch and try again: so does the floor.
-            again = self.space.config(self.one_liner.precision, smaller[-1])
-        if again is not None and self.known(again, records) is None:
+        """The one-liner ran out of memory (the estimate was low): at most half its micro
+        batch next, the largest the fit (which has just learned from the OOM) says fits, else
+        the largest at most half. Halving, as a user would, takes one more OOM at most where
+        stepping down one size at a time could take many."""
+        sizes, oom_micro = self.space.micro_batch_sizes, self.one_liner.micro_batch_size
+        half = [m for m in sizes if m <= oom_micro // 2] or [m for m in sizes if m < oom_micro]
+        if not half:
+            return
+        fits = self.fits(records)
+        candidates = [self.space.config(self.one_liner.precision, m) for m in reversed(half)]
+        again = next((c for c in candidates if fits(c)), candidates[0])
+        if self.known(again, records) is None:
             self.one_liner = again
             self.plan.queue.insert(0, again)
 
