@@ -18,7 +18,7 @@ import threading
 import traceback
 
 from autofit.base import stopping
-from autofit.base.errors import AutofitError
+from autofit.base.errors import AutofitError, EXIT_INCOMPLETE
 from autofit.base.logs import configure as configure_logging
 from autofit.base.output import reserved_stdout
 from autofit.base.version import VERSION
@@ -87,7 +87,12 @@ def _add_tune(sub) -> None:
                    help="tune for N ranks (one per GPU, or N CPU processes): DDP or FSDP2, trials through "
                         "torchrun; budgets are per rank (default: 1)")
     p.add_argument("--trials", type=int, help="most configurations to consider (default: search.trials)")
-    p.add_argument("--timeout", type=float, help="stop searching after this many seconds")
+    p.add_argument("--time-budget", metavar="DURATION",
+                   help="the whole tune's wall time: 90s, 5min, 1h or seconds (default: search.time_budget, 5min); "
+                        "at its end (or on Ctrl-C / SIGTERM) the best config measured so far is the profile, "
+                        "validated if there was time; exit 5 when it was not")
+    p.add_argument("--timeout", type=float, help="stop the search loop (not validation) after this many seconds; "
+                                                 "--time-budget bounds the whole tune")
     p.add_argument("--storage", help="Optuna storage URL shared by several workers (default: SQLite in the state folder)")
     p.add_argument("--state-dir", help="state folder (default: $AUTOFIT_STATE_DIR or ~/.local/state/autofit)")
     p.add_argument("--out", help="profile store folder (default: $AUTOFIT_STORE or ./profiles)")
@@ -211,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
     if previous and stopping.requested.is_set():
         # However the command ended once a stop was asked for (a trial cut short, a tune
-        # interrupted), the stop is what happened.
+        # interrupted), the stop is what happened; a tune that wrote its best config so far
+        # says that with its own code.
         signum = stopping.signum or signal.SIGINT
         print(f"autofit: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
+        return code if code == EXIT_INCOMPLETE else 128 + signum
     return code
 
 

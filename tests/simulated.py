@@ -28,6 +28,13 @@ shape of real hardware, so the exhaustive-grid optimum is known exactly.
   not see (`cliff_bytes` from `cliff_micro_batch` on), and knobs whose loss drifts
   (`unhealthy_knobs`, e.g. 8-bit optimizer state).
 
+- device time (`clock()`): each measurement costs its start (`start_s`: process, context,
+  model), its warm-up and its window at the config's own step time (`window_s` seconds with
+  at least `MIN_WINDOW_STEPS` steps; or, as before windows were sized in time,
+  `STEP_WINDOW` steps), an out-of-memory trial its start and one step, a compile error its
+  start twice, an estimate `estimate_s`. A search on a landscape reads this clock, so a time
+  budget is spent as on the device.
+
 `SHAPED` and `generated(n, seed)` are the landscape suite of benchmarks/landscapes.py (shapes
 made by hand, and a seeded parametric family); `search(landscape, seed)` runs the tuner on one
 at the spec's default budget and says what its choice is worth against the grid optimum.
@@ -42,9 +49,14 @@ from dataclasses import dataclass, field
 from autofit.config.train_config import TrainConfig
 from autofit.config.spec import SearchSpec
 from autofit.search import SearchSpace, Tuner, make_study
+from autofit.search.deadline import Deadline, SEARCH_SHARE
 from autofit.measure.measurement import Measurement
 
 GiB = 2**30
+ONE_LINER_GPU = ("bf16-mixed", "16-mixed")  # the one-liner's precision on a GPU, first found first
+STEP_WINDOW = 10  # steps per trial before windows were sized in time: 5 of warm-up, 5 timed
+WARMUP_STEPS = 2  # warm-up steps until steady, with time-sized windows
+MIN_WINDOW_STEPS = 3  # a window holds at least this many steps
 HALF = ("16-mixed", "bf16-mixed", "bf16-true")
 HEALTHY_LOSSES = [4.0, 3.9, 3.8, 3.7]
 DRIFTING_LOSSES = [4.0, 4.3, 4.7, 5.2]  # same start, mean 14% above: caught by the mean check
@@ -81,12 +93,21 @@ class Landscape:
     cliff_micro_batch: int | None = None  # from this micro batch on, `cliff_bytes` more (a kernel's
     cliff_bytes: float = 0.0  # workspace, an allocator rounding): a step the estimator does not see
     unhealthy_knobs: tuple = ()  # (field, value) pairs whose loss drifts, e.g. (("optimizer_bits", 8),)
+    start_s: float = 3.0  # a trial's start on the device: child, CUDA context, model build
+    estimate_s: float = 0.3  # one memory estimate (a fake step)
+    window_s: float | None = 2.0  # a measurement's timed window; None: STEP_WINDOW steps (today's trials)
     calls: list = field(default_factory=list)
+    device_s: list = field(default_factory=lambda: [0.0])  # device time spent so far (a list: the class is frozen)
+    # The device time at which the tune's budget ends: a measurement still running then is
+    # cut there (the tune kills its child) and gives no result.
+    stop_at_s: list = field(default_factory=lambda: [math.inf])
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def reset(self, seed: int | None = None) -> None:
         """Forget the calls; the per-call noise restarts (from `seed`'s own draws if given)."""
         self.calls.clear()
+        self.device_s[0] = 0.0
+        self.stop_at_s[0] = math.inf
         self.rng.seed(self.name if seed is None else f"{self.name}/{seed}")
 
     def space(self) -> SearchSpace:
@@ -143,7 +164,36 @@ class Landscape:
     def healthy(self, c: TrainConfig) -> bool:
         return c.precision not in self.unhealthy and not any(getattr(c, k) == v for k, v in self.unhealthy_knobs)
 
+    def clock(self) -> float:
+        """Device seconds spent by the measurements and estimates so far."""
+        return self.device_s[0]
+
+    def step_s(self, c: TrainConfig) -> float:
+        return self.global_batch_size / self.samples_per_s(c)
+
+    def measure_s(self, c: TrainConfig, status: str, window_s: float | None = None) -> float:
+        """What one measurement of `c` costs on the device."""
+        step_s = self.step_s(c)
+        if status == "oom":
+            return self.start_s + step_s
+        if status == "compile_error":
+            return 2 * self.start_s
+        window_s = self.window_s if window_s is None else window_s
+        if window_s is None:
+            return self.start_s + STEP_WINDOW * step_s
+        return self.start_s + WARMUP_STEPS * step_s + max(window_s, MIN_WINDOW_STEPS * step_s)
+
     def measure(self, c: TrainConfig) -> Measurement:
+        m = self._measure(c)
+        cost_s = self.measure_s(c, m.status)
+        if self.device_s[0] + cost_s > self.stop_at_s[0]:
+            self.device_s[0] = max(self.device_s[0], self.stop_at_s[0])
+            return Measurement(status="timeout", config=c, budget_bytes=self.budget_bytes,
+                               reason="cut at the end of the time budget (simulated)")
+        self.device_s[0] += cost_s
+        return m
+
+    def _measure(self, c: TrainConfig) -> Measurement:
         self.calls.append(c)
         if c.compile and self.compile_fails:
             return Measurement(status="compile_error", config=c, budget_bytes=self.budget_bytes,
@@ -163,7 +213,24 @@ class Landscape:
                            losses=list(HEALTHY_LOSSES if self.healthy(c) else DRIFTING_LOSSES))
 
     def estimate(self, c: TrainConfig) -> int:
+        self.device_s[0] += self.estimate_s
         return int(self.tensor_bytes(c.replace(compile=False)) * self.estimate_bias)  # compiled: as eager
+
+    def works(self, c: TrainConfig) -> bool:
+        """`c` fits, keeps its numerics and compiles: a config a profile may hold."""
+        return (self.peak_bytes(c) <= self.budget_bytes and self.healthy(c)
+                and not (c.compile and self.compile_fails))
+
+    def one_liner_of(self, precisions: tuple = ONE_LINER_GPU) -> TrainConfig | None:
+        """What a user tries first: the first of `precisions` here at the largest micro batch
+        that truly fits with nothing checkpointed or frozen. None where it does not fit or drifts."""
+        space = self.space()
+        precision = next((p for p in precisions if p in space.precisions), None)
+        if precision is None:
+            return None
+        fitting = [space.config(precision, m) for m in space.micro_batch_sizes]
+        fitting = [c for c in fitting if self.works(c)]
+        return fitting[-1] if fitting else None
 
     def grid_best(self) -> tuple[TrainConfig, float]:
         feasible = [c for c in self.space().grid() if self.peak_bytes(c) <= self.budget_bytes and self.healthy(c)
@@ -186,25 +253,37 @@ class Run:
     configs: int  # distinct configs measured
     grid: int
     stop_reason: str
+    device_s: float = 0.0  # device time the search spent (measurements and estimates)
+    one_liner: TrainConfig | None = None  # the landscape's one-liner (`one_liner_of`), if it fits and is healthy
+    over_one_liner: float | None = None  # the chosen config's true throughput / the one-liner's
 
 
 def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials,
-           patience: int = SearchSpec().patience) -> Run:
+           patience: int = SearchSpec().patience, budget_s: float | None = None, anytime: bool = False) -> Run:
     """The tuner at `trials` and `patience` (the spec's defaults) on `landscape`, its sampler
-    and the device's noise seeded with `seed`."""
+    and the device's noise seeded with `seed`. `budget_s`: device seconds for the whole
+    search. `anytime`: the one-liner measured first, windows sized in time, the search loop
+    held to its share of the budget; else as before (step windows, the budget a timeout on
+    the search loop, what follows it cut at the budget)."""
     landscape.reset(seed)
+    landscape.stop_at_s[0] = math.inf if budget_s is None else budget_s
+    timed = dataclasses.replace(landscape, window_s=landscape.window_s if anytime else None)
     study = make_study(study_name=f"{landscape.name}-{seed}", storage=None, seed=seed)
-    tuner = Tuner(landscape.space(), study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
-                  estimate=landscape.estimate, max_trials=trials, patience=patience)
+    deadline = Deadline(budget_s, clock=landscape.clock, search_share=SEARCH_SHARE if anytime else 1.0)
+    tuner = Tuner(timed.space(), study=study, budget_bytes=landscape.budget_bytes, measure=timed.measure,
+                  estimate=timed.estimate, max_trials=trials, patience=patience, deadline=deadline,
+                  one_liner=ONE_LINER_GPU if anytime else ())
     result = tuner.run()
     best, best_sps = landscape.grid_best()
     chosen = result.ranked[0].config if result.ranked else None
-    worth = (chosen is not None and landscape.peak_bytes(chosen) <= landscape.budget_bytes
-             and landscape.healthy(chosen) and not (chosen.compile and landscape.compile_fails))
+    worth = chosen is not None and landscape.works(chosen)
     ratio = landscape.samples_per_s(chosen) / best_sps if worth else 0.0
+    one = landscape.one_liner_of()
+    over = (landscape.samples_per_s(chosen) if worth else 0.0) / landscape.samples_per_s(one) if one else None
     return Run(landscape=landscape.name, seed=seed, chosen=chosen, best=best, ratio=ratio,
                trials=tuner.spent(result.records), measured=len(landscape.calls),
-               configs=len(set(landscape.calls)), grid=landscape.space().size, stop_reason=result.stop_reason)
+               configs=len(set(landscape.calls)), grid=landscape.space().size, stop_reason=result.stop_reason,
+               device_s=landscape.clock(), one_liner=one, over_one_liner=over)
 
 
 # Knobs added after the landscapes were made, at their defaults: left out of the key of the
@@ -349,6 +428,27 @@ SHAPED = [
               global_batch_size=256, budget_bytes=32 * GiB, rate=GPU_RATES, m_half=16.0, max_freeze_blocks=24,
               freezable_share=0.95, freeze_speedup=0.02, unhealthy=("16-mixed",), estimate_bias=1.1,
               context_bytes=1.0 * GiB, fragmentation=0.2),
+]
+
+
+# --- landscapes timed as a GPU runs them (benchmarks/anytime.py) ------------------------------
+
+TIMED = [
+    # GPT-2 small (124M, sequence 1024, global batch 64) on an H100 80GB, calibrated to the hand
+    # loops of issue 33: fp32 fits micro batch 32 only (53.1 samples/s at 32 x 2), tf32 149.3,
+    # bf16-mixed at 64 (the one-liner) 322.8, bf16-true 64 x 1 356.0; the logits (50304 x 1024,
+    # and their gradient) are a large part of each sample's bytes; the estimator sees 85% of
+    # them, so 32-true at 64 runs out of memory as it did there; a trial starts in 4 s.
+    Landscape(name="h100-gpt-small", params=124e6, act_bytes_per_sample_block=100e6, n_blocks=12,
+              global_batch_size=64, budget_bytes=78 * GiB, m_half=2.0, logit_bytes_per_sample=400e6,
+              rate={"32-true": 56.4, "tf32": 158.7, "16-mixed": 320.0, "bf16-mixed": 332.8, "bf16-true": 367.0},
+              estimate_bias=0.85, context_bytes=1.5 * GiB, fragmentation=0.05, start_s=4.0, estimate_s=0.5),
+    # fp32 six times slower than 16-bit, 32-true first in the seeds' order, on a card where
+    # the large micro batches need checkpointing: a slow precision's trials eat the budget.
+    Landscape(name="fp32-6x-slower", params=350e6, act_bytes_per_sample_block=150e6, n_blocks=24,
+              global_batch_size=128, budget_bytes=40 * GiB, m_half=4.0, estimate_bias=0.9,
+              rate={"32-true": 50.0, "tf32": 150.0, "16-mixed": 290.0, "bf16-mixed": 300.0, "bf16-true": 330.0},
+              context_bytes=1.0 * GiB, fragmentation=0.05, start_s=4.0, estimate_s=0.5),
 ]
 
 

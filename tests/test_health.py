@@ -37,7 +37,7 @@ def measure_here(spec, config: TrainConfig, number: int = 0) -> TrialRecord:
                        reason=m.reason)
 
 
-def plain_bf16_adamw(spec, params, *, config, device):
+def plain_bf16_adamw(spec, params, *, config, device, user=None):
     """The update bf16-true had before torch-optimi: weights, grads and moments all bf16,
     no compensation. Kept only as this fixture."""
     return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, foreach=False)

@@ -615,6 +615,8 @@ class _StubTuner:
     def should_stop(self):
         return False
 
+    halted = should_stop
+
     def measure_now(self, config, records, *, repeat=False, unless_busy=False):
         record = _ok(len(self._records), config, self._measure(config), repeat=repeat).replace(measured_at=time.time())
         self._records.append(record)

@@ -105,15 +105,15 @@ def test_killed_tune_resumes_without_measuring_finished_trials_again(tmp_path):
 
 @pytest.mark.slow
 def test_tune_out_of_time_writes_the_baseline_and_says_why(tmp_path, tune_spec):
-    """`--timeout` that ends the search at once: the profile is the 32-true baseline (the
-    fastest full-precision config predicted to fit), never the slowest config, with a note."""
+    """`--timeout` that ends the search at once: the profile is the one-liner (on the CPU 32-true
+    at the largest micro batch predicted to fit), never the slowest config, with a note."""
     result = run_cli("tune", tune_spec, "--device", "cpu", "--timeout", "0.001", "--out", tmp_path / "profiles",
                      "--state-dir", tmp_path / "state", "--json", "--no-report", cwd=tmp_path)
     assert result.returncode == 0, result.stderr  # the baseline alone: no pairs to measure
     profile = Profile.load(json.loads(result.stdout)["profile_path"])
     spec = load_spec(tune_spec)
     assert profile.config == TrainConfig(precision="32-true", micro_batch_size=spec.train.global_batch_size)
-    assert profile.search.speedup == 1.0 and "the profile is the baseline" in profile.search.note
+    assert profile.search.speedup == 1.0 and "the profile is the one-liner" in profile.search.note
     assert profile.search.stop_reason.startswith("timeout")
     assert profile.search.host_load is not None
 

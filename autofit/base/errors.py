@@ -61,3 +61,9 @@ class NothingFitsError(AutofitError):
     """No configuration fits the memory budget, or none gave a usable result."""
 
     exit_code = 3
+
+
+# `autofit tune`'s exit code when the profile is written from the best config measured so
+# far, but the time budget ran out or a stop came before its validation (or its speed-up
+# over the one-liner) was done: the profile says so (search.validated, search.note).
+EXIT_INCOMPLETE = 5

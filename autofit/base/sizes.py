@@ -75,3 +75,22 @@ def parse_budget(text: str | int | None, *, total_bytes: int | None = None, devi
         raise error(f"{what}: {text} is more than this device's {format_bytes(total_bytes)}{where}; "
                     f"leave it out to use the whole device, or emulate a smaller card")
     return budget_bytes
+
+
+_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(s|sec|secs|m|min|mins|h|hr|hours?|)\s*", re.IGNORECASE)
+_DURATION_UNITS_S = {"": 1, "s": 1, "sec": 1, "secs": 1, "m": 60, "min": 60, "mins": 60,
+                     "h": 3600, "hr": 3600, "hour": 3600, "hours": 3600}
+MAX_DURATION_S = 7 * 86400  # a week: anything longer is a typo
+
+
+def parse_duration(text: str | int | float, *, what: str = "duration") -> float:
+    """Seconds from `90`, `90s`, `2min`, `1.5h`: positive, finite, at most a week."""
+    if isinstance(text, bool):
+        raise ValueError(f"{what}: expected a duration like 120, 90s, 5min or 1h, got {text!r}")
+    match = _DURATION.fullmatch(str(text))
+    if not match:
+        raise ValueError(f"{what}: expected a duration like 120, 90s, 5min or 1h, got {str(text)[:60]!r}")
+    seconds = float(match.group(1)) * _DURATION_UNITS_S[match.group(2).lower()]
+    if not 0 < seconds <= MAX_DURATION_S:
+        raise ValueError(f"{what}: must be more than 0 s and at most a week, got {text!r}")
+    return seconds

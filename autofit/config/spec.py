@@ -16,6 +16,7 @@ from typing import Any
 
 from autofit.base.documents import read_yaml
 from autofit.base.errors import SpecError
+from autofit.base.sizes import parse_duration
 from autofit.config.knobs import choice_fields, spec_knobs
 from autofit.config.reader import choice_error, MISSING, Reader, shorten
 
@@ -46,6 +47,7 @@ MAX_TRIALS = 10_000
 MAX_TRIAL_STEPS = 100_000
 MAX_SEQ_LEN = 1 << 20
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+DEFAULT_TIME_BUDGET_S = 300.0  # a tune's whole wall time unless the spec or --time-budget says otherwise
 MAX_BATCH_DIM = 7  # where a model takes its batch (model.batch_dim): a tensor has at most a few dims
 MAX_NESTING = 8  # constructors inside model.args (a config object inside a model class)
 # The one line said when `unsplit_skips_probe`: min micro batch, global batch.
@@ -153,6 +155,10 @@ class SearchSpec:
     validate_steps: int = 50  # optimizer steps of the final validation run
     frontier_points: int = 4  # most points the profile keeps, winner included; each other costs a validation
     trial_timeout_s: float = 600.0
+    # The whole tune's wall time (`search.time_budget`, `autofit tune --time-budget`): probe,
+    # estimates, trials, re-measures, validation, frontier and writing. At its end the best
+    # config measured so far is the profile (validated if there was time).
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S
     # The smallest micro batch searched. None: 16 (at most the global batch) for a model with
     # BatchNorm, whose statistics are the micro batch's, else no floor. A value at or above
     # the global batch excludes accumulation (the exact math of one batch).
@@ -200,6 +206,7 @@ class ModelSpec:
         out["search"] = dataclasses.asdict(self.search) | {
             name: list(getattr(self.search, name))
             for name in ("precisions", *(k.choices for k in spec_knobs()))}
+        out["search"]["time_budget"] = out["search"].pop("time_budget_s")  # the key a spec writes
         return out
 
     @property
@@ -524,10 +531,19 @@ def _search(r: "Reader") -> SearchSpec:
                                  maximum=MAX_TIMEOUT_S),
         min_micro_batch_size=r.positive_int("min_micro_batch_size", default=None, maximum=MAX_GLOBAL_BATCH_SIZE),
         **{k.choices: _choices(r, k.choices, k.values, default=(k.default,)) for k in spec_knobs()},
+        time_budget_s=_duration(r, "time_budget", default=DEFAULT_TIME_BUDGET_S),
         loss_curve_rtol=r.number("loss_curve_rtol", default=0.01, minimum=0.0, exclusive=True, maximum=1.0),
     )
     r.finish()
     return search
+
+
+def _duration(r: "Reader", key: str, *, default: float) -> float:
+    value = r.get(key, (str, float), default=default)
+    try:
+        return parse_duration(value, what=r._path(key))
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def _choices(r: "Reader", key: str, allowed: tuple, *, default: tuple) -> tuple:

@@ -20,6 +20,9 @@ class Budget:
     usable_bytes: int  # what a training job may really use (per rank)
     requested_bytes: int | None = None  # --memory-budget as given, in bytes; None: the whole device
     time_s: float | None = None  # a tune's search time (--timeout); None: until its trials are done
+    # The whole tune's wall time (--time-budget): probe, estimates, trials, validation,
+    # writing; None: the spec's search.time_budget.
+    tune_time_s: float | None = None
 
     @property
     def emulated(self) -> bool:
@@ -29,11 +32,12 @@ class Budget:
 
 
 def budget_for(device: DeviceInfo, memory_budget: str | int | None, *, headroom: float, time_s: float | None = None,
-               what: str = "--memory-budget", error: type = SpecError) -> Budget:
+               tune_time_s: float | None = None, what: str = "--memory-budget", error: type = SpecError) -> Budget:
     """The one edge parser: `memory_budget` (`24GiB`, `0.8` of the device, bytes, or None)
     on `device`, less other processes' memory and `headroom`. A budget above the device is
     refused (emulating a larger card measures nothing); errors are `error`s naming `what`."""
     requested = parse_budget(None if memory_budget is None else str(memory_budget),
                              total_bytes=device.memory_total_bytes, device_name=device.name, what=what, error=error)
     return Budget(usable_bytes=usable_budget_bytes(device, headroom=headroom, memory_budget=requested),
-                  requested_bytes=requested, time_s=time_s)
+                  requested_bytes=requested, time_s=time_s,
+                  tune_time_s=tune_time_s)

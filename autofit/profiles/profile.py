@@ -166,6 +166,16 @@ class SearchSummary:
     micro_batch_floor: MicroBatchFloorRecord = field(default_factory=dict)
     workers: dict[str, int] = field(default_factory=dict)  # search trials measured by each worker sharing the study
     validated_by: str = ""  # the worker that validated the winner and wrote the profile
+    # False: the time budget ran out, or a stop came, before the winner's validation run: its
+    # figures are its search trial's, and `unvalidated` says why.
+    validated: bool = True
+    unvalidated: str = ""
+    # What the baseline is: "one-liner" (the AMP one-liner on a GPU; on the CPU 32-true at the
+    # largest micro batch that fits) or "32-true" (profiles from before the one-liner).
+    baseline_kind: str = "32-true"
+    # The winner over the 32-true trial of the search (largest micro batch measured), from the
+    # search trials' figures (no interval): 32-true's throughput is not validated on a GPU.
+    speedup_over_32_true: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -42,7 +42,7 @@ def ensure_reference(tuner) -> None:
         if tuner.measure_now(reference, records, unless_busy=True) is None:
             # Another worker sharing the study is measuring it: its result is the reference
             # (or, if that worker dies, the trial comes back to be measured here).
-            if tuner.should_stop():
+            if tuner.halted():
                 return
             time.sleep(BUSY_WAIT_S)
             continue
@@ -94,7 +94,7 @@ def refresh_leaders(tuner, records: list) -> list:
     logger.info("measuring the {} leaders again, interleaved, before their figures ({}) decide: {}", len(leaders),
                 why, ", ".join(r.record.config.short() for r in leaders))
     for leader in leaders:
-        if tuner.should_stop():
+        if tuner.halted():
             break
         tuner.measure_now(leader.record.config, records, repeat=True)
     return tuner.records()
@@ -146,7 +146,7 @@ def remeasure_contenders(tuner) -> tuple[float | None, int]:
         level = {r.record.config for r in race if r.measurements == rounds + 1}
         for config in field:
             if config in level:
-                if tuner.should_stop():
+                if tuner.halted():
                     return choice.observed_noise(records, since), rounds
                 tuner.measure_now(config, records, repeat=True)
         records = tuner.records()

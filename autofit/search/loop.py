@@ -21,8 +21,9 @@ from loguru import logger
 
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
-from autofit.search import choice, finish
-from autofit.search.health import health_problem
+from autofit.search import choice, finish, seeding
+from autofit.search.deadline import Deadline
+from autofit.search.health import health_problem, REFERENCE_PRECISIONS
 from autofit.search.memory import MemoryModel, record_budget
 from autofit.search.plan import Plan
 from autofit.search.shared import StudyLocks
@@ -53,7 +54,8 @@ class Tuner:
                  max_trials: int, patience: int, timeout_s: float | None = None,
                  on_trial: Callable[[TrialRecord, "TrialRecord | None", int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, starts: tuple[TrainConfig, ...] = (),
-                 locks: StudyLocks | None = None, worker: str | None = None):
+                 locks: StudyLocks | None = None, worker: str | None = None, deadline: Deadline | None = None,
+                 one_liner: tuple[str, ...] = ()):
         self.space, self.study, self.budget_bytes = space, study, budget_bytes
         # Without locks (a study of this process alone): ones that serialise its threads.
         self.locks = locks or StudyLocks(None, study.study_name)
@@ -64,6 +66,13 @@ class Tuner:
         self.on_trial = on_trial or (lambda record, best, total: None)
         self.should_stop = should_stop or (lambda: False)
         self.starts = starts  # measured first, before the seeds: e.g. where training was demoted to
+        # The whole tune's time budget and its clock (device time on a simulated device).
+        self.deadline = deadline or Deadline(None)
+        self.clock = self.deadline.clock
+        # The precisions of the one-liner (`seeding.one_liner`), first found first; () for none.
+        # It is measured before anything else: the floor no profile may fall below.
+        self.one_liner_precisions = one_liner
+        self.one_liner: TrainConfig | None = None
         # Records measured before this are another session's (another day, another load):
         # read, not repeated, but their figures do not decide the winner (search/finish.py).
         self.session_start = time.time()
@@ -78,7 +87,7 @@ class Tuner:
 
     def search(self) -> tuple[str, int, float]:
         """The ask/tell loop, until a stop reason. Returns (stop reason, trials resumed, start)."""
-        start = time.monotonic()
+        start = self.clock()
         records = self.records()
         resumed = self.spent(records)
         if records:
@@ -89,8 +98,14 @@ class Tuner:
         since_best = sum(1 for r in records if self._holds(r) and (best is None or r.number > best.number))
         progress = _Progress(best=best, since_best=since_best, start=start)
         # Given starts (e.g. where training was demoted to) are measured first, before the seeds.
-        self.plan = Plan(self.space, self.starts, known=self.known, fits_of=self.fits,
-                         estimate=self.memory.predicted_peak)
+        starts = self.starts
+        if self.one_liner_precisions:
+            self.one_liner = seeding.one_liner(self.space, self.fits(records), self.one_liner_precisions)
+            if self.one_liner is not None and self.one_liner not in starts:
+                starts = (self.one_liner, *starts)
+        self.plan = Plan(self.space, starts, known=self.known, fits_of=self.fits,
+                         estimate=self.memory.predicted_peak,
+                         fast_first=any(p not in REFERENCE_PRECISIONS for p in self.one_liner_precisions))
         stop_reason = None
         while stop_reason is None:
             claimed, stop_reason = self._claim_next(progress)
@@ -134,15 +149,17 @@ class Tuner:
         except BaseException:  # the user's code failed the trial (exit 2), or a signal stops the tune
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING in the study
             raise
-        if self.should_stop() and record.status not in ("ok", "oom"):
-            # Cut short by a stop request: not a result. Failing the trial leaves the config
+        if self.halted() and record.status not in ("ok", "oom"):
+            # Cut short by a stop request or the time budget's end: not a result. Failing the trial leaves the config
             # unmeasured, so a resumed study measures it.
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            return "stopped"
+            return self._stop_text()
         self._tell(trial, record)
         records = self.records()  # other workers sharing the study may have finished trials too
         if record.status == "oom":
             self.plan.after_oom(config, records)
+            if config == self.one_liner:
+                self._one_liner_again(records)
         best, new_best = progress.best, _best(records, self.budget_bytes)
         # A best found unhealthy once its reference is measured gives way to a slower one:
         # that is a new best too (patience counts from it, and the plan turns to it).
@@ -159,6 +176,22 @@ class Tuner:
         self.on_trial(record, new_best, self.spent(records))
         return None
 
+    def _one_liner_again(self, records: list[TrialRecord]) -> None:
+        """The one-liner ran out of memory (the estimate was low): at most half its micro
+        batch next, the largest the fit (which has just learned from the OOM) says fits, else
+        the largest at most half. Halving, as a user would, takes one more OOM at most where
+        stepping down one size at a time could take many."""
+        sizes, oom_micro = self.space.micro_batch_sizes, self.one_liner.micro_batch_size
+        half = [m for m in sizes if m <= oom_micro // 2] or [m for m in sizes if m < oom_micro]
+        if not half:
+            return
+        fits = self.fits(records)
+        candidates = [self.space.config(self.one_liner.precision, m) for m in reversed(half)]
+        again = next((c for c in candidates if fits(c)), candidates[0])
+        if self.known(again, records) is None:
+            self.one_liner = again
+            self.plan.queue.insert(0, again)
+
     def finish(self, searched: tuple[str, int, float]) -> SearchResult:
         """After `search()`: a full-precision reference at each contender's freezing depth
         that has none, and the contenders re-measured (old or loaded leaders first); the
@@ -166,11 +199,12 @@ class Tuner:
         finishes."""
         _, _, start = searched
         noise, rounds = None, 0
-        if not self.should_stop():
+        if not self.halted():
             self.ensure_reference()
-            if not self._timed_out(start):  # out of time: the longer validation still compares
+            if not self._timed_out(start) and not self.halted():  # out of time: validation still compares
                 noise, rounds = self.remeasure_contenders()
-                self.ensure_reference()  # a config that joined the race may lead without one
+                if not self.halted():
+                    self.ensure_reference()  # a config that joined the race may lead without one
         return self.result(searched, noise, rounds)
 
     def result(self, searched: tuple[str, int, float], noise: float | None = None, rounds: int = 0) -> SearchResult:
@@ -178,10 +212,10 @@ class Tuner:
         stop_reason, resumed, start = searched
         records = _judged(self.records())
         ranked = choice.rank(records, self.budget_bytes, fresh_since=self.session_start)
-        return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=time.monotonic() - start,
+        return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=self.clock() - start,
                             resumed=resumed, stop_reason=stop_reason, ranked=[r.record for r in ranked],
                             noise=noise, choice=choice.describe(ranked, noise, rounds),
-                            session_start=self.session_start)
+                            session_start=self.session_start, one_liner=self.one_liner)
 
     # --- what is known, what counts ----------------------------------------------------
 
@@ -228,8 +262,13 @@ class Tuner:
     def _stop_reason(self, records, since_best: int, skipped: dict, start: float) -> str | None:
         if self.spent(records) >= self.max_trials:
             return f"{self.max_trials} trials measured"
+        if self.deadline.expired():
+            return f"time budget of {self.deadline.budget_s:g}s spent"
         if self._timed_out(start):
-            return f"timeout {self.timeout_s:g}s"
+            if self.timeout_s is not None and self.clock() - start >= self.timeout_s:
+                return f"timeout {self.timeout_s:g}s"
+            return (f"the search's share of the {self.deadline.budget_s:g}s time budget spent "
+                    f"({self.deadline.search_s():.0f}s); the rest re-measures and validates")
         if since_best >= self.patience:
             return f"no improvement in {self.patience} measured trials"
         if len({r.config for r in records if self.known(r.config, records)}) >= self.space.size:
@@ -238,11 +277,22 @@ class Tuner:
             return (f"{sum(skipped.values())} proposals in a row measured nothing new: {skipped['known']} "
                     f"duplicates, {skipped['pruned']} predicted not to fit")
         if self.should_stop():
-            return "stopped"
+            return self._stop_text()
         return None
 
+    def _stop_text(self) -> str:
+        """Why a stop came: the time budget (a tune may set its stop at the deadline), else a stop request."""
+        return f"time budget of {self.deadline.budget_s:g}s spent" if self.deadline.expired() else "stopped"
+
     def _timed_out(self, start: float) -> bool:
-        return self.timeout_s is not None and time.monotonic() - start >= self.timeout_s
+        """The search loop's time is up: `timeout_s` since it started, or its share of the tune's budget."""
+        search_s = self.deadline.search_s()
+        return ((self.timeout_s is not None and self.clock() - start >= self.timeout_s)
+                or (search_s is not None and self.deadline.elapsed_s() >= search_s))
+
+    def halted(self) -> bool:
+        """A stop was asked for, or the tune's time budget is spent: measure nothing more."""
+        return self.should_stop() or self.deadline.expired()
 
     # --- after the search (search/finish.py) ---------------------------------------------
 

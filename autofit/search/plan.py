@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from autofit.config.train_config import TrainConfig
 from autofit.search import seeding
-from autofit.search.health import drifting, drifts, is_reference, reference_for
+from autofit.search.health import drifting, drifts, is_reference, reference_for, REFERENCE_PRECISIONS
 from autofit.search.space import SearchSpace
 from autofit.search.study import TrialRecord
 
@@ -35,8 +35,11 @@ def allowed_of(records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
 
 class Plan:
     def __init__(self, space: SearchSpace, starts: tuple[TrainConfig, ...], *, known: Known, fits_of: FitsOf,
-                 estimate: Callable[[TrainConfig], int]):
+                 estimate: Callable[[TrainConfig], int], fast_first: bool = False):
         self.space, self.known, self.fits_of, self.estimate = space, known, fits_of, estimate
+        # On a GPU the 16-bit groups' seeds come before full precision's in each wave: a slow
+        # precision's trial costs several fast ones, and rarely wins.
+        self.fast_first = fast_first
         self.queue: list[TrainConfig] = list(starts)
         self.seeds: set[TrainConfig] = set(starts)
 
@@ -74,12 +77,27 @@ class Plan:
                     return config
             if refill == 0:
                 # One wave: each seed group's next seed.
-                lists = seeding.seed_lists(self.space, fits, allowed)
+                lists = self._seed_lists(fits, allowed, records, best)
                 self.queue = [c for seeds in lists
                               for c in [next((c for c in seeds if self.known(c, records) is None), None)]
                               if c is not None]
                 self.seeds.update(self.queue)
         return None
+
+    def _seed_lists(self, fits, allowed, records: list[TrialRecord] = (),
+                    best: TrialRecord | None = None) -> list[list[TrainConfig]]:
+        """The seed groups' seeds (`seeding.seed_lists`). With `fast_first`, the full-precision
+        groups last, and left out once one of their trials (the reference) ran below
+        `seeding.TWIN_FLOOR` of a healthy 16-bit best: their next seeds cost more than they can win."""
+        lists = seeding.seed_lists(self.space, fits, allowed)
+        if not self.fast_first:
+            return lists
+        lists.sort(key=lambda seeds: bool(seeds) and seeds[0].precision in REFERENCE_PRECISIONS)
+        if best is None or best.config.precision in REFERENCE_PRECISIONS:
+            return lists
+        slow = {r.config.precision for r in records if r.status == "ok" and r.config.precision in REFERENCE_PRECISIONS
+                and r.samples_per_s < seeding.TWIN_FLOOR * best.samples_per_s}
+        return [seeds for seeds in lists if not seeds or seeds[0].precision not in slow]
 
     def _probe(self, records: list[TrialRecord], allowed: Callable[[TrainConfig], bool]) -> TrainConfig | None:
         """After PROBE_AFTER_OOMS out-of-memory trials and none that ran: the smallest config.
@@ -159,7 +177,7 @@ class Plan:
         measured = {self.space.seed_group(r.config) for r in records if r.measurement is not None and r.status != "oom"}
         queued = {self.space.seed_group(c) for c in self.queue if c in self.seeds}
         out = []
-        for seeds in seeding.seed_lists(self.space, fits, allowed_of(records)):
+        for seeds in self._seed_lists(fits, allowed_of(records)):
             fresh = [c for c in seeds if self.known(c, records) is None]
             if not fresh or self.space.seed_group(fresh[0]) in measured | queued:
                 continue

@@ -213,6 +213,22 @@ def _matched_ratio(records: Sequence[TrialRecord], key: Callable, shape: Callabl
     return max((speed / ours[at] for at, speed in theirs.items() if at in ours), default=None)
 
 
+def one_liner(space: SearchSpace, fits: Fits, precisions: Sequence[str]) -> TrainConfig | None:
+    """What a user tries first: the first of `precisions` the space holds (on a GPU the
+    fastest 16-bit autocast, bf16-mixed else 16-mixed; on the CPU 32-true) at the largest
+    micro batch predicted to fit with nothing checkpointed or frozen and the plain knobs. One
+    estimate per micro batch, largest first. None when no such precision is allowed or not
+    even micro batch 1 fits so (the user's one-liner would run out of memory)."""
+    precision = next((p for p in precisions if p in space.precisions), None)
+    if precision is None:
+        return None
+    for micro in reversed(space.micro_batch_sizes):
+        config = space.config(precision, micro)
+        if fits(config):
+            return config
+    return None
+
+
 def reference_point(space: SearchSpace, fits: Fits, freeze_blocks: int) -> TrainConfig | None:
     """The fastest full-numerics config predicted to fit at `freeze_blocks` (the largest
     micro batch of 32-true, else tf32, with 32-bit optimizer state and the fewest checkpointed

@@ -105,6 +105,7 @@ class SearchResult:
     noise: float | None = None  # relative spread of repeated measurements of the contenders
     choice: str = ""  # how the winner was chosen among contenders within noise
     session_start: float | None = None  # unix seconds this session began: older records are a resumed study's
+    one_liner: TrainConfig | None = None  # the one-liner measured first (`seeding.one_liner`), if any
 
     def count(self, status: str) -> int:
         return sum(r.status == status and not r.repeat for r in self.records)

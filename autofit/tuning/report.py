@@ -30,7 +30,10 @@ def format_trial_line(record: TrialRecord, best: TrialRecord | None, considered:
         reason += f"  [host busy: {m.foreign_cores:.1f} of {m.cores} cores with other work]"
     compiled = record.measurement.compile_s if record.measurement is not None else None
     compile_text = f"  compile {compiled:.1f} s" if compiled is not None else ""
-    return (f"trial {considered:>3}/{total:<3} {record.config.short():<40} {record.status:<9} "
+    if record.status == "oom":  # what it needed is more than the budget, not the peak it reached
+        return (f"trial #{record.number:<3} ({considered}/{total}) {record.config.short():<40} {record.status:<9} "
+                f"needs > {format_bytes(budget_bytes)}  {' ' * 19}{best_text}{reason}")
+    return (f"trial #{record.number:<3} ({considered}/{total}) {record.config.short():<40} {record.status:<9} "
             f"{format_bytes(peak):>10}{estimated} {share} of budget {speed}{compile_text}  {best_text}{reason}")
 
 
@@ -43,13 +46,20 @@ def _rows(result: SearchResult) -> list[TrialRecord]:
     return sorted(rows, key=lambda r: (r.status != "ok", -r.samples_per_s))
 
 
-def trials_table(result: SearchResult, winner: TrialRecord | None) -> str:
+def trials_table(result: SearchResult, winner: TrialRecord | None, validated: dict | None = None) -> str:
+    """One row per config, numbered as the log numbers its trial; its figure the validated
+    one (`validated`: config -> Measurement) where it has one, else its latest measurement
+    (a re-measure's); an out-of-memory row says it needed more than the budget."""
     rows = _rows(result)
-    lines = [f"{'':2}{'#':>4}  {'config':<40} {'status':<9} {'peak':>10} {'samples/s':>10}"]
+    latest = {r.config: r.measurement for r in result.records if r.status == "ok" and r.measurement is not None}
+    lines = [f"{'':2}{'#':>4}  {'config':<40} {'status':<9} {'peak':>12} {'samples/s':>10}  figure"]
     for r in rows:
-        mark = "★" if winner is not None and r.number == winner.number else ""
-        speed = f"{r.samples_per_s:10.1f}" if r.status == "ok" else f"{'-':>10}"
-        lines.append(f"{mark:2}{r.number:>4}  {r.config.short():<40} {r.status:<9} {format_bytes(_peak(r)):>10} {speed}")
+        mark = "★" if winner is not None and r.config == winner.config else ""
+        m, source = ((validated or {}).get(r.config), "validated") if r.config in (validated or {}) else (
+            latest.get(r.config), "latest trial")
+        speed = f"{m.samples_per_s:10.1f}  {source}" if r.status == "ok" and m is not None else f"{'-':>10}"
+        peak = f"> {format_bytes(result.budget_bytes)}" if r.status == "oom" else format_bytes(_peak(r))
+        lines.append(f"{mark:2}{r.number:>4}  {r.config.short():<40} {r.status:<9} {peak:>12} {speed}")
     return "\n".join(lines)
 
 

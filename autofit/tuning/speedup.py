@@ -30,6 +30,7 @@ PAIRS_MIN, PAIRS_MAX = 3, 7
 TIGHT = 1.10  # an interval whose high / low is at most this needs no more pairs
 UNMEASURABLE = 1.5  # pairs whose ratios spread wider than this after PAIRS_MAX make no claim
 MAX_FAILED_PAIRS = 2  # a pair whose run failed is taken again, at most this often
+BUSY_CORES = 0.5  # other work's cores busy (median over the pairs) from which the host is called busy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,11 @@ class Speedup:
     @property
     def measurable(self) -> bool:
         return self.ratio is not None
+
+    @property
+    def busy(self) -> bool:
+        """Other work was measured holding the host while the pairs ran."""
+        return self.foreign_cores is not None and self.foreign_cores >= BUSY_CORES
 
     @property
     def holds_one(self) -> bool:

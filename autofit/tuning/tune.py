@@ -35,6 +35,7 @@ from autofit.measure.measurement import Measurement
 from autofit.measure.trial import measure, raise_input_error, trial_worker
 from autofit.measure.worker import Worker
 from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, Tuner
+from autofit.search.deadline import Deadline
 from autofit.search.health import LossCurveCheck
 from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
 from autofit.profiles.demotions import read_demotions
@@ -44,7 +45,14 @@ from autofit.tuning.frontier import build_frontier, median_run, total_peak
 from autofit.tuning.report import format_trial_line, trials_table, write_html_report
 from autofit.tuning.space import device_for_ranks, search_space, study_name
 from autofit.tuning.speedup import keeps_winner, measure_speedup, Speedup
-from autofit.tuning.validation import baseline_record, host_load, LOADED_HOST, run_validation, validate
+from autofit.tuning.validation import (baseline_record, Halted, host_load, LOADED_HOST, over_32_true,
+                                       reference_record, REFERENCE_STEPS, run_timeout_s, run_validation, validate)
+
+HALT_POLL_S = 0.1  # how often the tune looks at its stop and its deadline
+# The one-liner's precision, first found first: the fastest 16-bit autocast on a GPU (bf16
+# where the device has it: the space holds only what it supports); 32-true on the CPU.
+ONE_LINER_CUDA = ("bf16-mixed", "16-mixed")
+ONE_LINER_CPU = ("32-true",)
 
 
 def estimate_memory(spec: ModelSpec, config, *, device_kind: str, worker: Worker, stop_event=None) -> MemoryEstimate:
@@ -61,6 +69,9 @@ class TuneOutcome:
     result: SearchResult
     validated: Measurement
     speedup: Speedup | None = None  # the interleaved pairs against the baseline, where there were any
+    # Why the profile's figures are incomplete (not validated, or its speed-up not measured,
+    # because the time budget ran out or a stop came); "" when they are whole.
+    incomplete: str = ""
 
     @property
     def claims(self) -> bool:
@@ -108,6 +119,9 @@ class TuneSetup:
     # The pickled model, batch_fn and loss_fn of `autofit.tune()` (`tuning.notebook`), which
     # the trial worker loads instead of building the spec's workload.
     objects: Path | None = None
+    # When the time budget began (time.monotonic): the command's process start, so its
+    # imports and probe count too; None: when `tune()` is called.
+    started: float | None = None
 
 
 def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
@@ -116,20 +130,39 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
     """Search, validate and save. An emulated GPU runs its trials on the CPU under its
     budget; an emulated budget keys a study apart from the full card's. `guard` (the
     service's `service.guard.TrialGuard`) watches every trial child.
+    The budget's `tune_time_s` bounds the whole tune (default: search.time_budget), counted
+    from `setup.started` (time.monotonic; the command's process start, so its imports and
+    probe count too): at its end, or on a stop, the profile is the best config measured so
+    far, validated if there was time (`TuneOutcome.incomplete` says what is missing).
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     spec = setup.spec
+    deadline = Deadline(setup.budget.tune_time_s or spec.search.time_budget_s, start=setup.started)
     run = _Tune(spec, device=setup.device, budget=setup.budget, out_dir=Path(setup.out_dir), storage=setup.storage,
                 execute_on=setup.execute_on, max_trials=setup.trials or spec.search.trials, stop_event=stop_event,
                 on_trial=on_trial, nproc=setup.nproc, guard=guard, worker=setup.worker or socket.gethostname(),
-                objects=setup.objects)
+                objects=setup.objects, deadline=deadline)
     with contextlib.ExitStack() as cleanup:  # the study's locks and the worker are released however it ends
-        run.prepare(cleanup)
-        result, shared = run.search()
+        run.watch(cleanup)
+        try:
+            run.prepare(cleanup)
+            result, shared = run.search()
+        except InterruptedError:
+            if run.stop_event is not None and run.stop_event.is_set():
+                raise  # the user's stop: the CLI exits 128 + the signal
+            raise TrialTimeoutError(f"{run.halt_reason()} before any config was measured (the model's probe and "
+                                    f"the first trial took longer); give more time: --time-budget, "
+                                    f"search.time_budget") from None
         if shared is not None:
             return run.shared_outcome(*shared, result=result)
         run.verdict(result)
-        chosen = run.validate(result)
-        frontier = run.frontier(result, chosen)
+        try:
+            if run.halted():
+                raise Halted()
+            chosen = run.validate(result)
+            frontier = run.frontier(result, chosen)
+        except Halted:
+            # Anytime: the best config measured so far, with what validation it had.
+            chosen, frontier = run.unvalidated(result)
         return run.write(result, chosen, frontier, report=setup.report)
 
 
@@ -144,9 +177,12 @@ class _Chosen:
     speedup: Speedup | None  # the interleaved pairs; None where there was nothing to compare
     note: str  # why the profile is the baseline, or what to distrust in its figures
     host_load: float | None
+    validated: bool = True  # False: the winner's figures are its search trial's (`unvalidated` says why)
+    unvalidated: str = ""
+    halted: bool = False  # chosen from what was measured when the tune was halted (`_Tune.unvalidated`)
 
     @property
-    def validated(self) -> Measurement:
+    def validated_m(self) -> Measurement:
         return median_run(self.winner_runs)
 
     @property
@@ -160,7 +196,7 @@ class _Tune:
     def __init__(self, spec: ModelSpec, *, device: DeviceInfo, budget: Budget, out_dir: Path,
                  storage: str | None, execute_on: str | None, max_trials: int,
                  stop_event: threading.Event | None, on_trial, nproc: int,
-                 guard, worker: str, objects: Path | None = None):
+                 guard, worker: str, objects: Path | None = None, deadline: Deadline):
         if objects is not None and nproc > 1:  # ranks rebuild the workload from a spec file
             raise SpecError("a model given as a Python object is tuned in one process: nproc must be 1")
         self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget.usable_bytes, out_dir, storage
@@ -170,6 +206,9 @@ class _Tune:
             device = with_memory_budget(device, emulated_budget_bytes)
         self.device, self.emulated_budget_bytes = device_for_ranks(device, nproc), emulated_budget_bytes
         self.max_trials, self.timeout_s, self.nproc = max_trials, timeout_s, nproc
+        self.deadline = deadline
+        # Set on a stop or at the budget's end (`watch`): the measurements' and waits' stop.
+        self.halt = threading.Event()
         self.stop_event, self.on_trial, self.guard, self.worker = stop_event, on_trial, guard, worker
         self.objects = objects
         self.timeouts: dict = {}  # config -> timeouts so far: a retry gets twice the time
@@ -183,8 +222,38 @@ class _Tune:
         self.curve = LossCurveCheck(spec.search.loss_curve_rtol)
 
     @property
-    def should_stop(self) -> Callable[[], bool] | None:
-        return self.stop_event.is_set if self.stop_event is not None else None
+    def should_stop(self) -> Callable[[], bool]:
+        return self.halted
+
+    def halted(self) -> bool:
+        """A stop was asked for or the budget ran out: read at once, not at the watcher's next
+        look (a run cut by the stop must not pass for a result in between)."""
+        if not self.halt.is_set() and ((self.stop_event is not None and self.stop_event.is_set())
+                                       or self.deadline.expired()):
+            self.halt.set()
+        return self.halt.is_set()
+
+    def watch(self, cleanup: contextlib.ExitStack) -> None:
+        """Set `halt` (the stop every measurement and wait of this tune watches) when a stop
+        is asked for or the time budget runs out: what runs then is cut at once."""
+        done = threading.Event()
+
+        def loop() -> None:
+            while not done.wait(HALT_POLL_S):
+                if (self.stop_event is not None and self.stop_event.is_set()) or self.deadline.expired():
+                    self.halt.set()
+                    return
+
+        watcher = threading.Thread(target=loop, name="autofit-tune-deadline", daemon=True)
+        watcher.start()
+        cleanup.callback(watcher.join)
+        cleanup.callback(done.set)
+
+    def halt_reason(self) -> str:
+        """Why the tune was halted: a stop, or its time budget."""
+        if self.stop_event is not None and self.stop_event.is_set():
+            return "a stop was asked for"
+        return f"the time budget of {self.deadline.budget_s:g}s ran out"
 
     # --- the stages ------------------------------------------------------------------------
 
@@ -195,8 +264,8 @@ class _Tune:
                                                                objects=self.objects))
         # A model autofit did not write: is its batch where autofit splits it? (In a child: it
         # runs the user's forward.)
-        asks.probe_batch_dim(self.trial_worker, spec, stop_event=self.stop_event)
-        self.analysis = asks.analyze(self.trial_worker, spec, self.nproc, stop_event=self.stop_event)
+        asks.probe_batch_dim(self.trial_worker, spec, stop_event=self.halt)
+        self.analysis = asks.analyze(self.trial_worker, spec, self.nproc, stop_event=self.halt)
         self.space: SearchSpace = search_space(spec, device, self.nproc, self.analysis)
         name = study_name(spec, device, self.emulated_budget_bytes)
         self.study = make_study(study_name=name, storage=self.storage, seed=spec.train.seed)
@@ -212,7 +281,8 @@ class _Tune:
         self.tuner = Tuner(self.space, study=self.study, budget_bytes=self.budget_bytes, measure=self.run_trial,
                            estimate=self.predict, max_trials=self.max_trials, patience=spec.search.patience,
                            timeout_s=self.timeout_s, on_trial=self.report_trial, should_stop=self.should_stop,
-                           starts=starts, locks=self.locks, worker=self.worker)
+                           starts=starts, locks=self.locks, worker=self.worker, deadline=self.deadline,
+                           one_liner=ONE_LINER_CUDA if self.device.kind == "cuda" else ONE_LINER_CPU)
 
     def search(self) -> tuple[SearchResult, tuple[dict, str] | None]:
         """(the search's result, the profile another worker of the study wrote, if one did)."""
@@ -223,11 +293,15 @@ class _Tune:
         self.locks.finish(should_stop=self.should_stop)
         shared = shared_profile(self.study, since=self.written_before)
         result = self.tuner.result(searched) if shared else self.tuner.finish(searched)
-        logger.info("search stopped: {}; {} trials ({} measured, {} pruned, {} oom) in {:.0f}s",
-                    result.stop_reason, len(result.records), result.measured, result.count("pruned"),
-                    result.count("oom"), result.wall_s)
-        if self.stop_event is not None and self.stop_event.is_set():
-            raise InterruptedError("tune stopped before validation; rerun to resume the study")
+        searched = sum(r.measurement is not None and not r.repeat for r in result.records)
+        logger.info("search stopped: {}; {} trials run ({} oom), {} re-measures, {} pruned without running, in {:.0f}s",
+                    result.stop_reason, searched, result.count("oom"), result.measured - searched,
+                    result.count("pruned"), result.wall_s)
+        if self.halted() and not result.ranked:
+            if self.stop_event is not None and self.stop_event.is_set():
+                raise InterruptedError("tune stopped before any config was measured; rerun to resume the study")
+            raise TrialTimeoutError(f"{self.halt_reason()} before any config was measured; rerun to resume the "
+                                    f"study, or give more time (--time-budget, search.time_budget)")
         return result, shared
 
     def verdict(self, result: SearchResult) -> None:
@@ -246,12 +320,9 @@ class _Tune:
 
     def validate(self, result: SearchResult) -> _Chosen:
         spec = self.spec
+        # The floor: the one-liner (on the CPU 32-true at the largest micro batch that fits).
         baseline = baseline_record(result, self.demoted)
-        # The speed-up compares like with like: the baseline re-measured over as many steps as
-        # the winner's validation, so one noisy short trial cannot make or break it. It runs
-        # first: its loss curve is the reference the others are checked against.
-        if baseline is not None:
-            self.curve.set_reference(run_validation(spec, baseline, self.run_long))
+        self._loss_reference(result, baseline)
         winner, _ = validate(spec, result, self.run_long, demoted=self.demoted, done=self.validations)
         load = host_load()
         if baseline is not None and not self._passed(baseline.config):
@@ -259,26 +330,81 @@ class _Tune:
         speedup, note = None, ""
         if baseline is not None and baseline.config != winner.config:
             speedup = measure_speedup(spec, winner, baseline, self.run_long, self.should_stop)
-            logger.info("speed-up of {} over the 32-true baseline {}: {}", winner.config.short(),
+            logger.info("speed-up of {} over the one-liner {}: {}", winner.config.short(),
                         baseline.config.short(), speedup.text())
             kept = keeps_winner(speedup)
             if not speedup.measurable:
-                which = "the search's winner" if kept else "the 32-true baseline, not the search's winner"
-                note = (f"the host was too busy to measure a speed-up ({speedup.text()}); by the median of the pairs "
-                        f"the profile is {which}, but its figures are no claim: tune again on a quiet host to know it")
+                which = "the search's winner" if kept else "the one-liner, not the search's winner"
+                why = ("the host was too busy to measure a speed-up" if speedup.busy else
+                       "the pairs disagreed too much to measure a speed-up")
+                note = (f"{why} ({speedup.text()}); by the median of the pairs the profile is {which}, but its "
+                        f"figures are no claim: tune again on a quiet host to know it")
             elif not kept:
-                note = (f"the search's winner {winner.config.short()} validated slower than the 32-true baseline "
-                        f"({speedup.text()}): the profile is the baseline")
+                note = (f"the search's winner {winner.config.short()} validated slower than the one-liner "
+                        f"({speedup.text()}): the profile is the one-liner")
             if not kept:
                 winner = baseline
         if winner.config == getattr(baseline, "config", None) and not note:
-            note = (f"nothing measured beat the 32-true baseline (search stopped: {result.stop_reason}; "
-                    f"{result.count('ok')} configs measured): the profile is the baseline")
+            note = (f"nothing measured beat the one-liner {winner.config.short()} (search stopped: "
+                    f"{result.stop_reason}; {result.count('ok')} configs measured): the profile is the one-liner")
         if note:
             logger.warning(note)
         baseline_runs = self._passed(baseline.config) if baseline is not None else []
         return _Chosen(winner=winner, winner_runs=self._passed(winner.config), baseline=baseline,
                        baseline_runs=baseline_runs, speedup=speedup, note=note, host_load=load)
+
+    def _loss_reference(self, result: SearchResult, baseline: TrialRecord | None) -> None:
+        """The 32-true loss curve the validation runs are held to, over the same batches. Where
+        the one-liner is 32-true (the CPU) its validation run is it; else a short 32-true run
+        of the search's reference config: its losses are needed, not its throughput, so a slow
+        precision's long run never decides the wall time."""
+        if baseline is not None and baseline.config.precision == "32-true":
+            self.curve.set_reference(run_validation(self.spec, baseline, self.run_long))
+            return
+        reference = reference_record(result, self.demoted)
+        if reference is not None:
+            steps = min(self.spec.search.validate_steps, REFERENCE_STEPS)
+            self.curve.set_reference(self.run_long(reference.config, steps, run_timeout_s(self.spec, reference, steps),
+                                                   keep=False))
+
+    def unvalidated(self, result: SearchResult) -> tuple[_Chosen, tuple]:
+        """A halted tune's profile (the budget ran out, or a stop came): the best config measured
+        so far, by its validation runs where it has passing ones, else by its search trial;
+        never below the one-liner's figure. Configs whose validation failed are passed over."""
+        why = self.halt_reason()
+        failed = {c for c, runs in self.validations.items() if runs and not self._passed(c)}
+        candidates = [r for r in result.ranked if r.config not in self.demoted and r.config not in failed]
+        if not candidates:
+            raise TrialTimeoutError(f"{why} before a config passed validation; rerun to resume the study")
+
+        # The search's choice (its ranking weighs the noise it saw); the floor holds it to the
+        # one-liner in like figures: validation runs where both have them, else search trials.
+        winner = candidates[0]
+        baseline = baseline_record(result, self.demoted)
+        if baseline is not None and baseline.config != winner.config:
+            ours, theirs = self._passed(winner.config), self._passed(baseline.config)
+            if ours and theirs:
+                slower = median_run(ours).samples_per_s < median_run(theirs).samples_per_s
+            else:
+                slower = winner.samples_per_s < baseline.samples_per_s
+            if slower:
+                winner = baseline
+        runs = self._passed(winner.config)
+        validated = bool(runs)
+        if validated:
+            note = f"validated, but {why} before its speed-up over the one-liner was measured"
+        else:
+            note = f"not validated: {why} first; its figures are its search trial's (rerun to validate)"
+        if baseline is not None and winner.config == baseline.config:
+            note += "; nothing measured beat the one-liner: the profile is the one-liner"
+        logger.warning("{}: the profile is {}, {}", why, winner.config.short(), note)
+        chosen = _Chosen(winner=winner, winner_runs=runs or [winner.measurement], baseline=baseline,
+                         baseline_runs=self._passed(baseline.config) if baseline is not None else [], speedup=None,
+                         note=note, host_load=host_load(), validated=validated, unvalidated="" if validated else why, halted=True)
+        point = build_frontier(result, winner, chosen.winner_runs, max_points=1,
+                               validate_steps=self.spec.search.validate_steps if validated else 0,
+                               validations=self.validations, run_validation=lambda record: None)
+        return chosen, point
 
     def _passed(self, config) -> list[Measurement]:
         """`config`'s validation runs that passed (ok, a throughput, inside the budget)."""
@@ -293,7 +419,9 @@ class _Tune:
                                   demoted=self.demoted, should_stop=self.should_stop)
         logger.info("frontier: {}", "; ".join(f"{p.config.short()} peak {format_bytes(p.measured.peak_memory_bytes)} "
                                               f"{p.measured.samples_per_s:.4g} samples/s" for p in frontier))
-        if chosen.host_load is not None and chosen.host_load > LOADED_HOST:
+        measured_quiet = chosen.speedup is not None and chosen.speedup.foreign_cores is not None \
+            and not chosen.speedup.busy
+        if chosen.host_load is not None and chosen.host_load > LOADED_HOST and not measured_quiet:
             logger.warning("the host was loaded while validating (load {:.1f} per core): throughput figures are "
                            "noisy; re-run on a quiet machine to trust the speed-up", chosen.host_load)
         return frontier
@@ -305,12 +433,14 @@ class _Tune:
         report_path = None
         if report:
             report_path = write_html_report(profile_path.with_suffix(".report.html"), profile, result, chosen.winner)
-        logger.info("\n{}", trials_table(result, chosen.winner))
+        validated = {c: median_run(self._passed(c)) for c in self.validations if self._passed(c)}
+        logger.info("\n{}", trials_table(result, chosen.winner, validated))
         if chosen.speedup is not None:
-            logger.info("speed-up over {} (32-true, largest micro batch that fits; interleaved validation runs): "
-                        "{}", chosen.baseline.config.short(), chosen.speedup.text())
+            logger.info("speed-up over the one-liner {} (interleaved validation runs): {}",
+                        chosen.baseline.config.short(), chosen.speedup.text())
         return TuneOutcome(profile=profile, profile_path=profile_path, report_path=report_path, result=result,
-                           validated=chosen.validated, speedup=chosen.speedup)
+                           validated=chosen.validated_m, speedup=chosen.speedup,
+                           incomplete=chosen.note if chosen.halted else "")
 
     def shared_outcome(self, profile_dict: dict, worker: str, *, result: SearchResult) -> TuneOutcome:
         """The profile another worker of the study validated and wrote: the same file here (a
@@ -335,7 +465,7 @@ class _Tune:
     def run_trial(self, config) -> Measurement:
         limit_s = self.spec.search.trial_timeout_s * 2 ** self.timeouts.get(config, 0)
         m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
-                    stop_event=self.stop_event, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker)
+                    stop_event=self.halt, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker)
         if m.status == "timeout":
             self.timeouts[config] = self.timeouts.get(config, 0) + 1
         if m.input_error:
@@ -360,12 +490,20 @@ class _Tune:
         return dataclasses.replace(m, status="error", input_error=False, precision_dropped=True,
                                    reason=f"{precision} dropped for this model: {m.reason}")
 
-    def run_long(self, config, steps: int, timeout_s: float) -> Measurement:
-        """A validation run: `steps` timed steps, held to the baseline's loss curve."""
-        m = self.curve.check(measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
-                                     stop_event=self.stop_event, measure_steps=steps, timeout_s=timeout_s,
-                                     guard=self.guard, worker=self.trial_worker))
-        self.validations.setdefault(config, []).append(m)
+    def run_long(self, config, steps: int, timeout_s: float, *, keep: bool = True) -> Measurement:
+        """A validation run: `steps` timed steps, held to the 32-true loss curve. Raises Halted
+        once the tune is halted (a stop, the budget's end): a run cut short is no result, and
+        nothing after it runs (`unvalidated` writes the profile from what was measured)."""
+        m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
+                    stop_event=self.halt, measure_steps=steps, timeout_s=min(timeout_s, self.deadline.left_s() + 1),
+                    guard=self.guard, worker=self.trial_worker)
+        if self.halted() and m.status != "ok":
+            raise Halted()
+        m = self.curve.check(m)
+        if keep:
+            self.validations.setdefault(config, []).append(m)
+        if self.halted():
+            raise Halted()
         return m
 
     def predict(self, config) -> int:
@@ -373,7 +511,7 @@ class _Tune:
         it) for a config the estimator cannot run."""
         try:
             return estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
-                                   worker=self.trial_worker, stop_event=self.stop_event).fit_bytes
+                                   worker=self.trial_worker, stop_event=self.halt).fit_bytes
         except EstimateError as exc:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0
@@ -384,6 +522,10 @@ class _Tune:
             if config.precision in self.ran_precisions:
                 raise
             return 0
+        except InterruptedError:
+            if not self.halted():
+                raise
+            return 0  # halted (a stop, the budget's end): nothing more is measured, whatever it predicts
 
     def report_trial(self, record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
         logger.info(format_trial_line(record, best, considered, self.max_trials, self.budget_bytes))
@@ -404,7 +546,7 @@ class _Tune:
         return starts
 
     def _profile(self, result: SearchResult, chosen: _Chosen, frontier: tuple) -> Profile:
-        spec, baseline, baseline_m, validated = self.spec, chosen.baseline, chosen.baseline_m, chosen.validated
+        spec, baseline, baseline_m, validated = self.spec, chosen.baseline, chosen.baseline_m, chosen.validated_m
         floor = self.space.micro_batch_floor
         summary = SearchSummary(
             trials=len(result.records), measured=result.measured, pruned=result.count("pruned"),
@@ -421,6 +563,8 @@ class _Tune:
             micro_batch_floor={} if floor is None else floor.to_dict(),
             loss_curve=self.curve.summary(chosen.winner.config),
             workers=_workers(result.records), validated_by=self.worker,
+            validated=chosen.validated, unvalidated=chosen.unvalidated, baseline_kind="one-liner",
+            speedup_over_32_true=over_32_true(result, chosen.winner, self.demoted),
         )
         return Profile(
             model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),

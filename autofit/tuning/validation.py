@@ -7,6 +7,7 @@ A validation run is `run_long(config, steps, timeout_s) -> Measurement`, given b
 simulated devices of the tests.
 """
 
+import math
 import os
 import statistics
 
@@ -22,6 +23,19 @@ from autofit.tuning.frontier import median_run, total_peak
 # 1-minute load average per core above which throughput measured on a CPU is flagged.
 LOADED_HOST = 0.8
 VALIDATION_ATTEMPTS = 2  # a validation that times out is retried once with twice the time
+# Steps of the 32-true run whose losses are the reference curve where the one-liner is not
+# 32-true (a GPU): enough windows to show a drift, not a throughput run.
+REFERENCE_STEPS = 12
+# A validation run times a window of about this many seconds at the config's trial step time,
+# at least MIN_VALIDATE_STEPS steps and at most search.validate_steps: a 1.2 s step and a
+# 0.02 s step cost about the same wall time.
+VALIDATE_WINDOW_S = 10.0
+MIN_VALIDATE_STEPS = 5
+
+
+class Halted(Exception):
+    """The tune was halted (a stop, or its time budget ran out) while validating: what was
+    measured so far makes the profile."""
 
 
 def run_timeout_s(spec: ModelSpec, record: TrialRecord, steps: int) -> float:
@@ -36,9 +50,18 @@ def run_timeout_s(spec: ModelSpec, record: TrialRecord, steps: int) -> float:
     return max(search.trial_timeout_s, 3 * (startup_s + (search.warmup_steps + steps) * m.step_time_s))
 
 
+def validation_steps(spec: ModelSpec, record: TrialRecord) -> int:
+    """The steps of `record`'s validation window (`VALIDATE_WINDOW_S` at its trial's step time)."""
+    most = spec.search.validate_steps
+    m = record.measurement
+    if m is None or not m.step_time_s:
+        return most
+    return max(min(MIN_VALIDATE_STEPS, most), min(most, math.ceil(VALIDATE_WINDOW_S / m.step_time_s)))
+
+
 def run_validation(spec: ModelSpec, record: TrialRecord, run_long) -> Measurement:
     """One validation run; a timeout (the machine, not the config) is retried with twice the time."""
-    steps = spec.search.validate_steps
+    steps = validation_steps(spec, record)
     limit_s = run_timeout_s(spec, record, steps)
     for attempt in range(VALIDATION_ATTEMPTS):
         m = run_long(record.config, steps, limit_s * 2 ** attempt)
@@ -62,7 +85,7 @@ def validate(spec: ModelSpec, result: SearchResult, run_long,
                                "(see the .demotions.json beside the profile)")
     failures, crashes = [], []
     for record in ranked[:5]:
-        logger.info("validating {} over {} steps", record.config.short(), spec.search.validate_steps)
+        logger.info("validating {} over {} steps", record.config.short(), validation_steps(spec, record))
         m = (done or {}).get(record.config, [None])[-1] or run_validation(spec, record, run_long)
         if m.status == "ok" and total_peak(m) <= result.budget_bytes:
             return record, m
@@ -124,8 +147,28 @@ def host_load() -> float | None:
 
 
 def baseline_record(result: SearchResult, demoted: set = frozenset()) -> TrialRecord | None:
-    """What a user without autofit runs: 32-true, no checkpointing or freezing, the largest
-    micro batch that fits (and did not run out of memory in training)."""
+    """The floor of the profile: what a user without autofit runs. The one-liner the search
+    measured first (`search.seeding.one_liner`) where it ran within the budget (its latest
+    trial); else the 32-true reference (`reference_record`)."""
+    one = [r for r in result.records if r.config == result.one_liner and not r.repeat
+           and r.feasible(result.budget_bytes) and r.config not in demoted]
+    if one:
+        return one[-1]
+    return reference_record(result, demoted)
+
+
+def over_32_true(result: SearchResult, winner: TrialRecord, demoted: set = frozenset()) -> float | None:
+    """The winner's search trial over the 32-true reference's (`reference_record`): a ratio of
+    trial figures, no interval. None without a 32-true trial that ran."""
+    reference = reference_record(result, demoted)
+    if reference is None or not reference.samples_per_s or not winner.samples_per_s:
+        return None
+    return round(winner.samples_per_s / reference.samples_per_s, 3)
+
+
+def reference_record(result: SearchResult, demoted: set = frozenset()) -> TrialRecord | None:
+    """32-true, no checkpointing or freezing, the largest micro batch that fits (and did not
+    run out of memory in training)."""
     plain = [r for r in result.records if r.config.precision == "32-true" and r.config.checkpoint_blocks == 0
              and r.config.freeze_blocks == 0 and r.config.optimizer_bits == 32 and not r.config.chunked_loss
              and r.feasible(result.budget_bytes) and r.config not in demoted]

@@ -1,0 +1,44 @@
+"""One time budget for a whole tune, read from one clock.
+
+A tune is judged by what it hands back when its time is up, so every stage (the search,
+the re-measures, validation, the frontier) asks the same `Deadline` how long it has. The
+clock is a seam: real tunes read `time.monotonic`, the simulated devices of the tests and
+of benchmarks/landscapes.py their own device time.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# The share of the budget the search's own loop may take: the rest re-measures the leaders,
+# validates the winner against the one-liner and writes the profile.
+SEARCH_SHARE = 0.6
+
+
+@dataclass
+class Deadline:
+    budget_s: float | None  # None: no time budget (the tune ends on its other rules)
+    clock: Callable[[], float] = time.monotonic
+    search_share: float = SEARCH_SHARE
+    start: float | None = None  # on `clock`; None: now
+
+    def __post_init__(self):
+        if self.start is None:
+            self.start = self.clock()
+
+    def elapsed_s(self) -> float:
+        return self.clock() - self.start
+
+    def left_s(self) -> float:
+        """Seconds left of the budget (infinite without one, never below 0)."""
+        if self.budget_s is None:
+            return math.inf
+        return max(0.0, self.budget_s - self.elapsed_s())
+
+    def expired(self) -> bool:
+        return self.left_s() <= 0.0
+
+    def search_s(self) -> float | None:
+        """How long the search loop may run: its share of the budget."""
+        return None if self.budget_s is None else self.search_share * self.budget_s

@@ -1,0 +1,110 @@
+"""Search quality against device time: every landscape of tests/simulated.py (the timed ones
+calibrated to an H100, the original set, the shaped suite, a seeded generated family),
+searched under simulated time budgets for sampler seeds 0..N-1, by today's search (the
+baseline row: step-sized trials, the seeds in the space's order, the budget a timeout on the
+search loop) and by the anytime search (the one-liner first, 16-bit seeds before full
+precision, windows sized in seconds, the search loop held to its share of the budget).
+
+Each measurement costs device time on the simulated device (its start, warm-up and window at
+the config's own speed; an OOM its start and one step; an estimate its own time), and one
+still running when the budget ends is cut and gives nothing.
+
+    python benchmarks/anytime.py --json benchmarks/results/<date>-anytime.json
+
+Prints, per (search, budget), how many runs pick at least the one-liner (true throughput)
+and how many reach 0.95 of the grid optimum; then the runs that missed. Exits 1 if an
+anytime run picks below the one-liner, or one at 240 s is below 0.95 of the optimum.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from loguru import logger  # noqa: E402
+
+from landscapes import _commit  # noqa: E402
+from simulated import generated, LANDSCAPES, search, SHAPED, TIMED  # noqa: E402
+
+BUDGETS_S = (60, 120, 240)
+OPTIMUM_SHARE = 0.95  # of the grid optimum, at the largest budget
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=10, help="sampler seeds 0..N-1 (default 10)")
+    parser.add_argument("--family", type=int, default=10, help="generated landscapes (default 10)")
+    parser.add_argument("--family-seed", type=int, default=2026)
+    parser.add_argument("--budgets", type=float, nargs="*", default=BUDGETS_S, help="device seconds (default 60 120 240)")
+    parser.add_argument("--only", nargs="*", help="landscape names to run (default: all)")
+    parser.add_argument("--json", type=Path, help="write every run here")
+    args = parser.parse_args()
+    logger.disable("autofit")
+    landscapes = [l for l in [*TIMED, *LANDSCAPES, *SHAPED, *generated(args.family, args.family_seed)]
+                  if not args.only or l.name in args.only]
+    start = time.monotonic()
+    runs = []
+    for landscape in landscapes:
+        for budget_s in args.budgets:
+            for anytime in (False, True):
+                for seed in range(args.seeds):
+                    r = search(landscape, seed, budget_s=budget_s, anytime=anytime)
+                    runs.append({"landscape": r.landscape, "seed": seed, "budget_s": budget_s,
+                                 "search": "anytime" if anytime else "today", "ratio": round(r.ratio, 4),
+                                 "over_one_liner": None if r.over_one_liner is None else round(r.over_one_liner, 4),
+                                 "device_s": round(r.device_s, 1), "trials": r.trials, "measured": r.measured,
+                                 "chosen": r.chosen.short() if r.chosen else None, "grid_best": r.best.short(),
+                                 "one_liner": r.one_liner.short() if r.one_liner else None,
+                                 "stop_reason": r.stop_reason})
+        print(f"{landscape.name}: done ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+    summary = _summary(runs, max(args.budgets))
+    for line in summary["lines"]:
+        print(line)
+    failed = [r for r in runs if r["search"] == "anytime" and _misses(r, max(args.budgets))]
+    for r in failed:
+        print(f"  missed: {r['landscape']} seed {r['seed']} at {r['budget_s']:g}s: {r['ratio']:.3f} of the optimum, "
+              f"{r['over_one_liner'] if r['over_one_liner'] is not None else '-'} x the one-liner "
+              f"({r['chosen']}; one-liner {r['one_liner']}; optimum {r['grid_best']})")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "command": " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "commit": _commit(), "seeds": args.seeds, "family": args.family, "budgets_s": list(args.budgets),
+            "wall_s": round(time.monotonic() - start, 1), "summary": summary["rows"], "runs": runs}, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+def _misses(r: dict, top_s: float) -> bool:
+    below_floor = r["over_one_liner"] is not None and r["over_one_liner"] < 1.0
+    return below_floor or (r["budget_s"] == top_s and r["ratio"] < OPTIMUM_SHARE)
+
+
+def _summary(runs: list[dict], top_s: float) -> dict:
+    rows, lines = [], [f"{'search':<9}{'budget':>7}{'runs':>6}{'>=1.0x one-liner':>18}{'>=0.95 optimum':>16}"
+                       f"{'median':>8}{'worst':>7}{'device s':>10}"]
+    for search in ("today", "anytime"):
+        for budget_s in sorted({r["budget_s"] for r in runs}):
+            mine = [r for r in runs if r["search"] == search and r["budget_s"] == budget_s]
+            if not mine:
+                continue
+            floor = [r for r in mine if r["over_one_liner"] is not None]
+            row = {"search": search, "budget_s": budget_s, "runs": len(mine),
+                   "floor_held": sum(r["over_one_liner"] >= 1.0 for r in floor), "floor_runs": len(floor),
+                   "near_optimum": sum(r["ratio"] >= OPTIMUM_SHARE for r in mine),
+                   "median_ratio": round(statistics.median(r["ratio"] for r in mine), 3),
+                   "worst_ratio": round(min(r["ratio"] for r in mine), 3),
+                   "median_device_s": round(statistics.median(r["device_s"] for r in mine), 1)}
+            rows.append(row)
+            lines.append(f"{search:<9}{budget_s:>7g}{len(mine):>6}{row['floor_held']:>11}/{len(floor):<6}"
+                         f"{row['near_optimum']:>10}/{len(mine):<5}{row['median_ratio']:>8.3f}"
+                         f"{row['worst_ratio']:>7.3f}{row['median_device_s']:>10.0f}")
+    return {"rows": rows, "lines": lines}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

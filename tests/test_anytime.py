@@ -1,0 +1,96 @@
+"""The anytime search on simulated devices that charge device time (tests/simulated.py):
+the one-liner first and as the floor, one time budget, measurements that cost their time."""
+
+import dataclasses
+
+import pytest
+
+from autofit.search import make_study, Tuner
+from autofit.search.deadline import Deadline
+from autofit.search.seeding import one_liner
+from simulated import GiB, LANDSCAPES, MIN_WINDOW_STEPS, ONE_LINER_GPU, search, STEP_WINDOW, TIMED, WARMUP_STEPS
+
+H100 = TIMED[0]
+
+
+def _tuner(landscape, budget_s, *, one=ONE_LINER_GPU, seed=0):
+    landscape.reset(seed)
+    landscape.stop_at_s[0] = budget_s
+    return Tuner(landscape.space(), study=make_study(study_name="t", storage=None, seed=seed),
+                 budget_bytes=landscape.budget_bytes, measure=landscape.measure, estimate=landscape.estimate,
+                 max_trials=40, patience=12, deadline=Deadline(budget_s, clock=landscape.clock), one_liner=one)
+
+
+def test_a_measurement_costs_its_start_and_its_window_at_the_configs_own_speed():
+    land = dataclasses.replace(H100, window_s=2.0)
+    fast, slow = land.space().config("bf16-mixed", 64), land.space().config("32-true", 32)
+    assert land.measure_s(fast, "ok") == pytest.approx(land.start_s + WARMUP_STEPS * land.step_s(fast)
+                                                       + max(2.0, MIN_WINDOW_STEPS * land.step_s(fast)))
+    # A slow step fills the window with its minimum steps; an OOM costs its start and one step.
+    assert land.measure_s(slow, "ok") > land.measure_s(fast, "ok")
+    assert land.measure_s(slow, "oom") == pytest.approx(land.start_s + land.step_s(slow))
+    steps = dataclasses.replace(land, window_s=None)
+    assert steps.measure_s(slow, "ok") == pytest.approx(land.start_s + STEP_WINDOW * land.step_s(slow))
+    land.reset()
+    land.estimate(fast)
+    land.measure(fast)
+    assert land.clock() == pytest.approx(land.estimate_s + land.measure_s(fast, "ok"))
+
+
+def test_a_measurement_still_running_at_the_budgets_end_gives_nothing():
+    land = H100
+    land.reset()
+    land.stop_at_s[0] = 1.0  # less than one trial's start
+    m = land.measure(land.space().config("bf16-mixed", 64))
+    assert m.status == "timeout" and land.clock() == 1.0
+
+
+def test_the_one_liner_is_the_first_config_measured():
+    tuner = _tuner(H100, 60.0)
+    result = tuner.run()
+    first = H100.calls[0]
+    assert first == result.one_liner
+    assert (first.precision, first.checkpoint_blocks, first.freeze_blocks) == ("bf16-mixed", 0, 0)
+    assert first.micro_batch_size == 64  # the largest micro batch predicted to fit there
+
+
+def test_without_the_one_liner_today_32_true_comes_first_on_the_fp32_landscape():
+    """The landscape where fp32 is 6x slower is one where today's seeds start at 32-true."""
+    tuner = _tuner(TIMED[1], 240.0, one=())
+    tuner.run()
+    assert TIMED[1].calls[0].precision == "32-true"
+
+
+def test_the_one_liner_on_the_cpu_is_32_true_at_the_largest_micro_batch_that_fits():
+    space = H100.space()
+    fits = lambda c: c.micro_batch_size <= 16  # noqa: E731
+    config = one_liner(space, fits, ("32-true",))
+    assert (config.precision, config.micro_batch_size, config.checkpoint_blocks) == ("32-true", 16, 0)
+    assert one_liner(space, lambda c: False, ONE_LINER_GPU) is None
+    assert one_liner(space, fits, ("16-mixed",)).precision == "16-mixed"
+
+
+def test_a_one_liner_that_runs_out_of_memory_is_followed_by_a_smaller_one():
+    # The estimator sees half the bytes: the predicted one-liner runs out of memory.
+    land = dataclasses.replace(H100, name="h100-under", estimate_bias=0.5, budget_bytes=60 * GiB)
+    tuner = _tuner(land, 240.0)
+    result = tuner.run()
+    first, second = land.calls[:2]
+    assert land.peak_bytes(first) > land.budget_bytes
+    assert second.precision == first.precision and second.micro_batch_size < first.micro_batch_size
+    assert second.checkpoint_blocks == 0 and result.one_liner == second
+
+
+@pytest.mark.parametrize("budget_s", [60.0, 120.0, 240.0])
+@pytest.mark.parametrize("landscape", TIMED + LANDSCAPES[:2], ids=lambda l: l.name)
+def test_the_pick_is_never_below_the_one_liner_and_the_search_ends_in_its_budget(landscape, budget_s):
+    for seed in range(3):
+        run = search(landscape, seed, budget_s=budget_s, anytime=True)
+        assert run.device_s <= budget_s + landscape.start_s  # within the budget plus one trial's start
+        if run.one_liner is not None:
+            assert run.over_one_liner >= 1.0, (seed, run.chosen, run.one_liner)
+
+
+def test_the_search_loop_keeps_the_rest_of_the_budget_for_validation():
+    run = search(LANDSCAPES[0], 0, budget_s=240.0, anytime=True)
+    assert "share of the 240s time budget" in run.stop_reason or run.device_s < 240.0 * 0.6

@@ -1,0 +1,208 @@
+"""One time budget for the whole tune, and the anytime profile: at the budget's end or on a
+stop, the best config measured so far, validated if there was time, else marked so. In
+process, with simulated runs in place of trial children (`autofit.tuning.tune.measure`)."""
+
+import threading
+import time
+import types
+
+import pytest
+
+from autofit.base.errors import EXIT_INCOMPLETE
+from autofit.base.sizes import parse_duration
+from autofit.config.spec import load_spec
+from autofit.device.budget import Budget
+from autofit.device.probe import cpu_device
+from autofit.measure.measurement import Measurement
+from autofit.profiles.profile import Profile
+from autofit.tuning.tune import tune, TuneSetup
+from conftest import run_cli, tiny_gpt_dict, write_spec
+
+SEARCH = {"precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 6, "patience": 6,
+          "validate_steps": 20, "frontier_points": 1}
+
+
+def _measure(*, validation_blocks: bool, calls: list, speed=None):
+    """Trials take 0.05 s; a validation run (20 steps) waits for the tune's stop when
+    `validation_blocks` (a run longer than the budget), else takes 0.05 s too."""
+    speed = speed or (lambda c: (300.0 if c.precision == "bf16-mixed" else 100.0) * c.micro_batch_size
+                      / (c.micro_batch_size + 1))
+
+    def measure(spec, config, *, measure_steps=None, budget_bytes=None, stop_event=None, **_):
+        calls.append((config, measure_steps, time.monotonic()))
+        validating = measure_steps == spec.search.validate_steps
+        if validating and validation_blocks:
+            stop_event.wait(60)
+            return Measurement(status="error", config=config, reason="stopped", budget_bytes=budget_bytes)
+        time.sleep(0.05)
+        sps = speed(config)
+        return Measurement(status="ok", config=config, peak_memory_bytes=1000, overhead_bytes=0, samples_per_s=sps,
+                           step_time_s=8 / sps, step_times_s=[8 / sps] * 2, losses=[4.0, 3.9, 3.8, 3.7] * 6,
+                           budget_bytes=budget_bytes, wall_s=0.05)
+    return measure
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    def install(**kwargs):
+        calls = []
+        monkeypatch.setattr("autofit.tuning.tune.measure", _measure(calls=calls, **kwargs))
+        monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
+                            lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
+        return calls
+    return install
+
+
+def _tune(tmp_path, *, time_budget_s: float, stop_event=None):
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
+    return tune(TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6, tune_time_s=time_budget_s),
+                          out_dir=tmp_path / "profiles", storage=None, report=False), stop_event=stop_event)
+
+
+def test_at_the_budgets_end_the_best_measured_config_is_the_profile_marked_unvalidated(tmp_path, simulated,
+                                                                                      monkeypatch):
+    """The budget runs out while the winner validates (the deadline's clock is made to end
+    then: a loaded test host takes a varying time to get there)."""
+    from autofit.search.deadline import Deadline
+
+    calls = simulated(validation_blocks=True)
+    ended = []
+
+    class EndsAtValidation(Deadline):
+        def left_s(self):
+            if any(steps is not None for _, steps, _ in calls):
+                ended.append(ended[0] if ended else time.monotonic())
+                return 0.0
+            return super().left_s()
+
+    monkeypatch.setattr("autofit.tuning.tune.Deadline", EndsAtValidation)
+    outcome = _tune(tmp_path, time_budget_s=60.0)
+    assert time.monotonic() - ended[0] < 2.0  # cut at once
+    trials = [c for c, steps, _ in calls if steps is None]
+    profile = Profile.load(outcome.profile_path)
+    assert profile.config in trials  # a config measured, not a guess
+    assert profile.config.precision == "bf16-mixed"  # the fastest measured
+    assert not profile.search.validated and "time budget of 60s ran out" in profile.search.unvalidated
+    assert profile.measured.validated_steps == 0
+    assert outcome.incomplete and "not validated" in outcome.incomplete
+
+
+def test_a_stop_during_validation_ends_the_tune_within_two_seconds_with_the_best_measured(tmp_path, simulated):
+    calls = simulated(validation_blocks=True)
+    stop = threading.Event()
+    timer = None
+
+    def watch():  # the stop comes once the first validation run has started
+        while not any(steps == 20 for _, steps, _ in calls):
+            time.sleep(0.02)
+        stop.set()
+        nonlocal timer
+        timer = time.monotonic()
+
+    threading.Thread(target=watch, daemon=True).start()
+    outcome = _tune(tmp_path, time_budget_s=600.0, stop_event=stop)
+    assert time.monotonic() - timer < 2.0
+    assert outcome.incomplete and "a stop was asked for" in outcome.incomplete
+    assert not outcome.profile.search.validated
+    # No validation was started after the stop ("trying the next best" is gone).
+    assert all(t <= timer for _, steps, t in calls if steps == 20)
+
+
+def test_with_time_the_profile_is_validated_and_states_its_speedup_over_the_one_liner(tmp_path, simulated):
+    calls = simulated(validation_blocks=False)
+    outcome = _tune(tmp_path, time_budget_s=120.0)
+    search = outcome.profile.search
+    assert search.validated and not outcome.incomplete
+    assert search.baseline_kind == "one-liner"
+    # On the CPU the one-liner is 32-true at the largest micro batch that fits: measured first.
+    first = calls[0][0]
+    assert (first.precision, first.checkpoint_blocks, first.micro_batch_size) == ("32-true", 0, 8)
+    assert search.baseline["config"]["precision"] == "32-true"
+    assert search.speedup is not None and search.speedup > 1.0 and search.speedup_over_32_true > 1.0
+
+
+def test_nothing_beats_the_one_liner_so_it_is_the_profile_and_the_note_says_so(tmp_path, simulated):
+    calls = simulated(validation_blocks=False, speed=lambda c: 100.0 if c.precision == "32-true"
+                      and c.micro_batch_size == 8 else 50.0)
+    outcome = _tune(tmp_path, time_budget_s=120.0)
+    assert calls[0][0] == outcome.profile.config
+    assert "one-liner" in outcome.profile.search.note
+
+
+def test_durations_parse_with_units_and_refuse_nonsense():
+    assert parse_duration("90") == 90.0 and parse_duration("90s") == 90.0
+    assert parse_duration("2min") == 120.0 and parse_duration("1.5h") == 5400.0
+    for bad in ("soon", "-5", "0", "10 parsecs", True):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+def test_search_time_budget_in_the_spec_has_a_documented_default(tmp_path):
+    assert load_spec(write_spec(tmp_path, tiny_gpt_dict())).search.time_budget_s == 300.0
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"time_budget": "2min"})))
+    assert spec.search.time_budget_s == 120.0
+
+
+def test_a_bad_time_budget_is_one_line_and_exit_2(tmp_path):
+    spec = write_spec(tmp_path, tiny_gpt_dict())
+    result = run_cli("tune", spec, "--device", "cpu", "--time-budget", "soon", "--state-dir", tmp_path / "state",
+                     "--out", tmp_path / "profiles", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert "--time-budget" in result.stderr
+    help_text = run_cli("tune", "--help", cwd=tmp_path).stdout
+    assert "--time-budget" in help_text and "exit 5" in help_text and "--timeout" in help_text
+    assert EXIT_INCOMPLETE == 5
+
+
+def _rec(number, config, status="ok", sps=10.0, repeat=False, peak=1000):
+    from autofit.search import TrialRecord
+
+    m = Measurement(status=status, config=config, samples_per_s=sps if status == "ok" else 0.0,
+                    peak_memory_bytes=peak, budget_bytes=2000)
+    return TrialRecord(number=number, config=config, status=status, predicted_peak_bytes=peak, measurement=m,
+                       repeat=repeat, budget_bytes=2000)
+
+
+def test_the_table_shows_each_configs_validated_or_latest_figure_numbered_as_the_log():
+    from autofit.config.train_config import TrainConfig
+    from autofit.search import SearchResult
+    from autofit.tuning.report import format_trial_line, trials_table
+
+    a, b, c = (TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m) for m in (8, 4, 2))
+    records = [_rec(0, a, sps=5.9), _rec(1, b, sps=264.9), _rec(2, c, "oom", peak=1900), _rec(3, a, sps=300.0,
+                                                                                             repeat=True)]
+    result = SearchResult(records=records, budget_bytes=2000, wall_s=0, resumed=0, stop_reason="", ranked=records[:2])
+    table = trials_table(result, records[0], {a: Measurement(status="ok", config=a, samples_per_s=320.9)})
+    row_a = next(line for line in table.splitlines() if a.short() in line)
+    assert "320.9" in row_a and "validated" in row_a and row_a.startswith("★")
+    assert "264.9" in next(line for line in table.splitlines() if b.short() in line)
+    oom_row = next(line for line in table.splitlines() if c.short() in line)
+    assert "> 1.95 KiB" in oom_row or "> 2000" in oom_row or ">" in oom_row.split("oom")[1]
+    assert "%" not in oom_row
+    line = format_trial_line(records[1], records[1], 2, 24, 2000)
+    assert line.startswith("trial #1 ") and "(2/24)" in line
+    assert "needs >" in format_trial_line(records[2], records[1], 3, 24, 2000)
+
+
+def test_a_speedup_is_called_busy_only_when_other_work_was_measured():
+    from autofit.tuning.speedup import Speedup
+
+    assert not Speedup(ratio=None, low=0.5, high=2.0, pairs=7, foreign_cores=0.0, cores=2).busy
+    assert Speedup(ratio=None, low=0.5, high=2.0, pairs=7, foreign_cores=1.4, cores=2).busy
+
+
+def test_a_validation_window_is_sized_in_seconds_between_its_bounds(tmp_path):
+    from autofit.config.train_config import TrainConfig
+    from autofit.search import TrialRecord
+    from autofit.tuning.validation import MIN_VALIDATE_STEPS, VALIDATE_WINDOW_S, validation_steps
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"validate_steps": 50})))
+    config = TrainConfig(micro_batch_size=8)
+
+    def at(step_s):
+        m = Measurement(status="ok", config=config, samples_per_s=8 / step_s, step_time_s=step_s)
+        return validation_steps(spec, TrialRecord(number=0, config=config, status="ok", predicted_peak_bytes=1,
+                                                  measurement=m))
+    assert at(1.2) == max(MIN_VALIDATE_STEPS, round(VALIDATE_WINDOW_S / 1.2 + 0.5))  # fp32 on the H100: 9, not 50
+    assert at(0.02) == 50  # a fast step: the spec's most
+    assert at(100.0) == MIN_VALIDATE_STEPS
