@@ -26,3 +26,17 @@ def test_without_a_home_torchs_default_stays(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("pathlib.Path.home", lambda: (_ for _ in ()).throw(RuntimeError("no home")))
     assert use_inductor_cache() is None
+
+
+def test_expandable_segments_join_the_users_allocator_settings_and_leave_again():
+    from autofit.device.allocator import ALLOC_CONF_ENV, expandable_segments_in, set_expandable_segments
+
+    env = {ALLOC_CONF_ENV: "max_split_size_mb:128, expandable_segments:False"}
+    set_expandable_segments(True, env)
+    assert env[ALLOC_CONF_ENV] == "max_split_size_mb:128,expandable_segments:True"
+    assert expandable_segments_in(env[ALLOC_CONF_ENV])
+    set_expandable_segments(False, env)
+    assert env[ALLOC_CONF_ENV] == "max_split_size_mb:128,expandable_segments:False"
+    untouched = {}
+    set_expandable_segments(False, untouched)
+    assert untouched == {}  # off and never on: the variable is not invented
