@@ -1,4 +1,4 @@
-"""Inductor's cache lives in autofit's state folder, so a re-tune or a run reuses compiled graphs."""
+"""The fast paths outside the step: inductor's cache in the state folder, the CUDA allocator's settings."""
 
 import os
 
