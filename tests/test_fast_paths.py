@@ -29,7 +29,7 @@ def test_without_a_home_torchs_default_stays(monkeypatch):
 
 
 def test_expandable_segments_join_the_users_allocator_settings_and_leave_again():
-    from autofit.device.allocator import ALLOC_CONF_ENV, expandable_segments_in, set_expandable_segments
+    from autofit.device.alloc_conf import ALLOC_CONF_ENV, expandable_segments_in, set_expandable_segments
 
     env = {ALLOC_CONF_ENV: "max_split_size_mb:128, expandable_segments:False"}
     set_expandable_segments(True, env)
