@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autofit.base.errors import SpecError
+from autofit.base.errors import AutofitError, SpecError
+from autofit.base.paths import default_state_dir
 from autofit.config.knobs import CHECKPOINT_POLICIES, KNOBS
 from autofit.config.train_config import MicroBatchFloor, TrainConfig
 from autofit.workload.blocks import Blocks, find_block_stack
@@ -180,6 +181,22 @@ def apply_freezing(model: nn.Module, n_blocks: int) -> int:
 # torch.compile backend: `aot_eager` traces the same graphs with no code generation (where
 # no compiler is at hand, and in the tests, where inductor's compile takes tens of seconds).
 COMPILE_BACKEND_ENV = "AUTOFIT_COMPILE_BACKEND"
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # read by inductor at each compile
+
+
+def use_inductor_cache(state_dir=None) -> str | None:
+    """Keep inductor's compiled graphs in autofit's state folder (`<state>/inductor`), so
+    a re-tune, a validation and `autofit train` of the same config load them instead of
+    compiling again, across reboots (torch's default is a temp folder). Children inherit
+    the setting. A folder the user set wins; without a state folder (no HOME) torch's
+    default stays. Returns the folder in use, if any."""
+    if not os.environ.get(INDUCTOR_CACHE_ENV):
+        try:
+            folder = (default_state_dir() if state_dir is None else state_dir) / "inductor"
+        except AutofitError:
+            return None
+        os.environ[INDUCTOR_CACHE_ENV] = str(folder)
+    return os.environ[INDUCTOR_CACHE_ENV]
 
 
 def compile_backend() -> str:
@@ -205,6 +222,7 @@ def apply_compile(model: nn.Module) -> list[str]:
     the model's. `fullgraph`: a graph break in a block is a compile failure, since what it
     leaves eager is the time compiling was meant to save. Compiling happens at the first
     forward (and backward), not here."""
+    use_inductor_cache()
     stack = find_block_stack(model)
     targets = list(zip(stack[1].names, stack[1])) if stack else [("", model)]
     for _, module in targets:
