@@ -136,7 +136,8 @@ class TuneJob:
             # Emulated cards run their trials on the CPU; N ranks take one GPU each, by index.
             execute_on = "cpu" if device.emulated else ",".join(str(g.device.index) for g in self.gpus)
             setup = TuneSetup(spec=self.spec, device=device, budget=self.budget, out_dir=store_dir, storage=storage,
-                              execute_on=execute_on, trials=self.trials, nproc=self.nproc, worker=self.worker)
+                              execute_on=execute_on, trials=self.trials, nproc=self.nproc, worker=self.worker,
+                              write_on_stop=False)
             self.outcome = tune(setup, stop_event=self.stop_event, on_trial=on_trial, guard=self.guard)
         except Exception as exc:  # every ending is judged by the main thread, in settle()
             self.error = exc

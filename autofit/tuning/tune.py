@@ -122,6 +122,10 @@ class TuneSetup:
     # When the time budget began (time.monotonic): the command's process start, so its
     # imports and probe count too; None: when `tune()` is called.
     started: float | None = None
+    # A stop (SIGTERM, Ctrl-C) writes the best config measured so far (a user waits for an
+    # answer); False: it is an interruption that a later tune resumes (the service, which is
+    # stopped to be restarted, and whose pairs are tuned again).
+    write_on_stop: bool = True
 
 
 def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
@@ -161,6 +165,8 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
             chosen = run.validate(result)
             frontier = run.frontier(result, chosen)
         except Halted:
+            if not setup.write_on_stop and run.stop_event is not None and run.stop_event.is_set():
+                raise InterruptedError("tune stopped before validation; rerun to resume the study") from None
             # Anytime: the best config measured so far, with what validation it had.
             chosen, frontier = run.unvalidated(result)
         return run.write(result, chosen, frontier, report=setup.report)
