@@ -135,7 +135,7 @@ def _measure_ranks(request: TrialRequest, config: TrainConfig, *, device: str, t
         result = _read_result(result_path, config.world_size) if ended == "exited" else None
     outcome = TaskOutcome(ended=ended, result=result, returncode=proc.returncode, log_tail=log_tail,
                           wall_s=time.perf_counter() - started)
-    return _measurement(result, outcome, config, request["budget_bytes"], timeout_s)
+    return _measurement(result, outcome, config, request.budget_bytes, timeout_s)
 
 
 def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
