@@ -5,7 +5,6 @@
 """
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,10 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
                  out_dir: str | Path | None = None, state_dir: str | Path | None = None,
                  report: bool = True, nproc: int = 1, time_budget: str | float | None = None) -> TuneOutcome:
     """`autofit tune`: probe, budget, search, validate, save. `time_budget` (`90s`, `5min`,
-    seconds) bounds the whole tune; default search.time_budget."""
+    seconds) bounds the whole tune from this call on (loading the spec, importing torch and
+    probing count); default search.time_budget. Not from the process start: a caller that runs
+    commands in-process (tests, a notebook) would find its budget spent by earlier work."""
+    started = time.monotonic()
     spec = load_spec(spec_path)
     check_count("--trials", trials, maximum=MAX_TRIALS)
     check_seconds("--timeout", timeout_s)
@@ -53,19 +55,9 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
     # under way and leaves the study to resume.
     with storage_errors(storage):
         return tune(TuneSetup(spec=spec, device=info, budget=budget, out_dir=out_dir, storage=storage, trials=trials,
-                              report=report, nproc=nproc, started=time.monotonic() - _process_age_s()),
+                              report=report, nproc=nproc, started=started),
                     stop_event=stopping.requested)
 
-
-def _process_age_s() -> float:
-    """Seconds since this process started (Linux's /proc; 0 elsewhere): the time budget
-    counts the interpreter's start and imports too."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
-        return max(0.0, uptime_s - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def main(args) -> int:

@@ -119,7 +119,7 @@ class TuneSetup:
     # The pickled model, batch_fn and loss_fn of `autofit.tune()` (`tuning.notebook`), which
     # the trial worker loads instead of building the spec's workload.
     objects: Path | None = None
-    # When the time budget began (time.monotonic): the command's process start, so its
+    # When the time budget began (time.monotonic): when the command was called, so its
     # imports and probe count too; None: when `tune()` is called.
     started: float | None = None
     # A stop (SIGTERM, Ctrl-C) writes the best config measured so far (a user waits for an
@@ -135,7 +135,7 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
     budget; an emulated budget keys a study apart from the full card's. `guard` (the
     service's `service.guard.TrialGuard`) watches every trial child.
     The budget's `tune_time_s` bounds the whole tune (default: search.time_budget), counted
-    from `setup.started` (time.monotonic; the command's process start, so its imports and
+    from `setup.started` (time.monotonic; when the command was called, so its imports and
     probe count too): at its end, or on a stop, the profile is the best config measured so
     far, validated if there was time (`TuneOutcome.incomplete` says what is missing).
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
