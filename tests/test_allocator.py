@@ -8,7 +8,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.device.allocator import (cublas_workspace_bytes, cublaslt_workspace_bytes, events_from_snapshot,
                                       replay, round_size, segment_size, workspace_events)
 from autofit.measure import tasks
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.estimate import estimate_memory, max_micro_batch_size
 from autofit.workload import build_workload
 from conftest import tiny_gpt_dict, write_spec
 
@@ -141,3 +141,92 @@ def test_the_largest_micro_batch_is_judged_for_the_same_card_as_fits(tmp_path, o
                           "compute_capability": "8.0"}, context)
     assert out["estimate"]["reserved_peak_bytes"] == ampere.fit_bytes
     assert out["max_micro_batch_size"] == config.micro_batch_size
+
+
+def test_a_trace_that_fits_its_cap_only_thanks_to_the_retry():
+    """Uncapped, the freed 12 MiB segment stays cached and 13 MiB needs a second one: 26 MiB
+    reserved. Under a 20 MiB cap the allocator frees the cached segment (release_cached_blocks),
+    retries once and runs: 14 MiB reserved at most."""
+    trace = [("a", 11 * MiB), ("a", None), ("b", 13 * MiB)]
+    assert replay(trace).reserved_peak_bytes == 26 * MiB
+    capped = replay(trace, capacity_bytes=20 * MiB)
+    assert capped.fits and capped.retries == 1
+    assert capped.reserved_peak_bytes == 14 * MiB and capped.allocated_peak_bytes == 14 * MiB
+
+
+def test_the_retry_frees_cached_small_segments_too():
+    trace = [("s", 100), ("s", None), ("a", 12 * MiB)]  # a 2 MiB small segment, cached, then 12 MiB
+    capped = replay(trace, capacity_bytes=12 * MiB)
+    assert capped.fits and capped.retries == 1 and capped.reserved_peak_bytes == 12 * MiB
+
+
+def test_live_bytes_over_the_cap_are_an_oom_even_after_the_retry():
+    """Nothing cached to free: the retry is counted (alloc_block(isRetry=true)) and fails; the
+    replay stops there, and its reserved peak is what the refused segment asked for."""
+    capped = replay([("a", 12 * MiB), ("b", 12 * MiB), ("c", 12 * MiB)], capacity_bytes=20 * MiB)
+    assert capped.oom and not capped.fits and capped.retries == 1
+    assert capped.reserved_peak_bytes == 24 * MiB > 20 * MiB
+    assert capped.segments == 1  # c was never asked for
+
+
+def test_fragmentation_that_a_release_cannot_cure_is_an_oom():
+    """a and b split one 20 MiB segment; a freed leaves a 4 MiB hole and a 12 MiB tail beside
+    live b. 14 MiB fits neither: a new segment, 34 MiB reserved. The first segment is not
+    wholly free, so the retry frees nothing: OOM under 30 MiB, though only 4 + 14 MiB live."""
+    trace = [("a", 4 * MiB), ("b", 4 * MiB), ("a", None), ("c", 14 * MiB)]
+    capped = replay(trace, capacity_bytes=30 * MiB)
+    assert capped.oom and capped.retries == 1 and capped.reserved_peak_bytes == 34 * MiB
+    assert replay(trace).allocated_peak_bytes == 18 * MiB  # the live bytes would fit the cap
+
+
+def test_a_cap_the_uncapped_peak_fits_changes_nothing():
+    trace = [("a", 3 * MiB), ("b", 3 * MiB), ("c", 12 * MiB), ("a", None), ("d", 4 * MiB), ("e", 2 * MiB)]
+    uncapped = replay(trace)
+    capped = replay(trace, capacity_bytes=uncapped.reserved_peak_bytes)
+    assert (capped.reserved_peak_bytes, capped.allocated_peak_bytes, capped.retries, capped.fits) == \
+        (uncapped.reserved_peak_bytes, uncapped.allocated_peak_bytes, 0, True)
+
+
+def _fragmenting_spec(tmp_path, monkeypatch):
+    """A GPT whose step leaves cached segments wholly free at its reserved peak (logits and
+    activations freed between checkpointed blocks), without workspaces in the way."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
+    args = {"n_layer": 2, "n_head": 2, "n_embd": 128, "vocab_size": 4096, "seq_len": 64}
+    return load_spec(write_spec(tmp_path, tiny_gpt_dict(model={"builtin": "gpt", "args": args})))
+
+
+def test_a_cuda_estimate_under_a_cap_fits_where_the_uncapped_reserved_peak_does_not(tmp_path, one_thread,
+                                                                                    monkeypatch):
+    """fit_bytes follows the replay under the cap: a cap 2 MiB under the uncapped reserved peak
+    is held after a retry, so the config fits it and `max_micro_batch_size` keeps its micro
+    batch; the uncapped peak is still reported."""
+    spec = _fragmenting_spec(tmp_path, monkeypatch)
+    config = TrainConfig(micro_batch_size=8, checkpoint_blocks=2)
+    uncapped = estimate_memory(spec, config, device_kind="cuda")
+    capacity = uncapped.reserved_peak_bytes - 2 * MiB
+    capped = estimate_memory(spec, config, device_kind="cuda", capacity_bytes=capacity)
+    assert capped.allocator_retries >= 1
+    assert capped.fit_bytes <= capacity < uncapped.fit_bytes == uncapped.reserved_peak_bytes
+    assert capped.reserved_peak_bytes == uncapped.reserved_peak_bytes
+    assert capped.to_dict()["bytes"]["reserved_peak_under_cap"] == capped.fit_bytes
+    assert capped.to_dict()["allocator_retries"] == capped.allocator_retries
+    assert max_micro_batch_size(spec, config, capacity, device_kind="cuda") == 8
+
+
+def test_a_cuda_estimate_that_ooms_under_its_cap_does_not_fit_it(tmp_path, one_thread, monkeypatch):
+    """A cap under the allocated peak: no retry makes room, fit_bytes stays over the cap (at
+    least the uncapped reserved peak)."""
+    spec = _fragmenting_spec(tmp_path, monkeypatch)
+    config = TrainConfig(micro_batch_size=8, checkpoint_blocks=2)
+    uncapped = estimate_memory(spec, config, device_kind="cuda")
+    capacity = uncapped.allocated_peak_bytes - MiB
+    capped = estimate_memory(spec, config, device_kind="cuda", capacity_bytes=capacity)
+    assert capped.fit_bytes >= uncapped.reserved_peak_bytes > capacity
+
+
+def test_a_cpu_estimate_ignores_the_cap(tmp_path, one_thread):
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    plain = estimate_memory(spec, TrainConfig(micro_batch_size=8))
+    capped = estimate_memory(spec, TrainConfig(micro_batch_size=8), capacity_bytes=1)
+    assert capped == plain and capped.fit_bytes == capped.peak_bytes and capped.capacity_bytes is None

@@ -58,6 +58,9 @@ def main(args) -> int:
             answer(f"  {part:<14} {format_bytes(n_bytes):>12}")
         if out.get("note"):
             answer(f"note: {out['note']}")
+        if out.get("allocator_retries"):
+            answer(f"allocator retries under the budget: {out['allocator_retries']} (cached segments freed to fit; "
+                   f"the cap is near)")
         answer(f"model state {format_bytes(out['model_state_bytes'])}: {out['model_state_bytes_per_param']:.2f} "
                f"bytes per parameter (weights, gradients, optimizer state)")
         if "max_micro_batch_size" in out:

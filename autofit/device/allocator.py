@@ -14,8 +14,17 @@ card would report, `torch.cuda.memory_stats`'s `allocated_bytes.all.peak` and
   their own size rounded up to 2 MiB (`segment_size`);
 - a request takes the smallest cached free block that holds it (best fit), split when what
   is left is at least 512 bytes (small pool) or more than 1 MiB (large pool); a freed block
-  merges with free neighbours in its segment. Segments are never returned (until an OOM or
-  `empty_cache`), so reserved only grows: its peak is the fragmentation of the step's peak.
+  merges with free neighbours in its segment. Segments are kept, so without a cap reserved
+  only grows: its peak is the fragmentation of the step's peak.
+
+With `capacity_bytes` (the per-process cap a trial child sets) a segment that would take
+reserved past the cap is refused, as `alloc_block` refuses it, and the allocator retries
+before it raises: `release_available_cached_blocks` frees cached blocks of at least
+max_split_size, so it frees nothing at the default (unlimited) setting; then
+`release_cached_blocks` frees every cached segment that is wholly free, in both pools (what
+`empty_cache` frees), and `alloc_block(isRetry=true)` counts `num_alloc_retries` and tries
+once more. Only then is it an OOM. A segment with one live block in it is never freed:
+fragmentation a release cannot cure.
 """
 
 import bisect
@@ -50,9 +59,19 @@ def segment_size(block_bytes: int) -> int:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AllocatorPeaks:
     allocated_peak_bytes: int  # blocks handed out (rounded), at their highest
-    reserved_peak_bytes: int  # segments cudaMalloc'd: what the card gives the process, what an OOM follows
+    # Segments cudaMalloc'd, at their highest: what the card gives the process, what an OOM
+    # follows. Under a capacity that ran out: what reserved would have been with the
+    # refused segment, so over the capacity.
+    reserved_peak_bytes: int
     requested_peak_bytes: int  # the tensors' own bytes, at their highest
-    segments: int
+    segments: int  # cudaMallocs
+    capacity_bytes: int | None = None  # the cap replayed against; None: none
+    retries: int = 0  # num_alloc_retries: cached segments freed to make room under the cap
+    oom: bool = False  # a segment did not fit the cap even after the retry; the replay stopped there
+
+    @property
+    def fits(self) -> bool:
+        return not self.oom
 
 
 class _Block:
@@ -66,16 +85,19 @@ class _Block:
 class CachingAllocator:
     """The caching allocator's bookkeeping, without memory: `malloc(key, n)`, `free(key)`."""
 
-    def __init__(self):
+    def __init__(self, capacity_bytes: int | None = None):
         self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # pool -> sorted (size, order)
         self._by_order: dict[int, _Block] = {}
         self._live: dict[object, tuple[_Block, int]] = {}
         self._order = itertools.count()
+        self.capacity_bytes = capacity_bytes
         self.allocated_bytes = self.reserved_bytes = self.requested_bytes = 0
-        self.allocated_peak_bytes = self.requested_peak_bytes = 0
-        self.segments = 0
+        self.allocated_peak_bytes = self.requested_peak_bytes = self.reserved_peak_bytes = 0
+        self.segments = self.retries = 0
 
     def malloc(self, key, n_bytes: int) -> None:
+        """Hands out a block for `key`; OutOfMemory when a new segment exceeds the capacity
+        even after the cache is freed (reserved_peak_bytes then counts the refused segment)."""
         if n_bytes == 0:  # an empty tensor: the allocator hands out a null pointer, no block
             return
         size = round_size(n_bytes)
@@ -83,7 +105,16 @@ class CachingAllocator:
         block = self._take(size, small)
         if block is None:
             seg = segment_size(size)
+            if not self._room(seg):
+                # release_available_cached_blocks frees nothing with max_split_size unlimited;
+                # release_cached_blocks frees the wholly free segments, then one retry.
+                self._release_cached()
+                self.retries += 1
+                if not self._room(seg):
+                    self.reserved_peak_bytes = max(self.reserved_peak_bytes, self.reserved_bytes + seg)
+                    raise OutOfMemory(seg)
             self.reserved_bytes += seg
+            self.reserved_peak_bytes = max(self.reserved_peak_bytes, self.reserved_bytes)
             self.segments += 1
             block = self._new(seg, small)
         self._split(block, size)
@@ -107,6 +138,25 @@ class CachingAllocator:
                 self._unlist(neighbour)
                 block = self._merge(block, neighbour)
         self._list(block)
+
+    def _room(self, segment_bytes: int) -> bool:
+        # alloc_block's check under set_per_process_memory_fraction: reserved + the new
+        # segment against the cap.
+        return self.capacity_bytes is None or self.reserved_bytes + segment_bytes <= self.capacity_bytes
+
+    def _release_cached(self) -> None:
+        """release_cached_blocks: every cached block that is a whole segment (no neighbours)
+        goes back to the card, both pools."""
+        for small, pool in self._free.items():
+            kept = []
+            for size, order in pool:
+                block = self._by_order[order]
+                if block.prev is None and block.next is None:
+                    del self._by_order[order]
+                    self.reserved_bytes -= size
+                else:
+                    kept.append((size, order))
+            self._free[small] = kept
 
     def _new(self, size: int, small: bool) -> _Block:
         block = _Block(size, small, next(self._order))
@@ -148,22 +198,38 @@ class CachingAllocator:
         pool.pop(bisect.bisect_left(pool, (block.size, block.order)))
 
 
-def replay(events, *, count_from: int = 0) -> AllocatorPeaks:
+class OutOfMemory(Exception):
+    """A segment the capacity cannot hold, even after the cached segments were freed."""
+
+    def __init__(self, segment_bytes: int):
+        super().__init__(f"a {segment_bytes}-byte segment does not fit the capacity")
+        self.segment_bytes = segment_bytes
+
+
+def replay(events, *, count_from: int = 0, capacity_bytes: int | None = None) -> AllocatorPeaks:
     """The peaks of a trace of `(key, n_bytes)` allocations and `(key, None)` frees. The
     allocated and requested peaks count from event `count_from` on (what came before, the
-    model's construction on a CPU, is not on the card); segments are counted throughout."""
-    allocator = CachingAllocator()
+    model's construction on a CPU, is not on the card); segments are counted throughout.
+    `capacity_bytes`: the allocator's cap, with PyTorch's retry; the replay stops at an OOM
+    (`oom`), as the step would. None: no cap, reserved only grows."""
+    allocator = CachingAllocator(capacity_bytes)
+    oom = False
     for i, (key, n_bytes) in enumerate(events):
         if i == count_from:
             allocator.allocated_peak_bytes = allocator.allocated_bytes
             allocator.requested_peak_bytes = allocator.requested_bytes
-        if n_bytes is None:
-            allocator.free(key)
-        else:
-            allocator.malloc(key, n_bytes)
+        try:
+            if n_bytes is None:
+                allocator.free(key)
+            else:
+                allocator.malloc(key, n_bytes)
+        except OutOfMemory:
+            oom = True
+            break
     return AllocatorPeaks(allocated_peak_bytes=allocator.allocated_peak_bytes,
-                          reserved_peak_bytes=allocator.reserved_bytes,
-                          requested_peak_bytes=allocator.requested_peak_bytes, segments=allocator.segments)
+                          reserved_peak_bytes=allocator.reserved_peak_bytes,
+                          requested_peak_bytes=allocator.requested_peak_bytes, segments=allocator.segments,
+                          capacity_bytes=capacity_bytes, retries=allocator.retries, oom=oom)
 
 
 def cublas_workspace_bytes(compute_capability: str | None = None, environ=None) -> int:

@@ -21,14 +21,17 @@ _SKIP_PROBE = "declare model.batch_dim to skip the probe (0: forward takes the b
 
 
 def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kind: str,
-             budget_bytes: int | None = None, stop_event=None,
-             compute_capability: str | None = None) -> tuple[MemoryEstimate, int | None]:
+             budget_bytes: int | None = None, stop_event=None, compute_capability: str | None = None,
+             capacity_bytes: int | None = None) -> tuple[MemoryEstimate, int | None]:
     """(the estimate of `config`, with `budget_bytes` the largest micro batch that fits it).
-    EstimateError when the model cannot run on fake tensors or the child gave no answer."""
+    `capacity_bytes`: the allocator cap its reserved peak is replayed under (default
+    `budget_bytes`). EstimateError when the model cannot run on fake tensors or the child
+    gave no answer."""
     # One resident child answers a tune's estimates: warm, each costs its fake step alone.
     outcome = Resident.of(worker, ESTIMATE_TASK).call(
         {"config": config.to_dict(), "device_kind": device_kind, "budget_bytes": budget_bytes,
-         "compute_capability": compute_capability},
+         "compute_capability": compute_capability,
+         "capacity_bytes": budget_bytes if capacity_bytes is None else capacity_bytes},
         timeout_s=spec.search.trial_timeout_s, stop_event=stop_event)
     result = _answer(outcome, spec)
     if result.get("status") == "ok":

@@ -70,12 +70,21 @@ class MemoryEstimate:
     # device_kind "cuda", one rank: the caching allocator's peaks for the step's trace, cuBLAS /
     # cuBLASLt workspaces included (autofit.device.allocator); 0 where not modelled (a CPU).
     allocated_peak_bytes: int = 0  # torch.cuda's allocated_bytes.all.peak: blocks, rounded to 512 B
-    reserved_peak_bytes: int = 0  # reserved_bytes.all.peak: segments; the figure an OOM follows
+    reserved_peak_bytes: int = 0  # reserved_bytes.all.peak with no cap: segments, never freed
     workspace_bytes: int = 0  # cuBLAS + cuBLASLt workspaces, in both peaks
+    # Replayed under the allocator's cap (the trial child's), where one was given: before an
+    # OOM PyTorch frees its cached free segments and retries, so reserved may stay under a
+    # cap that the uncapped peak exceeds. Over the cap: even the retry does not make room.
+    capacity_bytes: int | None = None
+    capped_reserved_peak_bytes: int = 0
+    allocator_retries: int = 0  # num_alloc_retries the capped replay needed: the cap is near
 
     @property
     def fit_bytes(self) -> int:
-        """What must fit the budget: the reserved peak where it is modelled (CUDA), else the peak."""
+        """What must fit the budget: the reserved peak where it is modelled (CUDA), under the
+        capacity where one was given; else the peak."""
+        if self.capacity_bytes is not None and self.reserved_peak_bytes:
+            return self.capped_reserved_peak_bytes
         return self.reserved_peak_bytes or self.peak_bytes
     # How optimizer_bytes was counted when not by the fake run (the user's own optimizer).
     optimizer_counted: str = ""
@@ -102,6 +111,9 @@ class MemoryEstimate:
         if self.reserved_peak_bytes:
             out["bytes"] |= {"allocated_peak": self.allocated_peak_bytes, "reserved_peak": self.reserved_peak_bytes,
                              "workspaces": self.workspace_bytes}
+            if self.capacity_bytes is not None:
+                out["bytes"] |= {"capacity": self.capacity_bytes, "reserved_peak_under_cap": self.fit_bytes}
+                out["allocator_retries"] = self.allocator_retries
         if self.note:
             out["note"] = self.note
         if self.optimizer_counted:
@@ -110,19 +122,21 @@ class MemoryEstimate:
 
 
 def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = "cpu",
-                    workload: Workload | None = None, compute_capability: str | None = None) -> MemoryEstimate:
+                    workload: Workload | None = None, compute_capability: str | None = None,
+                    capacity_bytes: int | None = None) -> MemoryEstimate:
     """Peak bytes of training `spec` with `config`, on a device of kind `device_kind`.
 
     "cpu" predicts what a CPU trial tracks, model construction included. "cuda" leaves out
     construction (the model is built in host memory, then moved), uses the fused optimizer
     the runner picks on CUDA, and adds the card's allocated and reserved peaks (caching
-    allocator, cuBLAS workspaces sized for `compute_capability`, default Hopper's).
-    `workload`: built already (default: built here).
+    allocator, cuBLAS workspaces sized for `compute_capability`, default Hopper's);
+    `capacity_bytes` (the allocator's cap) replays reserved under it, with PyTorch's retry,
+    for `fit_bytes`. `workload`: built already (default: built here).
     """
     if device_kind not in DEVICE_KINDS:
         raise ValueError(f"device_kind: one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
     check_global_batch(config, spec.train.global_batch_size)
-    return _estimate(spec, workload or build_workload(spec), config, device_kind, compute_capability)
+    return _estimate(spec, workload or build_workload(spec), config, device_kind, compute_capability, capacity_bytes)
 
 
 def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int, *,
@@ -140,7 +154,7 @@ def max_micro_batch_size(spec: ModelSpec, config: TrainConfig, budget_bytes: int
 
     def fits(micro: int) -> bool:
         trial = config.replace(micro_batch_size=micro, grad_accum_steps=rank_batch // micro)
-        return _estimate(spec, workload, trial, device_kind, compute_capability).fit_bytes <= budget_bytes
+        return _estimate(spec, workload, trial, device_kind, compute_capability, budget_bytes).fit_bytes <= budget_bytes
 
     lo, hi = 0, len(sizes) - 1  # invariant: everything below lo fits, everything above hi does not
     while lo <= hi:
@@ -157,21 +171,23 @@ _cache: dict[tuple, MemoryEstimate] = {}
 
 
 def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str,
-              compute_capability: str | None = None) -> MemoryEstimate:
+              compute_capability: str | None = None, capacity_bytes: int | None = None) -> MemoryEstimate:
     """Memoised in this process: the search, `max_micro_batch_size` and the CLI ask for the
     same configurations again, and each answer costs a fake training step (~0.5 s)."""
     # Precisions that hold tensors of the same sizes have one estimate (bf16-mixed's is fp16's).
     config = config.replace(precision=same_tensors(config.precision))
-    key = (spec.spec_hash, str(spec.source_dir), config, device_kind, compute_capability)
+    if device_kind != "cuda" or config.world_size > 1:
+        capacity_bytes = None  # no caching allocator replayed: the cap changes nothing
+    key = (spec.spec_hash, str(spec.source_dir), config, device_kind, compute_capability, capacity_bytes)
     if key not in _cache:
         if len(_cache) >= _CACHE_SIZE:
             _cache.pop(next(iter(_cache)))  # oldest first
-        _cache[key] = _simulate(spec, workload, config, device_kind, compute_capability)
+        _cache[key] = _simulate(spec, workload, config, device_kind, compute_capability, capacity_bytes)
     return _cache[key]
 
 
 def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str,
-              compute_capability: str | None = None) -> MemoryEstimate:
+              compute_capability: str | None = None, capacity_bytes: int | None = None) -> MemoryEstimate:
     micro_batches = min(config.grad_accum_steps, _MICRO_BATCHES)
     small_spec = dataclasses.replace(spec, train=dataclasses.replace(
         spec.train, global_batch_size=config.micro_batch_size * micro_batches))
@@ -254,7 +270,8 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     if isinstance(runner.optimizer, CountedState):
         one = dataclasses.replace(one, optimizer_counted=runner.optimizer.count.how)
     if device_kind == "cuda" and config.world_size == 1:
-        one = _on_the_card(one, tracker.events, construction_events, config, real[0], compute_capability)
+        one = _on_the_card(one, tracker.events, construction_events, config, real[0], compute_capability,
+                           capacity_bytes)
     if guard.note:
         logger.info("estimate {} {}: {}", spec.name, config.short(), guard.note)
     if config.world_size == 1:
@@ -327,10 +344,11 @@ def _note_cuda_error(exc: BaseException) -> None:
 
 
 def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, config: TrainConfig,
-                 micro_batch, compute_capability: str | None) -> MemoryEstimate:
+                 micro_batch, compute_capability: str | None, capacity_bytes: int | None) -> MemoryEstimate:
     """The step's trace through the caching allocator's rules, after the cuBLAS/cuBLASLt
     workspaces the trial's first matmuls allocate and keep, and the inputs of the micro
-    batches that were not simulated (on the card before the first forward)."""
+    batches that were not simulated (on the card before the first forward); with no cap,
+    and under `capacity_bytes` where given."""
     workspaces = workspace_events(compute_capability)
     idle = [(("input", i, j), t.numel() * t.element_size())
             for i in range(config.grad_accum_steps - min(config.grad_accum_steps, _MICRO_BATCHES))
@@ -338,8 +356,19 @@ def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, co
     trace = workspaces + events[:construction_events] + idle + events[construction_events:]
     peaks = replay(trace, count_from=len(workspaces) + construction_events)
     workspace_bytes = sum(n for _, n in workspaces)
-    return dataclasses.replace(one, allocated_peak_bytes=peaks.allocated_peak_bytes,
-                               reserved_peak_bytes=peaks.reserved_peak_bytes, workspace_bytes=workspace_bytes)
+    one = dataclasses.replace(one, allocated_peak_bytes=peaks.allocated_peak_bytes,
+                              reserved_peak_bytes=peaks.reserved_peak_bytes, workspace_bytes=workspace_bytes)
+    if capacity_bytes is None:
+        return one
+    capped = peaks
+    if peaks.reserved_peak_bytes > capacity_bytes:  # under the cap the replay is the same: no retry
+        capped = replay(trace, count_from=len(workspaces) + construction_events, capacity_bytes=capacity_bytes)
+    # An OOM even after the retry: the larger of what the refused segment asked for and the
+    # uncapped peak, so that the figure is over the cap and never below today's.
+    under_cap = capped.reserved_peak_bytes if capped.fits else max(capped.reserved_peak_bytes,
+                                                                    peaks.reserved_peak_bytes)
+    return dataclasses.replace(one, capacity_bytes=capacity_bytes, capped_reserved_peak_bytes=under_cap,
+                               allocator_retries=capped.retries)
 
 
 def _fake_limitation(exc: BaseException | None) -> bool:

@@ -76,7 +76,8 @@ def estimate(request: dict, context: dict) -> dict:
 def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, request: dict) -> dict:
     try:
         found = estimate_memory(spec, config, device_kind=request["device_kind"], workload=workload,
-                                compute_capability=request.get("compute_capability"))
+                                compute_capability=request.get("compute_capability"),
+                                capacity_bytes=request.get("capacity_bytes"))
         out = {"status": "ok", "estimate": dataclasses.asdict(found)}
         if request.get("budget_bytes") is not None:
             out["max_micro_batch_size"] = max_micro_batch_size(

@@ -55,10 +55,12 @@ ONE_LINER_CUDA = ("bf16-mixed", "16-mixed")
 ONE_LINER_CPU = ("32-true",)
 
 
-def estimate_memory(spec: ModelSpec, config, *, device_kind: str, worker: Worker, stop_event=None) -> MemoryEstimate:
+def estimate_memory(spec: ModelSpec, config, *, device_kind: str, worker: Worker, stop_event=None,
+                    capacity_bytes: int | None = None) -> MemoryEstimate:
     """The estimator, in a child of the tune's worker (the user's forward runs there, on fake
     tensors); a seam the tests replace with a simulated device's."""
-    return asks.estimate(worker, spec, config, device_kind=device_kind, stop_event=stop_event)[0]
+    return asks.estimate(worker, spec, config, device_kind=device_kind, stop_event=stop_event,
+                         capacity_bytes=capacity_bytes)[0]
 
 
 @dataclass(kw_only=True)
@@ -513,11 +515,13 @@ class _Tune:
         return m
 
     def predict(self, config) -> int:
-        """Predicted peak (on CUDA the reserved one, which an OOM follows); 0 (unknown: measure
-        it) for a config the estimator cannot run."""
+        """Predicted peak (on CUDA the reserved one, which an OOM follows, replayed under the
+        budget: the allocator frees its cache before it gives up); 0 (unknown: measure it) for
+        a config the estimator cannot run."""
         try:
             return estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
-                                   worker=self.trial_worker, stop_event=self.halt).fit_bytes
+                                   worker=self.trial_worker, stop_event=self.halt,
+                                   capacity_bytes=self.budget_bytes).fit_bytes
         except EstimateError as exc:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0
