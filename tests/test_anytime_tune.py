@@ -16,7 +16,7 @@ from autofit.device.probe import cpu_device
 from autofit.measure.measurement import Measurement
 from autofit.profiles.profile import Profile
 from autofit.tuning.tune import tune, TuneSetup
-from conftest import run_cli, tiny_gpt_dict, write_spec
+from conftest import run_cli, TINY_GPT_ARGS, tiny_gpt_dict, write_spec
 
 SEARCH = {"precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 6, "patience": 6,
           "validate_steps": 20, "frontier_points": 1}
@@ -206,3 +206,34 @@ def test_a_validation_window_is_sized_in_seconds_between_its_bounds(tmp_path):
     assert at(1.2) == max(MIN_VALIDATE_STEPS, round(VALIDATE_WINDOW_S / 1.2 + 0.5))  # fp32 on the H100: 9, not 50
     assert at(0.02) == 50  # a fast step: the spec's most
     assert at(100.0) == MIN_VALIDATE_STEPS
+
+
+def test_the_profile_says_what_each_changed_knob_is_worth_and_reads_back(tmp_path, simulated, monkeypatch):
+    """The winner (bf16-mixed) differs from the one-liner (32-true) in precision: its share is
+    its speed over its measured 32-true twin, from the trials already run. The card's MFU
+    uses the model's FLOPs from the analysis child (a CPU has no peak: no MFU)."""
+    simulated(validation_blocks=False)
+    outcome = _tune(tmp_path, time_budget_s=120.0)
+    profile = outcome.profile
+    assert profile.config.precision == "bf16-mixed"
+    assert profile.search.mfu is None  # the CPU has no datasheet peak
+    share = profile.search.knob_shares["precision"]
+    twin = profile.config.replace(precision="32-true")
+    twins = [r.samples_per_s for r in outcome.result.records if r.config == twin and r.status == "ok"]
+    own = [r.samples_per_s for r in outcome.result.records if r.config == profile.config and r.status == "ok"]
+    if twins:
+        assert share == round(max(own) / max(twins), 3)
+    else:
+        assert share is None
+    assert Profile.from_dict(profile.to_dict()).search.knob_shares == profile.search.knob_shares
+
+
+def test_the_analysis_counts_a_transformers_flops(tmp_path):
+    from autofit.measure.tasks import analysis
+    from autofit.workload import build_workload
+    from autofit.workload.flops import train_flops_per_sample
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
+    facts = analysis(spec, build_workload(spec))
+    model = build_workload(spec).build_model()
+    assert facts["flops_per_sample"] == train_flops_per_sample(model, TINY_GPT_ARGS["seq_len"]) > 0

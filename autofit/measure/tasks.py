@@ -18,6 +18,7 @@ from autofit.base.errors import AutofitError, InputError, SpecError
 from autofit.config.spec import ModelSpec, parse_spec
 from autofit.config.train_config import TrainConfig
 from autofit.workload import build_workload, make_workload, TextData, Workload
+from autofit.workload.flops import train_flops_per_sample
 from autofit.workload.probe import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.measure.child import run_request
@@ -129,7 +130,10 @@ def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> dict:
                  and spec.train.global_batch_size > 1)
     return {"n_blocks": block_count(model), "micro_batch_floor": None if floor is None else floor.to_dict(),
             "chunkable": workload.chunked_loss_fn is not None, "bucketing": bucketing,
-            "data_assumptions": workload.data_assumptions()}
+            "data_assumptions": workload.data_assumptions(),
+            # For the profile's MFU: counted where the model is built (the user's code runs in
+            # children only); None for a model whose FLOPs are not known.
+            "flops_per_sample": train_flops_per_sample(model, workload.tokens_per_sample)}
 
 
 def _input_error(exc: AutofitError) -> dict:

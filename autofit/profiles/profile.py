@@ -176,6 +176,13 @@ class SearchSummary:
     # The winner over the 32-true trial of the search (largest micro batch measured), from the
     # search trials' figures (no interval): 32-true's throughput is not validated on a GPU.
     speedup_over_32_true: float | None = None
+    # Model FLOPs utilisation of the winner's figure: its training FLOPs per second (6N +
+    # attention, workload/flops.py) over the card's dense peak for its precision
+    # (device/peak.py); None where either is unknown (a CPU, an unlisted card, a ConvNet).
+    mfu: float | None = None
+    # What each knob the winner changed from the baseline is worth: its speed over the
+    # measured config that differs in that knob alone (tuning/ablation.py); None: no such twin.
+    knob_shares: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

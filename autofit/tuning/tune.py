@@ -28,6 +28,7 @@ from autofit.base.sizes import format_bytes
 from autofit.base.version import VERSION
 from autofit.config.spec import ModelSpec
 from autofit.device.budget import Budget
+from autofit.device.peak import mfu
 from autofit.device.probe import DeviceInfo, with_memory_budget
 from autofit.measure import asks
 from autofit.measure.estimate import EstimateError, MemoryEstimate
@@ -41,6 +42,7 @@ from autofit.search.shared import profiles_written, record_profile, shared_profi
 from autofit.profiles.demotions import read_demotions
 from autofit.profiles.profile import device_from_info, Profile, ProfileModel, SearchSummary, TrainingSetup, utc_now
 from autofit.profiles.store import ProfileStore
+from autofit.tuning.ablation import knob_shares
 from autofit.tuning.frontier import build_frontier, median_run, total_peak
 from autofit.tuning.report import format_trial_line, trials_table, write_html_report
 from autofit.tuning.space import device_for_ranks, search_space, study_name
@@ -555,6 +557,19 @@ class _Tune:
                         ", ".join(c.short() for c in self.demoted))
         return starts
 
+    def _worth(self, result: SearchResult, chosen: _Chosen, samples_per_s: float) -> dict:
+        """The profile's MFU and each changed knob's share, from figures already measured."""
+        winner = chosen.winner.config
+        utilisation = mfu(self.analysis.get("flops_per_sample"), samples_per_s / max(1, winner.world_size),
+                          self.device.name, winner.precision)
+        measured = [(r.config, r.samples_per_s) for r in result.records if r.status == "ok" and r.samples_per_s]
+        shares = knob_shares(winner, getattr(chosen.baseline, "config", None), measured)
+        if utilisation is not None or shares:
+            logger.info("worth: {}{}", "" if utilisation is None else f"MFU {utilisation:.1%}; ",
+                        ", ".join(f"{k} {'unmeasured' if v is None else f'{v:.2f}x'}" for k, v in shares.items())
+                        or "no knob changed from the baseline")
+        return {"mfu": None if utilisation is None else round(utilisation, 4), "knob_shares": shares}
+
     def _profile(self, result: SearchResult, chosen: _Chosen, frontier: tuple) -> Profile:
         spec, baseline, baseline_m, validated = self.spec, chosen.baseline, chosen.baseline_m, chosen.validated_m
         floor = self.space.micro_batch_floor
@@ -575,6 +590,7 @@ class _Tune:
             workers=_workers(result.records), validated_by=self.worker,
             validated=chosen.validated, unvalidated=chosen.unvalidated, baseline_kind="one-liner",
             speedup_over_32_true=over_32_true(result, chosen.winner, self.demoted),
+            **self._worth(result, chosen, frontier[-1].measured.samples_per_s),
         )
         return Profile(
             model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
