@@ -69,11 +69,13 @@ def card_row(spec, config, *, device: str | None, capability: str | None, memory
     row = {"model": spec.name, "precision": config.precision, "micro_batch_size": config.micro_batch_size}
     started = time.perf_counter()
     try:
-        e = estimate_memory(spec, config, device_kind="cuda", compute_capability=capability)
+        e = estimate_memory(spec, config, device_kind="cuda", compute_capability=capability,
+                            capacity_bytes=memory_bytes or None)
         row |= {"predicted_allocated_bytes": e.allocated_peak_bytes, "predicted_reserved_bytes": e.reserved_peak_bytes,
                 "predicted_tensor_peak_bytes": e.peak_bytes, "workspace_bytes": e.workspace_bytes, "note": e.note}
-        if memory_bytes:
+        if memory_bytes:  # judged as a run on the card would go: reserved under it, with the allocator's retry
             row["predicted_fits_card"] = e.fit_bytes <= memory_bytes
+            row["predicted_allocator_retries"] = e.allocator_retries
     except EstimateError as exc:
         row["estimate_error"] = str(exc)
     row["estimate_s"] = round(time.perf_counter() - started, 1)

@@ -1,10 +1,16 @@
 """The CUDA caching allocator's model and the cuBLAS workspaces: pure functions, driven with
 traces whose answers follow from PyTorch's CUDACachingAllocator.cpp rules by hand."""
 
+import types
+
 import pytest
 
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
+from autofit.device.probe import cpu_device
+from autofit.measure.measurement import Measurement
+from autofit.tuning.tune import tune, TuneSetup
 from autofit.device.allocator import (cublas_workspace_bytes, cublaslt_workspace_bytes, events_from_snapshot,
                                       replay, round_size, segment_size, workspace_events)
 from autofit.measure import tasks
@@ -230,3 +236,29 @@ def test_a_cpu_estimate_ignores_the_cap(tmp_path, one_thread):
     plain = estimate_memory(spec, TrainConfig(micro_batch_size=8))
     capped = estimate_memory(spec, TrainConfig(micro_batch_size=8), capacity_bytes=1)
     assert capped == plain and capped.fit_bytes == capped.peak_bytes and capped.capacity_bytes is None
+
+
+def test_the_tune_predicts_each_config_under_its_budget(tmp_path, monkeypatch):
+    """The search's prediction is the reserved peak replayed under the tune's budget (the
+    estimator's `capacity_bytes`), so a config that fits only by the allocator's retry is
+    not pruned."""
+    capacities = []
+
+    def estimate(spec, config, **kwargs):
+        capacities.append(kwargs.get("capacity_bytes"))
+        return types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size)
+
+    def measure(spec, config, *, budget_bytes=None, **_):
+        return Measurement(status="ok", config=config, peak_memory_bytes=1000 * config.micro_batch_size,
+                           overhead_bytes=0, samples_per_s=10.0 * config.micro_batch_size, step_time_s=0.1,
+                           step_times_s=[0.1] * 2, losses=[4.0, 3.9, 3.8, 3.7] * 6, budget_bytes=budget_bytes,
+                           wall_s=0.05)
+
+    monkeypatch.setattr("autofit.tuning.tune.estimate_memory", estimate)
+    monkeypatch.setattr("autofit.tuning.tune.measure", measure)
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={
+        "precisions": ["32-true"], "activation_checkpointing": False, "trials": 2, "patience": 2,
+        "validate_steps": 3, "frontier_points": 1})))
+    tune(TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6), out_dir=tmp_path / "profiles",
+                   storage=None, report=False))
+    assert capacities and set(capacities) == {10**6}
