@@ -571,7 +571,7 @@ class _Tune:
         return {"mfu": None if utilisation is None else round(utilisation, 4), "knob_shares": shares}
 
     def _profile(self, result: SearchResult, chosen: _Chosen, frontier: tuple) -> Profile:
-        spec, baseline, baseline_m, validated = self.spec, chosen.baseline, chosen.baseline_m, chosen.validated_m
+        spec, baseline, baseline_m = self.spec, chosen.baseline, chosen.baseline_m
         floor = self.space.micro_batch_floor
         summary = SearchSummary(
             trials=len(result.records), measured=result.measured, pruned=result.count("pruned"),
