@@ -135,7 +135,7 @@ class ProfileStore:
                     f"--memory-budget {budgets[0]}`), or tune for the whole device with `{tune_hint(self.root)}`")
         emulated = any(p.model.name == name and p.device.is_emulated for _, p in everything)
         hint = (" (a profile tuned for an emulated card is used only when asked for: by its file name, or by "
-                f"the --memory-budget it was tuned under)" if emulated else "")
+                "the --memory-budget it was tuned under)" if emulated else "")
         return (f"no profile of model {name!r} for this device ({device_name}); {has}{hint}. Make one "
                 f"here with `{tune_hint(self.root)}` (the model.yaml named {name})")
 
