@@ -237,3 +237,26 @@ def test_the_analysis_counts_a_transformers_flops(tmp_path):
     facts = analysis(spec, build_workload(spec))
     model = build_workload(spec).build_model()
     assert facts["flops_per_sample"] == train_flops_per_sample(model, TINY_GPT_ARGS["seq_len"]) > 0
+
+
+def test_a_stop_after_the_one_liner_validated_writes_the_faster_winner_without_a_speedup(tmp_path, monkeypatch):
+    """The one-liner's validation run passed, the winner's is cut by the stop: the profile is
+    the faster winner by its search figures, its speed-up unknown (not a crash)."""
+    calls = []
+    plain = _measure(validation_blocks=False, calls=calls)
+    blocking = _measure(validation_blocks=True, calls=[])
+    stop = threading.Event()
+
+    def measure(spec, config, *, measure_steps=None, **kwargs):
+        if measure_steps is not None and config.precision == "bf16-mixed":
+            stop.set()
+            return blocking(spec, config, measure_steps=spec.search.validate_steps, **kwargs)
+        return plain(spec, config, measure_steps=measure_steps, **kwargs)
+
+    monkeypatch.setattr("autofit.tuning.tune.measure", measure)
+    monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
+                        lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
+    outcome = _tune(tmp_path, time_budget_s=600.0, stop_event=stop)
+    search = outcome.profile.search
+    assert outcome.profile.config.precision == "bf16-mixed" and not search.validated
+    assert search.baseline["config"]["precision"] == "32-true" and search.speedup is None

@@ -616,6 +616,8 @@ def _speedup_fields(chosen: _Chosen) -> dict:
         return {"speedup": None}
     if chosen.winner.config == chosen.baseline.config:
         return {"speedup": 1.0, "speedup_interval": [1.0, 1.0], "speedup_pairs": 0}
+    if speedup is None:  # halted (the time budget, a stop) before the pairs ran
+        return {"speedup": None}
     return {"speedup": None if speedup.ratio is None else round(speedup.ratio, 3),
             "speedup_interval": None if speedup.low is None else [round(speedup.low, 3), round(speedup.high, 3)],
             "speedup_pairs": speedup.pairs, "foreign_cores": speedup.foreign_cores}
