@@ -132,7 +132,7 @@ class ProfileStore:
             # Tuned under emulated budgets only: those are what the user can ask for, not the store's listing.
             return (f"no profile of model {name!r} for the whole of this device ({device_name}); it has profiles "
                     f"tuned under --memory-budget {', '.join(budgets)} (an emulated card): pass one (`autofit profiles show {name} "
-                    f"--memory-budget {budgets[0]}`), or tune for the whole device with `{tune_hint(self.root)}`")
+                    f"--memory-budget {budgets[0]}`), or tune it whole: `{tune_hint(self.root)}`")
         emulated = any(p.model.name == name and p.device.is_emulated for _, p in everything)
         hint = (" (a profile tuned for an emulated card is used only when asked for: by its file name, or by "
                 "the --memory-budget it was tuned under)" if emulated else "")

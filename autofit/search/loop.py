@@ -101,8 +101,10 @@ class Tuner:
         starts = self.starts
         if self.one_liner_precisions:
             self.one_liner = seeding.one_liner(self.space, self.fits(records), self.one_liner_precisions)
+            # After the given starts: a demotion's resume point is known to run, while the
+            # one-liner may be the very config that training was demoted from.
             if self.one_liner is not None and self.one_liner not in starts:
-                starts = (self.one_liner, *starts)
+                starts = (*starts, self.one_liner)
         self.plan = Plan(self.space, starts, known=self.known, fits_of=self.fits,
                          estimate=self.memory.predicted_peak,
                          fast_first=any(p not in REFERENCE_PRECISIONS for p in self.one_liner_precisions))
