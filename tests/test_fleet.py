@@ -304,7 +304,7 @@ def test_a_measurement_whose_trial_was_taken_over_is_kept():
 def test_the_reference_another_worker_is_measuring_is_waited_for_not_measured_again(monkeypatch):
     """The finisher's 32-true reference is the config another worker may be measuring at
     that moment: it waits for that result instead of measuring the config a second time."""
-    from autofit.search import Tuner, finish, make_study, read_records
+    from autofit.search import _finish as finish, Tuner, make_study, read_records
     from autofit.search.study import ask
     from simulated import LANDSCAPES
 

@@ -16,7 +16,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.device.probe import cpu_device
 from autofit.profiles.profile import device_from_info
 from autofit.profiles.store import ProfileStore
-from autofit.search import finish
+from autofit.search import _finish as finish
 from autofit.tuning.space import search_space
 from conftest import FIXTURES, REPO, run_main, tiny_gpt_dict
 from test_profile import make_profile

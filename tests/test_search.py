@@ -472,7 +472,7 @@ def test_a_low_precision_best_gets_a_reference_at_its_freezing_depth_first():
 def test_the_contenders_freezing_depths_get_their_references_after_the_search():
     """A config the sampler found at a depth with no reference, close to the best: before the
     choice, a reference at its depth; its drift shows and it is not chosen."""
-    from autofit.search import finish
+    from autofit.search import _finish as finish
 
     reference = _ok(0, FREEZABLE.config("32-true", 8, 0, 4))
     healthy = _ok(1, FREEZABLE.config("bf16-mixed", 8, 0, 4), 300.0)
@@ -597,7 +597,7 @@ def test_twins_skip_groups_measured_well_below_the_best_s_at_its_micro_batch():
 
 
 class _StubTuner:
-    """What search/finish.py uses of a Tuner, with scripted measurements."""
+    """What search/_finish.py uses of a Tuner, with scripted measurements."""
 
     def __init__(self, space, records, measure, budget_bytes=GiB):
         self.space, self._records, self._measure, self.budget_bytes = space, list(records), measure, budget_bytes
@@ -636,7 +636,7 @@ def _repeats(tuner):
 
 
 def test_a_contender_behind_beyond_doubt_leaves_the_race_and_close_ones_race_on():
-    from autofit.search import finish
+    from autofit.search import _finish as finish
 
     a, b, c = RACE.config("32-true", 64), RACE.config("32-true", 32), RACE.config("32-true", 16)
     runs = {a: iter([100.2, 99.8] * 20), b: iter([99.0, 99.4] * 20), c: iter([95.0, 95.2] * 20)}
@@ -651,7 +651,7 @@ def test_a_contender_behind_beyond_doubt_leaves_the_race_and_close_ones_race_on(
 def test_a_config_measured_once_that_comes_to_lead_joins_the_race():
     """Eleven configs within the noise: ten race; their repeats come in lower than the
     eleventh's single run, which must not win on that one run: it is measured level first."""
-    from autofit.search import finish
+    from autofit.search import _finish as finish
 
     configs = [RACE.config("32-true", m, k) for m in (64, 32, 16, 8) for k in (0, 1, 2)][:11]
     first = [_ok(i, config, 101.0 - 0.1 * i) for i, config in enumerate(configs)]
@@ -661,7 +661,7 @@ def test_a_config_measured_once_that_comes_to_lead_joins_the_race():
 
 
 def test_on_a_host_too_noisy_for_any_number_of_rounds_the_race_stops_after_one():
-    from autofit.search import finish
+    from autofit.search import _finish as finish
 
     a, b = RACE.config("32-true", 64), RACE.config("32-true", 32)
     runs = {a: iter([140.0, 60.0] * 20), b: iter([145.0, 55.0] * 20)}  # a 2% gap under 17% noise
@@ -677,7 +677,7 @@ def test_a_resumed_race_runs_on_this_session_s_figures_only():
     choice count only this session's runs: the close two race on (the old spread would have
     stopped the race as futile after one round), and the config far behind, though its old
     figure is above today's, is not measured at all."""
-    from autofit.search import choice, finish
+    from autofit.search import _finish as finish, choice
 
     a, b, c, d, e, far = (RACE.config("32-true", m, k) for m, k in ((64, 0), (32, 0), (16, 0), (8, 0), (4, 0), (2, 0)))
     old = [_ok(0, a, 200.0), _ok(1, b, 199.6), _ok(2, c, 199.2), _ok(3, d, 198.8), _ok(4, e, 198.4), _ok(5, far, 150.0),

@@ -21,7 +21,7 @@ from loguru import logger
 
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
-from autofit.search import choice, finish, seeding
+from autofit.search import _finish, choice, seeding
 from autofit.search.deadline import Deadline
 from autofit.search.health import health_problem, REFERENCE_PRECISIONS
 from autofit.search.memory import MemoryModel, record_budget
@@ -74,7 +74,7 @@ class Tuner:
         self.one_liner_precisions = one_liner
         self.one_liner: TrainConfig | None = None
         # Records measured before this are another session's (another day, another load):
-        # read, not repeated, but their figures do not decide the winner (search/finish.py).
+        # read, not repeated, but their figures do not decide the winner (search/_finish.py).
         self.session_start = time.time()
         self.warned_no_reference: set[int] = set()  # freezing depths said to have no reference (finish.py)
 
@@ -296,13 +296,13 @@ class Tuner:
         """A stop was asked for, or the tune's time budget is spent: measure nothing more."""
         return self.should_stop() or self.deadline.expired()
 
-    # --- after the search (search/finish.py) ---------------------------------------------
+    # --- after the search (search/_finish.py) ---------------------------------------------
 
     def ensure_reference(self) -> None:
-        finish.ensure_reference(self)
+        _finish.ensure_reference(self)
 
     def remeasure_contenders(self) -> tuple[float | None, int]:
-        return finish.remeasure_contenders(self)
+        return _finish.remeasure_contenders(self)
 
     def measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False,
                      unless_busy: bool = False) -> TrialRecord | None:
@@ -415,7 +415,7 @@ def _ages(records: list[TrialRecord], now: float) -> str:
     times = [r.measured_at for r in records if r.measured_at is not None and r.measurement is not None]
     if not times:
         return ""
-    return (f"; measured {finish.age_text(now - min(times))} to {finish.age_text(now - max(times))} ago, under that "
+    return (f"; measured {_finish.age_text(now - min(times))} to {_finish.age_text(now - max(times))} ago, under that "
             f"time's load: the leaders are measured again before their figures decide")
 
 

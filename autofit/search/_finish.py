@@ -8,14 +8,22 @@ decide.
 Both measure through the tuner (`Tuner.measure_now`), so their trials are stored in the
 study like any other: a resumed tune does not take a reference again, and reads the old
 repeats back without letting them decide.
+
+A private helper of `search/loop.py` (as optuna's `study/_tell.py` is of its `Study`): only the
+`Tuner` calls it, and it is typed on the `Tuner` it reads.
 """
 
 import time
+from typing import TYPE_CHECKING
 
 from loguru import logger
 
 from autofit.search import choice, seeding
 from autofit.search.health import is_reference, reference_for, REFERENCE_PRECISIONS
+
+if TYPE_CHECKING:  # the Tuner imports this module: its type only, for the reader and the checker
+    from autofit.search.loop import Tuner
+    from autofit.search.study import TrialRecord
 
 BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
 # References measured at most after a search: an OOM refits the model (the next frontier
@@ -23,7 +31,7 @@ BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at
 REFERENCE_ATTEMPTS = 4
 
 
-def ensure_reference(tuner) -> None:
+def ensure_reference(tuner: "Tuner") -> None:
     """Measure a full-precision reference at the freezing depth of each config that could
     win and has none (the mean loss is compared only at one depth: freezing changes what is
     trained), and one at all if the study has none: the fastest 32-true (else tf32) config
@@ -54,7 +62,7 @@ def ensure_reference(tuner) -> None:
                        "scaler skips and the first loss only (no mean-loss comparison)", depth)
 
 
-def _unreferenced_depth(tuner, records) -> int | None:
+def _unreferenced_depth(tuner: "Tuner", records: list["TrialRecord"]) -> int | None:
     """The freezing depth of a contender for the win (within noise of the best) that is not
     full numerics and has no healthy reference at its depth; with no reference in the study
     at all, the best's depth (0 when nothing ranks). None: nothing to measure."""
@@ -73,7 +81,7 @@ def _unreferenced_depth(tuner, records) -> int | None:
     return None
 
 
-def refresh_leaders(tuner, records: list) -> list:
+def refresh_leaders(tuner: "Tuner", records: list["TrialRecord"]) -> list["TrialRecord"]:
     """The leaders (the search's fastest configs, `choice.leaders`), where any of them has
     figures that are all old (read back from another session: another day, another load) or
     taken under heavy foreign load, measured again, interleaved, before any of those figures
@@ -111,7 +119,7 @@ def age_text(seconds: float) -> str:
     return f"{seconds / 86400:.0f} days"
 
 
-def remeasure_contenders(tuner) -> tuple[float | None, int]:
+def remeasure_contenders(tuner: "Tuner") -> tuple[float | None, int]:
     """Re-measure the configs within noise of the best, interleaved, round after round: a
     contender whose lead is lost beyond doubt (`choice.behind`) leaves the field, a config
     measured once that comes to lead the re-measured ones joins it, and the rounds stop
@@ -152,7 +160,7 @@ def remeasure_contenders(tuner) -> tuple[float | None, int]:
         records = tuner.records()
 
 
-def _fresh_ranked(records: list, budget_bytes: int, since: float | None) -> list:
+def _fresh_ranked(records: list["TrialRecord"], budget_bytes: int, since: float | None) -> list:
     """The configs measured in this session, ranked by those measurements: a config known only
     from an older session neither races nor decides (`refresh_leaders` measured the ones that
     could)."""
