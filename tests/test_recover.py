@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-import autofit.commands.train
+import autofit.tuning.training
 from autofit.commands.train import train_command
 from autofit.config.train_config import TrainConfig
 from autofit.train.recover import Demotion, halved
@@ -68,11 +68,11 @@ def test_train_survives_an_oom_and_matches_a_run_at_the_halved_micro_batch(tmp_p
 
     # The second micro batch of step OOM_STEP runs out of memory: the first one's gradients
     # are already accumulated, so the step must clear them to be done again exactly.
-    real_build = autofit.commands.train.build_workload
-    monkeypatch.setattr(autofit.commands.train, "build_workload", lambda s: dataclasses.replace(
+    real_build = autofit.tuning.training.build_workload
+    monkeypatch.setattr(autofit.tuning.training, "build_workload", lambda s: dataclasses.replace(
         real_build(s), loss_fn=OutOfMemoryAt(real_build(s).loss_fn, at=2 * OOM_STEP + 2)))
     metrics = train_command(spec_path, profile=profile_path, checkpoint_dir=tmp_path / "recovered", progress=False)
-    monkeypatch.setattr(autofit.commands.train, "build_workload", real_build)
+    monkeypatch.setattr(autofit.tuning.training, "build_workload", real_build)
 
     assert metrics["steps"] == STEPS and metrics["config"] == SMALL.to_dict()
     assert [(d["step"], d["from_config"], d["to_config"]) for d in metrics["demotions"]] == [

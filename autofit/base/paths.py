@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from autofit.base.errors import AutofitError
+from autofit.base.errors import AutofitError, SpecError
 
 STATE_DIR_ENV = "AUTOFIT_STATE_DIR"
 STORE_ENV = "AUTOFIT_STORE"
@@ -48,3 +48,14 @@ def default_cache_dir() -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "autofit"
     return home_dir("AUTOFIT_CACHE_DIR or XDG_CACHE_HOME") / ".cache" / "autofit"
+
+
+def ensure_folder(folder: Path, what: str) -> Path:
+    """Create `folder` now, so a bad path fails before the work rather than after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecError(f"{what}: cannot create {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK):
+        raise SpecError(f"{what}: {folder} is not writable")
+    return folder

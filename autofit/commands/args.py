@@ -3,7 +3,6 @@ counts, durations, folders and output files here, before any work, with one clea
 `--memory-budget` has its parser in `autofit.base.sizes.parse_budget`."""
 
 import math
-import os
 from pathlib import Path
 
 from autofit.base.atomic import check_writable
@@ -60,14 +59,3 @@ def check_run_folder(folder: Path, *, resume: bool, overwrite: bool) -> None:
     if held and not (resume or overwrite):
         raise SpecError(f"{folder} already holds a run ({held[0]}); --resume continues it, --overwrite "
                         f"replaces it, --checkpoint-dir DIR starts another")
-
-
-def ensure_folder(folder: Path, what: str) -> Path:
-    """Create `folder` now, so a bad path fails before the work rather than after it."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SpecError(f"{what}: cannot create {folder}: {exc.strerror or exc}") from None
-    if not os.access(folder, os.W_OK):
-        raise SpecError(f"{what}: {folder} is not writable")
-    return folder

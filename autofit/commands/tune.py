@@ -12,14 +12,14 @@ from pathlib import Path
 from autofit.base import stopping
 from autofit.base.errors import EXIT_INCOMPLETE, SpecError
 from autofit.base.output import answer
-from autofit.base.paths import default_state_dir, default_store_dir, sqlite_storage
+from autofit.base.paths import default_state_dir, default_store_dir, ensure_folder, sqlite_storage
 from autofit.base.sizes import parse_duration
 from autofit.config.spec import load_spec, MAX_TRIALS
 from autofit.device.budget import budget_for
 from autofit.device.probe import select_device
 from autofit.search.study import storage_errors
 from autofit.tuning.tune import tune, TuneOutcome, TuneSetup
-from autofit.commands.args import check_count, check_seconds, ensure_folder
+from autofit.commands.args import check_count, check_seconds
 
 
 EXIT_NO_CLAIM = 4  # the profile is written, but the host was too busy for its figures to be a claim

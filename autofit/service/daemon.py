@@ -24,9 +24,10 @@ from pathlib import Path
 from loguru import logger
 
 from autofit.base.errors import AutofitError, SpecError
+from autofit.base.paths import ensure_folder
 from autofit.config.spec import load_spec, ModelSpec
 from autofit.profiles.profile import utc_now
-from autofit.commands.args import ensure_folder
+
 from autofit.service import pairs as pair_plan
 from autofit.service.config import load_service_config, resolve_config_path, ServiceConfig
 from autofit.service.inventory import FileInventory, Gpu, NvmlInventory

@@ -18,7 +18,6 @@ weights would be pickled.
 """
 
 import hashlib
-import math
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +25,6 @@ from pathlib import Path
 import cloudpickle
 import torch
 import torch.nn as nn
-from loguru import logger
 from torch.utils._pytree import tree_leaves
 
 from autofit.base.errors import SpecError
@@ -35,11 +33,11 @@ from autofit.base.paths import default_state_dir, default_store_dir, sqlite_stor
 from autofit.config.spec import OBJECT_SOURCE, parse_spec
 from autofit.device.budget import budget_for
 from autofit.device.probe import select_device
-from autofit.workload import make_workload
 from autofit.workload.data import FunctionData
 from autofit.workload.optimizer import from_object
 from autofit.profiles.profile import Profile
 from autofit.tuning.tune import tune as tune_spec, TuneSetup
+from autofit.tuning.training import train_module
 
 OBJECTS_FILE = "objects.pkl"
 
@@ -111,23 +109,9 @@ def train_model(model: nn.Module, batch_fn: Callable, loss_fn: Callable | None =
     says). `on_step(step, loss)` hears each step's mean loss. `optimizer`: your own, as
     `autofit.tune` took it (default: the one the profile records, imported by its name). A loop of your own is
     `with profile.apply(model) as plan: plan.step(batch=..., loss_fn=...)`."""
-    if not isinstance(steps, int) or steps < 1:
-        raise SpecError(f"autofit.train_model: steps must be a positive integer, got {steps!r}")
-    adopt_default_handler()
-    workload = make_workload(model, batch_fn, loss_fn, name=profile.model.name, probe_batch_dim=False)
-    generator = torch.Generator().manual_seed(seed)
-    factory = None if optimizer is None else from_object(optimizer, optimizer_args)[0]
-    with profile.apply(model, factory, device=device, memory_budget=memory_budget) as plan:
-        for step in range(1, steps + 1):
-            plan.step(batch=workload.data.batch(plan.config.rank_batch_size, generator), loss_fn=workload.loss_fn)
-            loss = float(plan.last_loss)
-            if not math.isfinite(loss):
-                raise SpecError(f"autofit.train_model: the loss is {loss} at step {step} ({plan.config.short()})")
-            if on_step is not None:
-                on_step(step, loss)
-            if log_every and (step % log_every == 0 or step == steps):
-                logger.info("step {}/{}  loss {:.4f}  ({})", step, steps, loss, plan.config.short())
-        return plan.model
+    return train_module(model, batch_fn, loss_fn, profile=profile, steps=steps, device=device, seed=seed,
+                        memory_budget=memory_budget, log_every=log_every, on_step=on_step, optimizer=optimizer,
+                        optimizer_args=optimizer_args)
 
 
 def _default_name(model) -> str:
