@@ -236,7 +236,7 @@ def test_the_analysis_counts_a_transformers_flops(tmp_path):
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
     facts = analysis(spec, build_workload(spec))
     model = build_workload(spec).build_model()
-    assert facts["flops_per_sample"] == train_flops_per_sample(model, TINY_GPT_ARGS["seq_len"]) > 0
+    assert facts.flops_per_sample == train_flops_per_sample(model, TINY_GPT_ARGS["seq_len"]) > 0
 
 
 def test_a_stop_after_the_one_liner_validated_writes_the_faster_winner_without_a_speedup(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """What crosses the process boundary (`autofit.measure.messages`): one task registry, typed requests."""
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -46,3 +47,28 @@ def test_a_request_of_another_schema_is_refused_by_name(tmp_path):
     raw = trial_request(spec, TrainConfig(micro_batch_size=8)).to_dict() | {"schema": SCHEMA + 1}
     with pytest.raises(ValueError, match=f"schema {SCHEMA + 1}, this autofit reads {SCHEMA}"):
         TrialRequest.from_dict(raw)
+
+
+def test_the_models_analysis_crosses_as_json_and_back_with_its_floor_typed(tmp_path):
+    """The analyze task's reply, as the worker's wire carries it (JSON), read back as the
+    parent's `Analysis`: the micro-batch floor a `MicroBatchFloor`, not a dict."""
+    from autofit.config.train_config import MicroBatchFloor
+    from autofit.measure.messages import Analysis
+    from autofit.measure.tasks import analysis
+    from autofit.workload import build_workload
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"min_micro_batch_size": 2})))
+    facts = analysis(spec, build_workload(spec))
+    wired = json.loads(json.dumps({"status": "ok", **facts.to_dict()}))
+    back = Analysis.from_dict(wired)
+    assert back == facts and isinstance(back.micro_batch_floor, MicroBatchFloor)
+    assert back.micro_batch_floor.size == 2 and back.n_blocks == 2 and back.chunkable
+
+
+def test_an_estimate_request_of_another_schema_is_refused_by_name():
+    from autofit.measure.messages import EstimateRequest
+
+    raw = EstimateRequest(config=TrainConfig(micro_batch_size=8).to_dict(), device_kind="cpu").to_dict()
+    assert EstimateRequest.from_dict(json.loads(json.dumps(raw))).config["micro_batch_size"] == 8
+    with pytest.raises(ValueError, match=f"estimate request: schema {SCHEMA + 1}"):
+        EstimateRequest.from_dict(raw | {"schema": SCHEMA + 1})

@@ -12,7 +12,7 @@ from autofit.config.spec import ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import TrainConfig
 from autofit.measure.estimate import EstimateError, MemoryEstimate
 from autofit.measure.process import failure_reason
-from autofit.measure.messages import task
+from autofit.measure.messages import Analysis, EstimateRequest, task
 from autofit.measure.resident import Resident
 from autofit.measure.worker import TaskOutcome, Worker
 
@@ -28,11 +28,11 @@ def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kin
     `budget_bytes`). EstimateError when the model cannot run on fake tensors or the child
     gave no answer."""
     # One resident child answers a tune's estimates: warm, each costs its fake step alone.
-    outcome = Resident.of(worker, ESTIMATE_TASK).call(
-        {"config": config.to_dict(), "device_kind": device_kind, "budget_bytes": budget_bytes,
-         "compute_capability": compute_capability,
-         "capacity_bytes": budget_bytes if capacity_bytes is None else capacity_bytes},
-        timeout_s=spec.search.trial_timeout_s, stop_event=stop_event)
+    request = EstimateRequest(config=config.to_dict(), device_kind=device_kind, budget_bytes=budget_bytes,
+                              compute_capability=compute_capability,
+                              capacity_bytes=budget_bytes if capacity_bytes is None else capacity_bytes)
+    outcome = Resident.of(worker, ESTIMATE_TASK).call(request.to_dict(), timeout_s=spec.search.trial_timeout_s,
+                                                      stop_event=stop_event)
     result = _answer(outcome, spec)
     if result.get("status") == "ok":
         return MemoryEstimate(**result["estimate"]), result.get("max_micro_batch_size")
@@ -40,13 +40,13 @@ def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kin
     raise EstimateError(reason if reason.startswith("estimate:") else f"estimate: {reason}")
 
 
-def analyze(worker: Worker, spec: ModelSpec, nproc: int = 1, *, stop_event=None) -> dict:
+def analyze(worker: Worker, spec: ModelSpec, nproc: int = 1, *, stop_event=None) -> Analysis:
     """The model's facts for the search space (`autofit.measure.tasks.analysis`)."""
     outcome = worker.run(ANALYZE_TASK, {"nproc": nproc}, timeout_s=spec.search.trial_timeout_s,
                          stop_event=stop_event)
     result = _answer(outcome, spec)
     if result.get("status") == "ok":
-        return result
+        return Analysis.from_dict(result)
     raise TrialError(f"the model's analysis failed: {_reason(outcome, spec)}")
 
 

@@ -1,6 +1,7 @@
 """What crosses the process boundary between a tune (the parent) and its children, built and
 read here only: the tasks a child can run, by name, and a trial's request as a typed value
-with a schema version. A trial's reply is a `Measurement` (`measure/measurement.py`).
+with a schema version, as are an estimate's request and the model's analysis. A trial's reply
+is a `Measurement` (`measure/measurement.py`).
 
 Which side runs what:
 
@@ -18,7 +19,9 @@ one place those names are written, and `tests/test_messages.py` resolves each of
 import dataclasses
 from dataclasses import dataclass
 
-SCHEMA = 1  # of TrialRequest; a child refuses a request of another schema by name
+from autofit.config.train_config import MicroBatchFloor
+
+SCHEMA = 1  # of every message here; a side refuses a message of another schema by name
 
 TASKS = {
     "setup": "autofit.measure.tasks:setup",  # the worker's one-time setup: spec, workload
@@ -58,9 +61,59 @@ class TrialRequest:
     @classmethod
     def from_dict(cls, raw: dict) -> "TrialRequest":
         """A request as it crossed the boundary; keys the worker adds (`_folder`) are not its."""
-        schema = raw.get("schema", SCHEMA)
-        if schema != SCHEMA:
-            raise ValueError(f"trial request: schema {schema}, this autofit reads {SCHEMA} (parent and child "
-                             f"are different versions)")
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in names})
+        return _read(cls, raw, "trial request")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EstimateRequest:
+    """What the resident estimator child is asked: the predicted peak of `config` (a
+    `TrainConfig.to_dict()`), and with `budget_bytes` the largest micro batch that fits it."""
+
+    config: dict
+    device_kind: str  # "cpu" or "cuda": whose memory rules the fake step is counted under
+    budget_bytes: int | None = None
+    compute_capability: str | None = None  # the card's, for its cuBLAS workspaces
+    capacity_bytes: int | None = None  # the allocator cap the reserved peak is replayed under
+    schema: int = SCHEMA
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "EstimateRequest":
+        return _read(cls, raw, "estimate request")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Analysis:
+    """The `analyze` task's reply: the model's facts the search space is built from."""
+
+    n_blocks: int  # the repeated blocks checkpointing and freezing count in
+    micro_batch_floor: MicroBatchFloor | None  # the smallest micro batch the model's math allows
+    chunkable: bool  # its LM head can take the chunked loss
+    bucketing: bool  # sorting a step's samples by length changes its padding
+    data_assumptions: dict  # what the profile's figures assume of the data
+    flops_per_sample: float | None = None  # for the profile's MFU; None: not known for this model
+    schema: int = SCHEMA
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["micro_batch_floor"] = None if self.micro_batch_floor is None else self.micro_batch_floor.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Analysis":
+        floor = raw.get("micro_batch_floor")
+        return _read(cls, {**raw, "micro_batch_floor": None if floor is None else MicroBatchFloor(**floor)},
+                     "model analysis")
+
+
+def _read(cls, raw: dict, what: str):
+    """`cls` from a dict that crossed the boundary: another schema is refused by name, keys
+    that are not the message's (the worker's `_folder`, the reply's `status`) left out."""
+    schema = raw.get("schema", SCHEMA)
+    if schema != SCHEMA:
+        raise ValueError(f"{what}: schema {schema}, this autofit reads {SCHEMA} (parent and child "
+                         f"are different versions)")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in raw.items() if k in names})

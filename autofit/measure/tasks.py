@@ -22,7 +22,7 @@ from autofit.workload.flops import train_flops_per_sample
 from autofit.workload.probe import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.measure.child import run_request
-from autofit.measure.messages import TrialRequest
+from autofit.measure.messages import Analysis, EstimateRequest, TrialRequest
 from autofit.measure.estimate import cuda_poisoned, estimate_memory, EstimateError, max_micro_batch_size
 
 _TRACEBACK_CHARS = 8000
@@ -67,23 +67,23 @@ def estimate(request: dict, context: dict) -> dict:
     """The predicted peak of `config` on fake tensors; with `budget_bytes`, also the
     largest micro batch that fits it."""
     spec, workload = context["spec"], context["workload"]
-    config = TrainConfig.from_dict(request["config"])
-    out = _estimate(spec, workload, config, request)
+    asked = EstimateRequest.from_dict(request)
+    out = _estimate(spec, workload, TrainConfig.from_dict(asked.config), asked)
     if cuda_poisoned():  # a CUDA error is sticky: this child is replaced after answering
         out["end_child"] = True
     return out
 
 
-def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, request: dict) -> dict:
+def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, request: EstimateRequest) -> dict:
     try:
-        found = estimate_memory(spec, config, device_kind=request["device_kind"], workload=workload,
-                                compute_capability=request.get("compute_capability"),
-                                capacity_bytes=request.get("capacity_bytes"))
+        found = estimate_memory(spec, config, device_kind=request.device_kind, workload=workload,
+                                compute_capability=request.compute_capability,
+                                capacity_bytes=request.capacity_bytes)
         out = {"status": "ok", "estimate": dataclasses.asdict(found)}
-        if request.get("budget_bytes") is not None:
+        if request.budget_bytes is not None:
             out["max_micro_batch_size"] = max_micro_batch_size(
-                spec, config, request["budget_bytes"], device_kind=request["device_kind"], workload=workload,
-                compute_capability=request.get("compute_capability"))  # the card `fits` was judged for
+                spec, config, request.budget_bytes, device_kind=request.device_kind, workload=workload,
+                compute_capability=request.compute_capability)  # the card `fits` was judged for
         return out
     except EstimateError as exc:  # fake tensors' limit (data-dependent shapes): measured instead
         return {"status": "estimate_error", "reason": str(exc)}
@@ -95,7 +95,7 @@ def analyze(request: dict, context: dict) -> dict:
     """What the search space needs to know of the model and data, from a model built on the
     meta device (no memory, any size)."""
     try:
-        return {"status": "ok", **analysis(context["spec"], context["workload"], request.get("nproc", 1))}
+        return {"status": "ok", **analysis(context["spec"], context["workload"], request.get("nproc", 1)).to_dict()}
     except AutofitError as exc:
         return _input_error(exc)
 
@@ -111,7 +111,7 @@ def probe(request: dict, context: dict) -> dict:
     return {"status": "ok"}
 
 
-def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> dict:
+def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> Analysis:
     """The facts of `workload` the search space is built from: block count, the micro-batch
     floor of each rank's batch, whether its LM head can be chunked, whether sorting a step by
     length changes anything, and what the profile's figures assume of the data."""
@@ -128,12 +128,12 @@ def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> dict:
     # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
     bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing
                  and spec.train.global_batch_size > 1)
-    return {"n_blocks": block_count(model), "micro_batch_floor": None if floor is None else floor.to_dict(),
-            "chunkable": workload.chunked_loss_fn is not None, "bucketing": bucketing,
-            "data_assumptions": workload.data_assumptions(),
-            # For the profile's MFU: counted where the model is built (the user's code runs in
-            # children only); None for a model whose FLOPs are not known.
-            "flops_per_sample": train_flops_per_sample(model, workload.tokens_per_sample)}
+    return Analysis(n_blocks=block_count(model), micro_batch_floor=floor,
+                    chunkable=workload.chunked_loss_fn is not None, bucketing=bucketing,
+                    data_assumptions=workload.data_assumptions(),
+                    # For the profile's MFU: counted where the model is built (the user's code
+                    # runs in children only); None for a model whose FLOPs are not known.
+                    flops_per_sample=train_flops_per_sample(model, workload.tokens_per_sample))
 
 
 def _input_error(exc: AutofitError) -> dict:

@@ -13,10 +13,10 @@ from loguru import logger
 from autofit.base.errors import DeviceError, SpecError
 from autofit.config.knobs import spec_knobs
 from autofit.config.spec import divisors, ModelSpec
-from autofit.config.train_config import MicroBatchFloor
 from autofit.device.probe import DeviceInfo
 from autofit.device.support import supported_precisions, unsupported_reason
 from autofit.workload import build_workload
+from autofit.measure.messages import Analysis
 from autofit.measure.tasks import analysis as model_analysis
 from autofit.search import SearchSpace
 
@@ -38,7 +38,7 @@ def device_for_ranks(device: DeviceInfo, nproc: int) -> DeviceInfo:
     return dataclasses.replace(device, fingerprint=f"{device.fingerprint}-x{nproc}", slug=f"{device.slug}-x{nproc}")
 
 
-def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: dict | None = None) -> SearchSpace:
+def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: Analysis | None = None) -> SearchSpace:
     """The space of `spec` on `device` over `nproc` ranks. `analysis`: the model's facts as the
     tune's worker found them (`autofit.measure.tasks.analysis`); without it they are found in
     this process, which runs the user's model code here (tests and tools only)."""
@@ -50,10 +50,9 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: 
         raise DeviceError(f"search.precisions: none runs on {device.name}: {reasons}")
     if analysis is None:
         analysis = model_analysis(spec, build_workload(spec), nproc)
-    n_blocks = analysis["n_blocks"]
-    floor = None if analysis["micro_batch_floor"] is None else MicroBatchFloor(**analysis["micro_batch_floor"])
+    n_blocks, floor = analysis.n_blocks, analysis.micro_batch_floor
     chunked = spec.search.chunked_loss
-    if True in chunked and not analysis["chunkable"]:
+    if True in chunked and not analysis.chunkable:
         raise SpecError(f"search.chunked_loss: only for language-model heads autofit can chunk (builtin gpt, "
                         f"hf *ForCausalLM with synthetic, tokens or text data); {spec.name} has none; use [false]")
     if True in chunked and nproc > 1:
@@ -66,6 +65,6 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: 
         micro_batch_floor=floor, world_size=nproc,
         max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
-        length_bucketing=(False, True) if analysis["bucketing"] else (False,),
+        length_bucketing=(False, True) if analysis.bucketing else (False,),
         **{k.choices: getattr(spec.search, k.choices) for k in spec_knobs()} | {"chunked_loss": chunked},
     )

@@ -560,7 +560,7 @@ class _Tune:
     def _worth(self, result: SearchResult, chosen: _Chosen, samples_per_s: float) -> dict:
         """The profile's MFU and each changed knob's share, from figures already measured."""
         winner = chosen.winner.config
-        utilisation = mfu(self.analysis.get("flops_per_sample"), samples_per_s / max(1, winner.world_size),
+        utilisation = mfu(self.analysis.flops_per_sample, samples_per_s / max(1, winner.world_size),
                           self.device.name, winner.precision)
         measured = [(r.config, r.samples_per_s) for r in result.records if r.status == "ok" and r.samples_per_s]
         shares = knob_shares(winner, getattr(chosen.baseline, "config", None), measured)
@@ -601,7 +601,7 @@ class _Tune:
             search=summary,
             created=utc_now(),
             autofit=VERSION,
-            data=self.analysis["data_assumptions"],
+            data=self.analysis.data_assumptions,
             frontier=frontier,
             training=TrainingSetup(optimizer=spec.to_dict()["optimizer"], max_grad_norm=spec.train.max_grad_norm,
                                    loss=spec.to_dict().get("loss")),
