@@ -201,7 +201,17 @@ _LEFT_BEHIND_WAIT_S = 10.0  # a killed child may take a moment to go
 
 
 def pytest_configure(config):
-    if hasattr(config, "workerinput") or _SESSION_MARKER in os.environ:
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is not None and _SESSION_MARKER in os.environ:
+        # An xdist worker (`-n 2`, pyproject's addopts) gets a TMPDIR of its own inside the
+        # session's: a test that compares the trial folders before and after it sees its own
+        # worker's alone, and the session's check below still finds whatever either left.
+        folder = Path(os.environ[_SESSION_MARKER]) / worker
+        folder.mkdir(exist_ok=True)
+        os.environ["TMPDIR"] = str(folder)
+        tempfile.tempdir = None
+        return
+    if _SESSION_MARKER in os.environ:
         return
     folder = tempfile.mkdtemp(prefix="autofit-tests-")
     os.environ["TMPDIR"] = folder
@@ -260,8 +270,9 @@ def left_behind(folder: str, wait_s: float = _LEFT_BEHIND_WAIT_S) -> list[str]:
     """Trial, worker and doctor folders and processes this test session left; empty when clean."""
     deadline = time.monotonic() + wait_s
     while True:
-        folders = sorted(p.name for prefix in ("autofit-trial-*", "autofit-worker-*", "autofit-doctor-*")
-                         for p in Path(folder).glob(prefix))
+        folders = sorted(str(p.relative_to(folder)) for prefix in ("autofit-trial-*", "autofit-worker-*",
+                                                                   "autofit-doctor-*")
+                         for where in ("", "gw*/") for p in Path(folder).glob(where + prefix))
         processes = _our_processes(folder) if Path("/proc/self/environ").exists() else []
         if not (folders or processes) or time.monotonic() > deadline:
             return [f"folder {folder}/{name}" for name in folders] + processes
