@@ -140,10 +140,11 @@ def test_no_estimate_is_started_once_the_searchs_share_of_the_budget_is_spent():
 
 
 @pytest.mark.parametrize("budget_s", [60.0, 120.0, 240.0])
-@pytest.mark.parametrize("name", ["large-grid", "gen-2026-01", "freeze-memory-only"])
-def test_the_floor_holds_where_the_one_liner_runs_out_of_memory(name, budget_s):
+@pytest.mark.parametrize("name", ["large-grid", "gen-2026-01", "freeze-memory-only", "noisy", "plateau"])
+def test_the_floor_holds_where_the_one_liner_runs_out_of_memory_or_noise_hides_it(name, budget_s):
     """The landscapes where the one-liner's OOM, then estimates or a trial longer than the
-    budget, once took the rest of it (notes/issue-33b.md)."""
+    budget, once took the rest of it (notes/issue-33b.md); and two where a config measured
+    once within the noise of the one-liner, and truly slower, was picked over it."""
     landscape = next(l for l in [*LANDSCAPES, *SHAPED, *generated(2)] if l.name == name)
     for seed in range(2):
         run = search(landscape, seed, budget_s=budget_s, anytime=True)

@@ -49,7 +49,7 @@ class _Progress:
     best: TrialRecord | None
     since_best: int
     start: float
-    skipped: dict = field(default_factory=lambda: {"known": 0, "pruned": 0})
+    skipped: dict = field(default_factory=lambda: {"known": 0, "pruned": 0, "late": 0})
 
 
 class Tuner:
@@ -150,17 +150,18 @@ class Tuner:
                 queued = self._was_queued(trial)
                 config = self.space.suggest(trial)
                 known = self.known(config, records)
-                # Another worker measures it, or its trial could not end in the time left.
-                busy = known is None and (self._busy(config, trial) or not self._affordable(config, records))
-                if known is not None or busy or not self.memory.fits(config, records):
-                    progress.skipped["known" if known is not None or busy else "pruned"] += 1
-                    self._skip(trial, config, known, stale=busy or (queued and config != planned),
+                busy = known is None and self._busy(config, trial)  # another worker measures it
+                late = known is None and not busy and not self._affordable(config, records)
+                if known is not None or busy or late or not self.memory.fits(config, records):
+                    progress.skipped["known" if known is not None or busy else "late" if late else "pruned"] += 1
+                    # A config whose trial could not end in the time left is dropped like a stale plan.
+                    self._skip(trial, config, known, stale=busy or late or (queued and config != planned),
                                best=progress.best, records=records)
                     return None, None
             except _SearchTimeUp:
                 self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING
                 raise
-        progress.skipped = {"known": 0, "pruned": 0}
+        progress.skipped = {"known": 0, "pruned": 0, "late": 0}
         return (trial, config, records), None
 
     def _measure_claimed(self, trial: optuna.Trial, config: TrainConfig, records: list[TrialRecord],
@@ -221,8 +222,8 @@ class Tuner:
 
     def _affordable(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
         """The least a trial of `config` can cost fits in the search's time left:
-        `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials (the
-        fastest of their samples/s, scaled down in proportion where `config`'s micro batch is
+        `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials of its
+        speed class (the fastest of their samples/s, scaled down in proportion where `config`'s micro batch is
         smaller than theirs). A trial that runs past the search's share eats the time the
         re-measures and validation need; one that runs past the budget gives nothing. Without
         a measured trial, or without a budget, any config is affordable."""
@@ -230,8 +231,12 @@ class Tuner:
         if search_s is None or self._searching_since is None:
             return True
         left_s = search_s - self.deadline.elapsed_s()
+        # Its own precision's trials; the 16-bit precisions run at about one speed, so their
+        # trials predict one another (a full precision's do not: tf32 may be 2x 32-true).
         speeds = [r.samples_per_s * min(1.0, config.micro_batch_size / r.config.micro_batch_size)
-                  for r in records if r.status == "ok" and r.samples_per_s > 0]
+                  for r in records if r.status == "ok" and r.samples_per_s > 0
+                  and (r.config.precision == config.precision
+                       or not {r.config.precision, config.precision} & set(REFERENCE_PRECISIONS))]
         if not speeds:
             return True
         return LEAST_TRIAL_STEPS * self.space.global_batch_size / max(speeds) <= left_s
@@ -255,11 +260,23 @@ class Tuner:
         """The study's records as they are now, ranked."""
         stop_reason, resumed, start = searched
         records = _judged(self.records())
-        ranked = choice.rank(records, self.budget_bytes, fresh_since=self.session_start)
+        ranked = self._floor_first(choice.rank(records, self.budget_bytes, fresh_since=self.session_start), noise)
         return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=self.clock() - start,
                             resumed=resumed, stop_reason=stop_reason, ranked=[r.record for r in ranked],
                             noise=noise, choice=choice.describe(ranked, noise, rounds),
                             session_start=self.session_start, one_liner=self.one_liner)
+
+    def _floor_first(self, ranked: list[choice.Ranked], noise: float | None) -> list[choice.Ranked]:
+        """The one-liner first where the leader was measured once and leads it by no more than
+        the noise can explain (twice the noise): the one-liner is the floor, and a single
+        measurement within the noise of it is as likely slower (a short budget leaves no time to
+        measure them again; with re-measures the leader has more than one measurement)."""
+        one = next((r for r in ranked if r.record.config == self.one_liner and r.fresh), None)
+        if one is None or ranked[0] is one or ranked[0].measurements > 1:
+            return ranked
+        if ranked[0].samples_per_s >= (1 + 2 * (noise or choice.NOISE_PRIOR)) * one.samples_per_s:
+            return ranked
+        return [one, *(r for r in ranked if r is not one)]
 
     # --- what is known, what counts ----------------------------------------------------
 
@@ -316,7 +333,8 @@ class Tuner:
             return "every config in the space is measured"
         if sum(skipped.values()) >= 3 * self.patience:
             return (f"{sum(skipped.values())} proposals in a row measured nothing new: {skipped['known']} "
-                    f"duplicates, {skipped['pruned']} predicted not to fit")
+                    f"duplicates, {skipped['pruned']} predicted not to fit"
+                    + (f", {skipped['late']} too slow to end in the search's time left" if skipped["late"] else ""))
         if self.should_stop():
             return self._stop_text()
         return None
