@@ -149,3 +149,13 @@ def test_the_floor_holds_where_the_one_liner_runs_out_of_memory_or_noise_hides_i
     for seed in range(2):
         run = search(landscape, seed, budget_s=budget_s, anytime=True)
         assert run.over_one_liner >= 1.0, (seed, run.chosen, run.one_liner)
+
+
+def test_the_one_liner_does_not_stand_for_its_groups_seed_at_the_deepest_freeze():
+    """drift+freeze: bf16-mixed's fastest point freezes 4 blocks. The one-liner (nothing
+    frozen) measured the group, and once made its seed at the deepest freeze never come:
+    the refinements around each new best kept the search busy until the budget's end."""
+    land = next(l for l in LANDSCAPES if l.name == "drift+freeze")
+    tuner = _tuner(land, 240.0)
+    tuner.search()
+    assert any(c.precision == "bf16-mixed" and c.freeze_blocks == land.max_freeze_blocks for c in land.calls)

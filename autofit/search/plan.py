@@ -208,18 +208,23 @@ class Plan:
         self.queue[:0] = self.space.neighbours(config)
 
     def _unseeded(self, records: list[TrialRecord]) -> list[TrainConfig]:
-        """For each seed group with nothing measured yet (its seed ran out of memory, or was
-        dropped as no longer fitting), its largest config predicted to fit now: each is
+        """For each seed group with nothing measured yet at its seeds' freezing depth (its seed
+        ran out of memory, or was dropped as no longer fitting), its largest config predicted to fit now: each is
         measured before refining around another's best."""
         fits = self.fits_of(records)
-        measured = {self.space.seed_group(r.config) for r in records if r.measurement is not None and r.status != "oom"}
-        queued = {self.space.seed_group(c) for c in self.queue if c in self.seeds}
+        # At the seed's freezing depth: the one-liner (nothing frozen) does not stand for its
+        # group's seed at the deepest freeze, which may be the fastest point.
+        def key(config: TrainConfig) -> tuple:
+            return self.space.seed_group(config), config.freeze_blocks
+
+        measured = {key(r.config) for r in records if r.measurement is not None and r.status != "oom"}
+        queued = {key(c) for c in self.queue if c in self.seeds}
         out = []
         for seeds in self._seed_lists(fits, allowed_of(records)):
             fresh = next((c for c in seeds if self.known(c, records) is None), None)
-            if fresh is None or self.space.seed_group(fresh) in measured | queued:
+            if fresh is None or key(fresh) in measured | queued:
                 continue
             out.append(fresh)
-            queued.add(self.space.seed_group(fresh))
+            queued.add(key(fresh))
         self.seeds.update(out)
         return out
