@@ -30,7 +30,9 @@ def tiny_gpt_dict(**sections) -> dict:
         "train": {"global_batch_size": 8, "steps": 10, "seed": 0, "checkpoint_every": 5, "log_every": 5},
         # frontier_points 1: no extra validation runs per tune (each is a child process);
         # tests/test_frontier.py covers the frontier.
-        "search": {"trials": 12, "warmup_steps": 1, "measure_steps": 2, "validate_steps": 3, "frontier_points": 1},
+        # window_s 0: exactly measure_steps timed steps (a 2 s window per trial would slow the suite).
+        "search": {"trials": 12, "warmup_steps": 1, "measure_steps": 2, "window_s": 0, "validate_steps": 3,
+                   "frontier_points": 1},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(spec.get(key), dict):

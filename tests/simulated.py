@@ -144,6 +144,27 @@ class Landscape:
         cliff = self.cliff_bytes if self.cliff_micro_batch and c.micro_batch_size >= self.cliff_micro_batch else 0
         return int(self.tensor_bytes(c) + self.fragmentation * self.activation_bytes(c) + self.context_bytes + cliff)
 
+    def needed_bytes(self, c: TrainConfig) -> int:
+        """What an OOM's message says `c` needed, as a real device reports it (CUDA: held by
+        PyTorch plus the refused request): the bytes up to and including the first allocation
+        that crosses the budget, in step order: the context and model states, each kept
+        block's activations as 4 tensors, the logits, then what the estimator does not see
+        (fragmentation, a cliff). A lower bound of `peak_bytes`: weak where the crossing
+        allocation is small, strong where it is large (the logits of an LM)."""
+        per_block = self.activation_bytes(c) - c.micro_batch_size * self.logit_bytes_per_sample / (
+            16 if c.chunked_loss else 1)
+        blocks = max(1, math.ceil(self.n_blocks - c.freeze_blocks))
+        allocations = [self.context_bytes + self.tensor_bytes(c) - self.activation_bytes(c)]
+        allocations += [per_block / (4 * blocks)] * (4 * blocks)
+        allocations.append(self.activation_bytes(c) - per_block)
+        allocations.append(self.peak_bytes(c) - sum(allocations))
+        held = 0.0
+        for size in allocations:
+            held += size
+            if held > self.budget_bytes:
+                return int(held)
+        return self.peak_bytes(c)
+
     def samples_per_s(self, c: TrainConfig) -> float:
         m = c.micro_batch_size
         speed = self.rate[c.precision] * m / (m + self.m_half)
@@ -205,7 +226,8 @@ class Landscape:
         seen_context = int(0.6 * self.context_bytes)
         if peak > self.budget_bytes:
             return Measurement(status="oom", config=c, peak_memory_bytes=self.budget_bytes - seen_context,
-                               overhead_bytes=seen_context, budget_bytes=self.budget_bytes, reason="simulated OOM")
+                               overhead_bytes=seen_context, budget_bytes=self.budget_bytes, reason="simulated OOM",
+                               needed_bytes=self.needed_bytes(c) - seen_context)
         sps = self.samples_per_s(c) * (1 + self.noise * (2 * self.rng.random() - 1))
         return Measurement(status="ok", config=c, peak_memory_bytes=peak - seen_context,
                            overhead_bytes=seen_context, budget_bytes=self.budget_bytes,

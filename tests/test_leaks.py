@@ -42,6 +42,7 @@ def test_a_leak_that_crosses_the_budget_late_in_a_trial_is_an_oom(tmp_path):
     m = measure(spec, TrainConfig(micro_batch_size=8), device="cpu", budget_bytes=64 * MiB, warmup_steps=1,
                 measure_steps=12, timeout_s=120)
     assert m.status == "oom" and "grew by" in m.reason, m.reason
+    assert m.needed_bytes > 64 * MiB  # the peak the growth reached, from the message
 
 
 def test_train_ends_a_leak_at_the_budget_with_one_line(tmp_path):

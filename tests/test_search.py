@@ -197,7 +197,28 @@ def test_seeds_estimate_no_micro_batch_below_the_largest_that_fits_unchecked():
     assert [[c.short() for c in seeds] for seeds in lists] == [[
         f"{p} mb=16x4 ckpt=0 freeze=0", f"{p} mb=64x1 ckpt=4 freeze=0", f"{p} mb=32x2 ckpt=2 freeze=0"]
         for p in ("32-true", "bf16-true")]
-    assert not [c for c in asked if c.micro_batch_size < 16]
+    # Of the micro batches below 16 (they fit too), only a binary search's midpoint is asked.
+    assert {c.micro_batch_size for c in asked if c.micro_batch_size < 16} <= {8}
+
+
+def test_seeds_on_a_tight_card_binary_search_the_micro_batch_instead_of_scanning_it():
+    """On a tight card most micro batches do not fit even fully checkpointed: a scan from the
+    largest pays two estimates (fake steps) for each; a binary search over the sizes pays
+    about log2(sizes) per search. Here 20 sizes, 11 of which do not fit fully checkpointed:
+    the scan asks 22 configs for those alone."""
+    space = SearchSpace(global_batch_size=240, precisions=("bf16-mixed",),
+                        micro_batch_sizes=tuple(m for m in range(1, 241) if 240 % m == 0),
+                        max_checkpoint_blocks=16, max_freeze_blocks=0)
+    asked = []
+
+    def fits(config: TrainConfig) -> bool:  # 4 fits unchecked, 10 from 12 blocks, 12 with all 16
+        asked.append(config)
+        return config.micro_batch_size <= 4 + config.checkpoint_blocks // 2
+
+    [seeds] = seeding.seed_lists(space, fits)
+    assert [c.short() for c in seeds] == ["bf16-mixed mb=4x60 ckpt=0 freeze=0", "bf16-mixed mb=12x20 ckpt=16 freeze=0",
+                                          "bf16-mixed mb=10x24 ckpt=12 freeze=0"]
+    assert len(set(asked)) <= 20, len(set(asked))
 
 
 def test_checkpoint_policies_join_the_space_only_when_opted_in():

@@ -86,6 +86,8 @@ def test_oom_is_a_result_and_the_next_trial_measures_normally(tiny_spec):
     assert oom.status == "oom", oom.reason
     assert "budget" in oom.reason and oom.budget_bytes == 300_000
     assert 200_000 < oom.peak_memory_bytes <= 300_000  # the allocation that would cross it is refused
+    # The message's live bytes plus the refused allocation: what the step needed, at least.
+    assert oom.needed_bytes > 300_000
     ok = measure(tiny_spec, config, warmup_steps=0, measure_steps=1)
     assert ok.status == "ok", ok.reason
     assert ok.peak_memory_bytes > 300_000

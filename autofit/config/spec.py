@@ -151,7 +151,11 @@ class SearchSpec:
     trials: int = 40  # most configurations measured (pruned proposals and repeats do not count)
     patience: int = 12  # stop after this many measured trials without a better one
     warmup_steps: int = 5  # most warm-up steps before timing, per trial: they stop once a step takes what the one before took
-    measure_steps: int = 5  # timed optimizer steps per trial
+    measure_steps: int = 5  # the fewest timed optimizer steps per trial (the window runs on to `window_s`)
+    # A trial's timed window in seconds: after warm-up it times steps until they took this
+    # long, at least `measure_steps` of them, so a slow step's trial costs about what a fast
+    # one's does. 0: exactly `measure_steps` steps.
+    window_s: float = 2.0
     validate_steps: int = 50  # optimizer steps of the final validation run
     frontier_points: int = 4  # most points the profile keeps, winner included; each other costs a validation
     trial_timeout_s: float = 600.0
@@ -525,6 +529,7 @@ def _search(r: "Reader") -> SearchSpec:
         patience=r.positive_int("patience", default=12, maximum=MAX_TRIALS),
         warmup_steps=r.nonnegative_int("warmup_steps", default=5, maximum=MAX_TRIAL_STEPS),
         measure_steps=r.positive_int("measure_steps", default=5, maximum=MAX_TRIAL_STEPS),
+        window_s=r.number("window_s", default=2.0, minimum=0.0, maximum=MAX_TIMEOUT_S),
         validate_steps=r.positive_int("validate_steps", default=50, maximum=MAX_TRIAL_STEPS),
         frontier_points=r.positive_int("frontier_points", default=4, maximum=MAX_TRIALS),
         trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True,

@@ -26,7 +26,7 @@ from autofit.base.errors import AutofitError, InputError, SpecError
 from autofit.config.spec import parse_spec
 from autofit.config.train_config import TrainConfig
 from autofit.device.memory import cuda_memory_stats, LiveBytesTracker
-from autofit.device.oom import is_oom
+from autofit.device.oom import is_oom, needed_bytes
 from autofit.device.precision import process_flags
 from autofit.workload import build_workload, Workload
 from autofit.train import distributed
@@ -50,6 +50,7 @@ class _Trial:
         self.workload = workload  # built by the worker before the fork; else here
         self.budget_bytes = request.budget_bytes
         self.warmup_steps, self.measure_steps = request.warmup_steps, request.measure_steps
+        self.window_s = request.window_s
         device = request.device
         self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(device.split(",")[0]))
         world = distributed.launched_world()
@@ -74,7 +75,8 @@ class _Trial:
     # ---- the measurement -----------------------------------------------------------------------
 
     def run(self) -> dict:
-        """Build, warm up, then time `measure_steps` optimizer steps (`autofit.measure.steps`)."""
+        """Build, warm up, then time a window of optimizer steps: `window_s` seconds of them, at
+        least `measure_steps` (`autofit.measure.steps`)."""
         if self.device.type == "cuda":
             self.overhead_bytes, reason = prepare_device(self.device, self._nvml_before, self._nvml_pids,
                                                          self.budget_bytes)
@@ -88,7 +90,8 @@ class _Trial:
         with self.tracker if self.tracker is not None else contextlib.nullcontext():
             runner = Runner(self.spec, workload, self.config, device=self.device)
         self.steps = steps = Steps(runner, tracker=self.tracker, budget_bytes=self.budget_bytes,
-                                   warmup_steps=self.warmup_steps, measure_steps=self.measure_steps)
+                                   warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
+                                   window_s=self.window_s)
         steps.warm_up()
         with steps.heap.excluding():  # the probe's snapshot is ours, not the model's growth
             probe = UpdateProbe(runner.model, runner.optimizer)  # before the timed steps: their updates are judged
@@ -189,7 +192,7 @@ def run_request(request: TrialRequest | dict, workload: Workload | None = None) 
         first_line = (str(exc).strip().splitlines() or [""])[0]
         if is_oom(exc):
             logger.info("out of memory: {}", first_line)
-            out |= {"status": "oom", "reason": f"out of memory: {first_line}"}
+            out |= {"status": "oom", "reason": f"out of memory: {first_line}", "needed_bytes": needed_bytes(str(exc))}
         else:
             logger.opt(exception=exc).error("trial failed")
             out |= {"status": "error", "reason": f"{type(exc).__name__}: {first_line}"}

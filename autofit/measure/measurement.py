@@ -23,6 +23,9 @@ class Measurement:
     peak_allocated_bytes: int | None = None
     overhead_bytes: int | None = None  # non-torch device memory: CUDA context, cuBLAS/cuDNN
     budget_bytes: int | None = None  # the device memory the trial was allowed, overhead included
+    # An OOM's lower bound on the step's peak, as its message states it (device/oom.needed_bytes),
+    # in the trial's own bytes as `peak_memory_bytes`; None: not an OOM, or the message said nothing.
+    needed_bytes: int | None = None
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     step_time_s: float | None = None  # median over the timed steps

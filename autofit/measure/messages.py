@@ -49,8 +49,9 @@ class TrialRequest:
     device: str  # "cpu", a CUDA index, or indices joined by "," for ranks
     budget_bytes: int | None  # the device memory the trial may use in total; None: unheld (a CPU)
     warmup_steps: int
-    measure_steps: int
+    measure_steps: int  # the fewest timed steps
     timeout_s: float = 600.0
+    window_s: float = 0.0  # the timed window in seconds (steps until they took this long); 0: measure_steps steps
     claim: bool = False  # the service's guard watches: claim the CUDA context in the trial folder
     claim_dir: str | None = None  # that folder, once the child knows it
     schema: int = SCHEMA

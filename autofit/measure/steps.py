@@ -10,11 +10,15 @@ warm-up (until steps are steady), then the timed steps (speed).
   then until a step takes within `STEADY_RTOL` of the one before, at most
   `search.warmup_steps` steps.
 - **Timing.** Each timed step alone, synchronised, with the host's foreign load over them
-  and the spread of their times.
+  and the spread of their times. The window is sized in seconds: steps until their times add
+  up to `window_s`, at least `measure_steps` of them and at most `MAX_WINDOW_STEPS` (a window
+  of 0 s: exactly `measure_steps`). A 1.2 s step and a 0.02 s step then cost about the same
+  wall time, and a fast step's figure is a median over many.
 """
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loguru import logger
@@ -31,6 +35,9 @@ STEADY_RTOL = 0.10  # a warm-up step within this of the one before: steady, the 
 # GradScaler starts at 2**16 and halves per overflow: 24 halvings reach 2**-8, below which
 # the gradients overflow fp16 at any scale and the skipping is the model's, not the warm-up's.
 SCALER_WARMUP_SKIPS = 24
+# A window in seconds stops here whatever its time: a step of microseconds (a toy model)
+# would otherwise fill it with tens of thousands.
+MAX_WINDOW_STEPS = 200
 
 
 class CompileFailed(Exception):
@@ -60,9 +67,11 @@ class StepLog:
 
 class Steps:
     def __init__(self, runner: Runner, *, tracker: LiveBytesTracker | None, budget_bytes: int | None,
-                 warmup_steps: int, measure_steps: int):
+                 warmup_steps: int, measure_steps: int, window_s: float = 0.0,
+                 clock: Callable[[], float] = time.perf_counter):
         self.runner, self.tracker, self.budget_bytes = runner, tracker, budget_bytes
-        self.warmup_steps, self.measure_steps = warmup_steps, measure_steps
+        self.warmup_steps, self.measure_steps, self.window_s = warmup_steps, measure_steps, window_s
+        self.clock = clock  # a seam: tests feed the step times
         self.heap = HeapMeter()
         self.log = StepLog()
         self.step = 0
@@ -97,24 +106,32 @@ class Steps:
                 break
 
     def timed(self) -> None:
-        """`measure_steps` optimizer steps, each timed alone."""
+        """Optimizer steps, each timed alone, until the window is full (`_window_full`)."""
         runner, log = self.runner, self.log
         load = HostLoad()
         load.start()
-        for _ in range(self.measure_steps):
+        while not self._window_full():
             logger.info("timed step {}", self.step)
             batch = None  # the previous step's batch is freed before the next is built
             batch = runner.global_batch(self.step)  # built (and copied to the device) before the clock
             log.tokens.append(runner.tokens_in(batch))
             runner.synchronize()
-            started = time.perf_counter()
+            started = self.clock()
             result = runner.step(batch)
             runner.synchronize()
-            log.step_times_s.append(time.perf_counter() - started)
+            log.step_times_s.append(self.clock() - started)
             log.losses.append(result.loss.detach())
             log.skipped += int(result.skipped)
             self._after_step()
         log.load = load.stop()
+
+    def _window_full(self) -> bool:
+        """At least `measure_steps` timed, and their times add up to `window_s` (or
+        MAX_WINDOW_STEPS are timed)."""
+        times = self.log.step_times_s
+        if len(times) < self.measure_steps:
+            return False
+        return sum(times) >= self.window_s or len(times) >= max(MAX_WINDOW_STEPS, self.measure_steps)
 
     def _warm_step(self, batch: list) -> None:
         """A warm-up step. fp16's GradScaler starts at a scale that usually overflows and halves

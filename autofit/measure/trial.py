@@ -34,7 +34,7 @@ SETUP_TASK, OBJECTS_SETUP_TASK, TRIAL_TASK = task("setup"), task("setup_objects"
 
 def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
             warmup_steps: int | None = None, measure_steps: int | None = None, timeout_s: float | None = None,
-            stop_event=None, guard=None, worker: Worker | None = None) -> Measurement:
+            stop_event=None, guard=None, worker: Worker | None = None, window_s: float | None = None) -> Measurement:
     """Measure `config` in a child process; never raises for what happens inside it.
 
     `device` is "cpu" or a CUDA index. `budget_bytes` is the device memory the trial may
@@ -45,6 +45,8 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     told of the child while it runs, and the child claims its CUDA context in the trial
     folder for it to read. `worker`: the tune's pre-loaded worker, which forks the child
     (default: one started for this trial alone); several ranks run under torchrun instead.
+    `window_s`: the timed window in seconds, at least `measure_steps` steps; by default
+    `search.window_s` where `measure_steps` is the spec's, else 0 (exactly the steps asked).
     """
     check_global_batch(config, spec.train.global_batch_size)
     device = _device_arg(device)
@@ -52,7 +54,8 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
         raise DeviceError(f"device: {device!r} lists {len(device.split(','))} GPUs for {config.world_size} rank(s)")
     timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
     request = trial_request(spec, config, device=device, budget_bytes=budget_bytes, warmup_steps=warmup_steps,
-                            measure_steps=measure_steps, timeout_s=timeout_s, claim=guard is not None)
+                            measure_steps=measure_steps, timeout_s=timeout_s, claim=guard is not None,
+                            window_s=window_s)
     if config.world_size > 1:
         return _measure_ranks(request, config, device=device, timeout_s=timeout_s, stop_event=stop_event, guard=guard)
     children = []
@@ -140,14 +143,18 @@ def _measure_ranks(request: TrialRequest, config: TrainConfig, *, device: str, t
 
 def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
                   warmup_steps: int | None = None, measure_steps: int | None = None,
-                  timeout_s: float | None = None, claim: bool = False) -> TrialRequest:
-    """What the child is asked to measure (request.json)."""
+                  timeout_s: float | None = None, claim: bool = False,
+                  window_s: float | None = None) -> TrialRequest:
+    """What the child is asked to measure (request.json). The window in seconds is the
+    spec's where the steps are (a caller that asks for a number of steps gets them)."""
+    if window_s is None:
+        window_s = spec.search.window_s if measure_steps is None else 0.0
     return TrialRequest(
         spec=spec.to_dict(), source_dir=str(spec.source_dir), config=config.to_dict(),
         device=device, budget_bytes=budget_bytes,
         warmup_steps=spec.search.warmup_steps if warmup_steps is None else warmup_steps,
         measure_steps=spec.search.measure_steps if measure_steps is None else measure_steps,
-        timeout_s=spec.search.trial_timeout_s if timeout_s is None else timeout_s, claim=claim,
+        timeout_s=spec.search.trial_timeout_s if timeout_s is None else timeout_s, claim=claim, window_s=window_s,
     )
 
 
@@ -166,7 +173,8 @@ def _read_result(result_path: Path, world_size: int) -> dict | None:
     if failed:  # an OOM on one rank is the trial's OOM even though torchrun stopped the others
         worst = next((r for r in failed if r.get("status") == "oom"), failed[0])
         return worst | {"peak_memory_bytes": _max(ranks, "peak_memory_bytes"),
-                        "peak_allocated_bytes": _max(ranks, "peak_allocated_bytes")}
+                        "peak_allocated_bytes": _max(ranks, "peak_allocated_bytes"),
+                        "needed_bytes": _max(ranks, "needed_bytes")}
     if len(ranks) < world_size:
         return None
     slowest = max(ranks, key=lambda r: r["step_time_s"])

@@ -33,6 +33,12 @@ from autofit.search.study import ask, fail_stale_trials, heartbeat, read_records
 WAITING = (optuna.trial.TrialState.WAITING,)
 RUNNING = (optuna.trial.TrialState.RUNNING,)
 BUDGET_RTOL = 0.02  # budgets this close are the same budget
+# After the one-liner's OOM, a micro batch this share of its own or less is "tiny": its
+# precision's checkpointed frontier point goes first.
+TINY_SHARE = 0.25
+# The fewest optimizer steps a trial runs (a warm-up step and the window's minimum): with a
+# predicted step time, the least a trial can cost.
+LEAST_TRIAL_STEPS = 4
 
 
 @dataclass
@@ -43,7 +49,7 @@ class _Progress:
     best: TrialRecord | None
     since_best: int
     start: float
-    skipped: dict = field(default_factory=lambda: {"known": 0, "pruned": 0})
+    skipped: dict = field(default_factory=lambda: {"known": 0, "pruned": 0, "late": 0})
 
 
 class Tuner:
@@ -61,7 +67,8 @@ class Tuner:
         self.locks = locks or StudyLocks(None, study.study_name)
         self.worker = worker  # recorded in each of its trials
         self.measure = measure
-        self.memory = MemoryModel(estimate, budget_bytes)
+        self.memory = MemoryModel(self._gated(estimate), budget_bytes)
+        self._searching_since: float | None = None  # the search loop's start while it runs
         self.max_trials, self.patience, self.timeout_s = max_trials, patience, timeout_s
         self.on_trial = on_trial or (lambda record, best, total: None)
         self.should_stop = should_stop or (lambda: False)
@@ -106,13 +113,21 @@ class Tuner:
             if self.one_liner is not None and self.one_liner not in starts:
                 starts = (*starts, self.one_liner)
         self.plan = Plan(self.space, starts, known=self.known, fits_of=self.fits,
-                         estimate=self.memory.predicted_peak,
+                         estimate=self.memory.predicted_peak, affordable=self._affordable,
+                         peak_share=lambda c, records: self.memory.corrected_peak(c, records) / self.budget_bytes,
+                         first=self.one_liner_precisions[:1] if self.one_liner is None else (self.one_liner.precision,),
                          fast_first=any(p not in REFERENCE_PRECISIONS for p in self.one_liner_precisions))
         stop_reason = None
-        while stop_reason is None:
-            claimed, stop_reason = self._claim_next(progress)
-            if claimed is not None:
-                stop_reason = self._measure_claimed(*claimed, progress)
+        self._searching_since = start
+        try:
+            while stop_reason is None:
+                claimed, stop_reason = self._claim_next(progress)
+                if claimed is not None:
+                    stop_reason = self._measure_claimed(*claimed, progress)
+        except _SearchTimeUp:
+            stop_reason = self._timeout_text(start)
+        finally:
+            self._searching_since = None
         with self.locks.claim():
             self._drop_queue()
         return stop_reason, resumed, start
@@ -131,16 +146,22 @@ class Tuner:
             if planned is not None:
                 self.study.enqueue_trial(self.space.params(planned))
             trial = ask(self.study)
-            queued = self._was_queued(trial)
-            config = self.space.suggest(trial)
-            known = self.known(config, records)
-            busy = known is None and self._busy(config, trial)
-            if known is not None or busy or not self.memory.fits(config, records):
-                progress.skipped["known" if known is not None or busy else "pruned"] += 1
-                self._skip(trial, config, known, stale=busy or (queued and config != planned), best=progress.best,
-                           records=records)
-                return None, None
-        progress.skipped = {"known": 0, "pruned": 0}
+            try:
+                queued = self._was_queued(trial)
+                config = self.space.suggest(trial)
+                known = self.known(config, records)
+                busy = known is None and self._busy(config, trial)  # another worker measures it
+                late = known is None and not busy and not self._affordable(config, records)
+                if known is not None or busy or late or not self.memory.fits(config, records):
+                    progress.skipped["known" if known is not None or busy else "late" if late else "pruned"] += 1
+                    # A config whose trial could not end in the time left is dropped like a stale plan.
+                    self._skip(trial, config, known, stale=busy or late or (queued and config != planned),
+                               best=progress.best, records=records)
+                    return None, None
+            except _SearchTimeUp:
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING
+                raise
+        progress.skipped = {"known": 0, "pruned": 0, "late": 0}
         return (trial, config, records), None
 
     def _measure_claimed(self, trial: optuna.Trial, config: TrainConfig, records: list[TrialRecord],
@@ -179,20 +200,46 @@ class Tuner:
         return None
 
     def _one_liner_again(self, records: list[TrialRecord]) -> None:
-        """The one-liner ran out of memory (the estimate was low): at most half its micro
-        batch next, the largest the fit (which has just learned from the OOM) says fits, else
-        the largest at most half. Halving, as a user would, takes one more OOM at most where
-        stepping down one size at a time could take many."""
-        sizes, oom_micro = self.space.micro_batch_sizes, self.one_liner.micro_batch_size
-        half = [m for m in sizes if m <= oom_micro // 2] or [m for m in sizes if m < oom_micro]
-        if not half:
-            return
+        """The one-liner ran out of memory (the estimate was low): next, the largest smaller
+        micro batch that the fit, which has just learned from the OOM (and from the bytes its
+        message said the step needed), predicts to fit; not a halving, which may fall below
+        what fits. Where that is a micro batch `TINY_SHARE` or less of the OOM's, its
+        precision's checkpointed frontier point (a larger micro batch) is measured before it:
+        a tiny micro batch is slow, and its trial may not even end within the budget."""
+        oom_micro = self.one_liner.micro_batch_size
         fits = self.fits(records)
-        candidates = [self.space.config(self.one_liner.precision, m) for m in reversed(half)]
-        again = next((c for c in candidates if fits(c)), candidates[0])
-        if self.known(again, records) is None:
-            self.one_liner = again
-            self.plan.queue.insert(0, again)
+        precision = self.one_liner.precision
+        again = next((c for m in reversed(self.space.micro_batch_sizes) if m < oom_micro
+                      for c in [self.space.config(precision, m)] if fits(c)), None)
+        if again is None or self.known(again, records) is not None:
+            return
+        self.one_liner = again
+        first = []
+        if again.micro_batch_size <= TINY_SHARE * oom_micro:
+            first = [c for c in seeding.frontier(self.space, fits, precision, self.space.max_freeze_blocks, 1)
+                     if c.micro_batch_size > again.micro_batch_size and self.known(c, records) is None]
+        self.plan.queue[:0] = [*first, again]
+
+    def _affordable(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
+        """The least a trial of `config` can cost fits in the search's time left:
+        `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials of its
+        speed class (the fastest of their samples/s, scaled down in proportion where `config`'s micro batch is
+        smaller than theirs). A trial that runs past the search's share eats the time the
+        re-measures and validation need; one that runs past the budget gives nothing. Without
+        a measured trial, or without a budget, any config is affordable."""
+        search_s = self.deadline.search_s()
+        if search_s is None or self._searching_since is None:
+            return True
+        left_s = search_s - self.deadline.elapsed_s()
+        # Its own precision's trials; the 16-bit precisions run at about one speed, so their
+        # trials predict one another (a full precision's do not: tf32 may be 2x 32-true).
+        speeds = [r.samples_per_s * min(1.0, config.micro_batch_size / r.config.micro_batch_size)
+                  for r in records if r.status == "ok" and r.samples_per_s > 0
+                  and (r.config.precision == config.precision
+                       or not {r.config.precision, config.precision} & set(REFERENCE_PRECISIONS))]
+        if not speeds:
+            return True
+        return LEAST_TRIAL_STEPS * self.space.global_batch_size / max(speeds) <= left_s
 
     def finish(self, searched: tuple[str, int, float]) -> SearchResult:
         """After `search()`: a full-precision reference at each contender's freezing depth
@@ -213,11 +260,23 @@ class Tuner:
         """The study's records as they are now, ranked."""
         stop_reason, resumed, start = searched
         records = _judged(self.records())
-        ranked = choice.rank(records, self.budget_bytes, fresh_since=self.session_start)
+        ranked = self._floor_first(choice.rank(records, self.budget_bytes, fresh_since=self.session_start), noise)
         return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=self.clock() - start,
                             resumed=resumed, stop_reason=stop_reason, ranked=[r.record for r in ranked],
                             noise=noise, choice=choice.describe(ranked, noise, rounds),
                             session_start=self.session_start, one_liner=self.one_liner)
+
+    def _floor_first(self, ranked: list[choice.Ranked], noise: float | None) -> list[choice.Ranked]:
+        """The one-liner first where the leader was measured once and leads it by no more than
+        the noise can explain (twice the noise): the one-liner is the floor, and a single
+        measurement within the noise of it is as likely slower (a short budget leaves no time to
+        measure them again; with re-measures the leader has more than one measurement)."""
+        one = next((r for r in ranked if r.record.config == self.one_liner and r.fresh), None)
+        if one is None or ranked[0] is one or ranked[0].measurements > 1:
+            return ranked
+        if ranked[0].samples_per_s >= (1 + 2 * (noise or choice.NOISE_PRIOR)) * one.samples_per_s:
+            return ranked
+        return [one, *(r for r in ranked if r is not one)]
 
     # --- what is known, what counts ----------------------------------------------------
 
@@ -267,20 +326,34 @@ class Tuner:
         if self.deadline.expired():
             return f"time budget of {self.deadline.budget_s:g}s spent"
         if self._timed_out(start):
-            if self.timeout_s is not None and self.clock() - start >= self.timeout_s:
-                return f"timeout {self.timeout_s:g}s"
-            return (f"the search's share of the {self.deadline.budget_s:g}s time budget spent "
-                    f"({self.deadline.search_s():.0f}s); the rest re-measures and validates")
+            return self._timeout_text(start)
         if since_best >= self.patience:
             return f"no improvement in {self.patience} measured trials"
         if len({r.config for r in records if self.known(r.config, records)}) >= self.space.size:
             return "every config in the space is measured"
         if sum(skipped.values()) >= 3 * self.patience:
             return (f"{sum(skipped.values())} proposals in a row measured nothing new: {skipped['known']} "
-                    f"duplicates, {skipped['pruned']} predicted not to fit")
+                    f"duplicates, {skipped['pruned']} predicted not to fit"
+                    + (f", {skipped['late']} too slow to end in the search's time left" if skipped["late"] else ""))
         if self.should_stop():
             return self._stop_text()
         return None
+
+    def _timeout_text(self, start: float) -> str:
+        if self.timeout_s is not None and self.clock() - start >= self.timeout_s:
+            return f"timeout {self.timeout_s:g}s"
+        return (f"the search's share of the {self.deadline.budget_s:g}s time budget spent "
+                f"({self.deadline.search_s():.0f}s); the rest re-measures and validates")
+
+    def _gated(self, estimate: Callable[[TrainConfig], int]) -> Callable[[TrainConfig], int]:
+        """`estimate`, refused (`_SearchTimeUp`) once the search loop's time is up: an estimate
+        is a fake step that costs device time, and a loop that plans past its share would
+        spend what the re-measures and validation need."""
+        def gated(config: TrainConfig) -> int:
+            if self._searching_since is not None and self._timed_out(self._searching_since):
+                raise _SearchTimeUp
+            return estimate(config)
+        return gated
 
     def _stop_text(self) -> str:
         """Why a stop came: the time budget (a tune may set its stop at the deadline), else a stop request."""
@@ -408,6 +481,10 @@ class Tuner:
         """Asked from the queue (a seed, refinement or neighbour), not proposed by the sampler."""
         frozen = self.study.get_trials(deepcopy=False)
         return trial.number < len(frozen) and "fixed_params" in frozen[trial.number].system_attrs
+
+
+class _SearchTimeUp(Exception):
+    """The search loop's share of the time budget ran out while it planned (an estimate was asked)."""
 
 
 def _ages(records: list[TrialRecord], now: float) -> str:

@@ -11,7 +11,7 @@ so far. The model is re-fitted from the records on every decision, so a decision
 frozen: a config pruned under an early fit is re-decided under the current one.
 
 Out-of-memory trials are lower bounds: the fit is raised until it predicts each of them
-over its budget, and once one is seen the estimator gets no benefit of the doubt (the
+over its budget (or over what its message said the step needed, where that is more), and once one is seen the estimator gets no benefit of the doubt (the
 narrow margin). Measured trials are facts the other way: a config that needs no more
 memory than one that ran within the budget fits, whatever the fit says.
 """
@@ -36,6 +36,11 @@ MIN_SPREAD = 0.05
 # `fits` does not reach (a config of the OOM's estimate in a group sharing its fit does not
 # fit; one of a smaller estimate may).
 OOM_EXCESS = CALIBRATED_MARGIN
+# ... and this far while no trial of its group has run: an OOM's message bounds the peak
+# from below at the first allocation that failed (device/oom.needed_bytes), and the step
+# would have needed what came after it too. Without the wider excess the next try sits
+# just under the budget and a second OOM on the same ladder is likely.
+UNANCHORED_OOM_EXCESS = UNCALIBRATED_MARGIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +137,7 @@ class MemoryModel:
     def fit(self, config: TrainConfig, records: list[TrialRecord]) -> Fit:
         """The fit for `config`'s group; the pooled fit while its group has no measurement.
         An out-of-memory trial is a fact at any budget (its peak exceeded the budget it ran
-        under), so a fit that predicts it would have fitted is raised until it does not: by
+        under, and the bytes its message said it needed), so a fit that predicts it would have fitted is raised until it does not: by
         the group's own OOMs, and by every OOM while no trial has run within a budget."""
         pooled, same, overheads, ooms, own_ooms = [], [], [], [], []
         for r in records:
@@ -147,7 +152,7 @@ class MemoryModel:
                 if mine:
                     same.append((r.number, point))
             elif r.status == "oom" and record_budget(r):
-                ooms.append((r.number, r.predicted_peak_bytes, record_budget(r)))
+                ooms.append((r.number, r.predicted_peak_bytes, max(record_budget(r), r.needed_bytes or 0)))
                 if mine:
                     own_ooms.append(ooms[-1])
         hint = statistics.median(overheads) if overheads else 0.0
@@ -157,8 +162,9 @@ class MemoryModel:
         # but while nothing has run within a budget it is all there is.
         bounds = own_ooms if pooled else ooms
         fit = Fit(fit.scale, fit.overhead_bytes, fit.points, bool(bounds))
-        for _, estimate_bytes, oom_budget in bounds:
-            needed = (1 + OOM_EXCESS) * oom_budget
+        excess = OOM_EXCESS if same else UNANCHORED_OOM_EXCESS
+        for _, estimate_bytes, least_bytes in bounds:
+            needed = (1 + excess) * least_bytes
             if fit.predict(estimate_bytes) < needed:
                 fit = Fit((needed - fit.overhead_bytes) / estimate_bytes, fit.overhead_bytes, fit.points, True)
         return fit

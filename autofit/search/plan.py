@@ -25,6 +25,10 @@ FitsOf = Callable[[list[TrialRecord]], Callable[[TrainConfig], bool]]
 # Out-of-memory trials with nothing yet run within the budget after which the smallest
 # config is measured: one trial that anchors the memory fit, where OOMs only bound it.
 PROBE_AFTER_OOMS = 2
+# The probe is the smallest config's shape at the largest micro batch whose corrected peak is
+# at most this share of the budget: a fit that was low twice is not trusted near the budget,
+# but the smallest micro batch's step can be slower than the whole time budget.
+PROBE_SHARE = 0.75
 
 
 def allowed_of(records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
@@ -35,26 +39,39 @@ def allowed_of(records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
 
 class Plan:
     def __init__(self, space: SearchSpace, starts: tuple[TrainConfig, ...], *, known: Known, fits_of: FitsOf,
-                 estimate: Callable[[TrainConfig], int], fast_first: bool = False):
+                 estimate: Callable[[TrainConfig], int], fast_first: bool = False, first: tuple[str, ...] = (),
+                 affordable: Callable[[TrainConfig, list[TrialRecord]], bool] = lambda config, records: True,
+                 peak_share: Callable[[TrainConfig, list[TrialRecord]], float] | None = None):
         self.space, self.known, self.fits_of, self.estimate = space, known, fits_of, estimate
+        # False for a config whose trial cannot end in the time left (the tuner's time budget).
+        self.affordable = affordable
+        # A config's corrected peak as a share of the budget (the probe's choice); None: the probe is the smallest.
+        self.peak_share = peak_share
         # On a GPU the 16-bit groups' seeds come before full precision's in each wave: a slow
         # precision's trial costs several fast ones, and rarely wins.
         self.fast_first = fast_first
+        # Precisions whose groups lead each wave (the one-liner's): the precision a user would
+        # pick is the likeliest to be healthy and fast, so a short budget measures it first.
+        self.first = first
         self.queue: list[TrainConfig] = list(starts)
         self.seeds: set[TrainConfig] = set(starts)
 
     def next(self, records: list[TrialRecord], best: TrialRecord | None, running: set) -> TrainConfig | None:
         """The next config to measure, re-checked now: not known, predicted to fit, numerics
         not seen to drift, not being measured by another worker (`running`: their params as
-        sorted tuples). In order: the smallest config while only OOMs were seen, the best's
+        sorted tuples), its trial can end in the time left. In order: the smallest config while only OOMs were seen, the best's
         reference, the queue (seeds, retries, contenders' twins), the best's refinements
         (planned under the fit as it is now, not as it was when the best was found), then
         the next wave of seeds. None: let the sampler propose."""
         allowed, fits = allowed_of(records), self.fits_of(records)
+        slow = self._slow(records, best)
 
         def ready(config: TrainConfig) -> bool:
+            # A seed queued before its precision was seen slow is dropped (`_seed_lists`).
             return (self.known(config, records) is None and fits(config) and allowed(config)
-                    and tuple(sorted(self.space.params(config).items())) not in running)
+                    and not (config in self.seeds and config.precision in slow)
+                    and tuple(sorted(self.space.params(config).items())) not in running
+                    and self.affordable(config, records))
 
         probe = self._probe(records, allowed)
         if probe is not None:
@@ -76,7 +93,8 @@ class Plan:
                 if config is not None:
                     return config
             if refill == 0:
-                # One wave: each seed group's next seed.
+                # One wave: each seed group's next seed, found only now (the seed lists are
+                # lazy: a group's later seeds cost estimates when a later wave reads them).
                 lists = self._seed_lists(fits, allowed, records, best)
                 self.queue = [c for seeds in lists
                               for c in [next((c for c in seeds if self.known(c, records) is None), None)]
@@ -85,30 +103,50 @@ class Plan:
         return None
 
     def _seed_lists(self, fits, allowed, records: list[TrialRecord] = (),
-                    best: TrialRecord | None = None) -> list[list[TrainConfig]]:
-        """The seed groups' seeds (`seeding.seed_lists`). With `fast_first`, the full-precision
-        groups last, and left out once one of their trials (the reference) ran below
-        `seeding.TWIN_FLOOR` of a healthy 16-bit best: their next seeds cost more than they can win."""
-        lists = seeding.seed_lists(self.space, fits, allowed)
-        if not self.fast_first:
-            return lists
-        lists.sort(key=lambda seeds: bool(seeds) and seeds[0].precision in REFERENCE_PRECISIONS)
-        if best is None or best.config.precision in REFERENCE_PRECISIONS:
-            return lists
-        slow = {r.config.precision for r in records if r.status == "ok" and r.config.precision in REFERENCE_PRECISIONS
+                    best: TrialRecord | None = None) -> list:
+        """The seed groups' seeds (`seeding.lazy_seed_lists`: each found as it is read). With
+        `fast_first`, the full-precision groups last, and left out once one of their trials
+        (the reference) ran below `seeding.TWIN_FLOOR` of a healthy 16-bit best: their next
+        seeds cost more than they can win."""
+        groups = seeding.lazy_seed_lists(self.space, fits, allowed)
+        if self.fast_first:
+            groups.sort(key=lambda group: (group[0] in REFERENCE_PRECISIONS, group[0] not in self.first))
+            slow = self._slow(records, best)
+            groups = [g for g in groups if g[0] not in slow]
+        return [seeds for _, seeds in groups]
+
+    def _slow(self, records: list[TrialRecord], best: TrialRecord | None) -> set[str]:
+        """With `fast_first` and a 16-bit best: the full precisions one of whose trials ran
+        below `seeding.TWIN_FLOOR` of it."""
+        if not self.fast_first or best is None or best.config.precision in REFERENCE_PRECISIONS:
+            return set()
+        return {r.config.precision for r in records if r.status == "ok" and r.config.precision in REFERENCE_PRECISIONS
                 and r.samples_per_s < seeding.TWIN_FLOOR * best.samples_per_s}
-        return [seeds for seeds in lists if not seeds or seeds[0].precision not in slow]
 
     def _probe(self, records: list[TrialRecord], allowed: Callable[[TrainConfig], bool]) -> TrainConfig | None:
-        """After PROBE_AFTER_OOMS out-of-memory trials and none that ran: the smallest config.
+        """After PROBE_AFTER_OOMS out-of-memory trials and none that ran: the smallest config
+        (with `peak_share`, its shape at the largest micro batch at most PROBE_SHARE of the budget).
         Each OOM only raises the fit to the least that explains it, so an estimator far too
         low walks every seed group down its frontier one OOM at a time; one trial that runs
         gives the fit a point (or says nothing fits)."""
         ran = any(r.status in ("ok", "unhealthy") for r in records)
         if ran or sum(r.status == "oom" for r in records) < PROBE_AFTER_OOMS:
             return None
-        probe = seeding.smallest(self.space, self.estimate, allowed)
-        return probe if self.known(probe, records) is None and self.fits_of(records)(probe) else None
+        smallest = seeding.smallest(self.space, self.estimate, allowed)
+        fits = self.fits_of(records)
+        probe = smallest
+        if self.peak_share is not None:
+            # Its shape at the largest micro batch well inside the budget: as sure to fit, and
+            # a step the time budget can afford (a micro batch of 1 may take a minute).
+            def roomy(config: TrainConfig) -> bool:
+                return fits(config) and self.peak_share(config, records) <= PROBE_SHARE
+
+            probe = seeding.largest_fitting(self.space, roomy, smallest.precision, smallest.checkpoint_blocks,
+                                            smallest.freeze_blocks, self.space.kept(smallest),
+                                            smallest.checkpoint_policy) or smallest
+            if self.known(probe, records) is not None:
+                probe = smallest
+        return probe if self.known(probe, records) is None and fits(probe) else None
 
     def contender(self, config: TrainConfig, records: list[TrialRecord]) -> None:
         """A checkpointed config measured close to the best: its other-policy twin next
@@ -170,18 +208,23 @@ class Plan:
         self.queue[:0] = self.space.neighbours(config)
 
     def _unseeded(self, records: list[TrialRecord]) -> list[TrainConfig]:
-        """For each seed group with nothing measured yet (its seed ran out of memory, or was
-        dropped as no longer fitting), its largest config predicted to fit now: each is
+        """For each seed group with nothing measured yet at its seeds' freezing depth (its seed
+        ran out of memory, or was dropped as no longer fitting), its largest config predicted to fit now: each is
         measured before refining around another's best."""
         fits = self.fits_of(records)
-        measured = {self.space.seed_group(r.config) for r in records if r.measurement is not None and r.status != "oom"}
-        queued = {self.space.seed_group(c) for c in self.queue if c in self.seeds}
+        # At the seed's freezing depth: the one-liner (nothing frozen) does not stand for its
+        # group's seed at the deepest freeze, which may be the fastest point.
+        def key(config: TrainConfig) -> tuple:
+            return self.space.seed_group(config), config.freeze_blocks
+
+        measured = {key(r.config) for r in records if r.measurement is not None and r.status != "oom"}
+        queued = {key(c) for c in self.queue if c in self.seeds}
         out = []
         for seeds in self._seed_lists(fits, allowed_of(records)):
-            fresh = [c for c in seeds if self.known(c, records) is None]
-            if not fresh or self.space.seed_group(fresh[0]) in measured | queued:
+            fresh = next((c for c in seeds if self.known(c, records) is None), None)
+            if fresh is None or key(fresh) in measured | queued:
                 continue
-            out.append(fresh[0])
-            queued.add(self.space.seed_group(fresh[0]))
+            out.append(fresh)
+            queued.add(key(fresh))
         self.seeds.update(out)
         return out

@@ -27,6 +27,12 @@ def _anything(config: TrainConfig) -> bool:
     return True
 
 
+def _at(space: SearchSpace, precision: str, micro: int, blocks: int, freeze_blocks: int,
+        strategy: dict | None, policy: str) -> TrainConfig:
+    return space.config(precision, micro, blocks, freeze_blocks, **(strategy or {}),
+                        **({"checkpoint_policy": policy} if blocks else {}))
+
+
 def fewest_checkpointed(space: SearchSpace, fits: Fits, precision: str, micro: int,
                         freeze_blocks: int, strategy: dict | None = None,
                         policy: str = "full") -> TrainConfig | None:
@@ -34,8 +40,7 @@ def fewest_checkpointed(space: SearchSpace, fits: Fits, precision: str, micro: i
     memory falls as more blocks are checkpointed, so a binary search over the depth needs
     about log2(L + 1) estimates instead of L + 1 (each is a fake step)."""
     def at(blocks: int) -> TrainConfig:
-        return space.config(precision, micro, blocks, freeze_blocks, **(strategy or {}),
-                            **({"checkpoint_policy": policy} if blocks else {}))
+        return _at(space, precision, micro, blocks, freeze_blocks, strategy, policy)
 
     if fits(at(0)):  # the common case on a roomy device: one estimate
         return at(0)
@@ -51,6 +56,23 @@ def fewest_checkpointed(space: SearchSpace, fits: Fits, precision: str, micro: i
     return at(hi)
 
 
+def largest_fitting(space: SearchSpace, fits: Fits, precision: str, blocks: int, freeze_blocks: int = 0,
+                    strategy: dict | None = None, policy: str = "full") -> TrainConfig | None:
+    """The largest micro batch that fits with `blocks` checkpointed. At a fixed depth peak
+    memory grows with the micro batch, so a binary search over the sizes needs about
+    log2(sizes) estimates where a scan from the largest needs one per size that does not fit
+    (on a tight card, most of them)."""
+    sizes = space.micro_batch_sizes
+    lo, hi = 0, len(sizes)  # invariant: sizes[:lo] fit as far as read, sizes[hi:] do not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(_at(space, precision, sizes[mid], blocks, freeze_blocks, strategy, policy)):
+            lo = mid + 1
+        else:
+            hi = mid
+    return None if lo == 0 else _at(space, precision, sizes[lo - 1], blocks, freeze_blocks, strategy, policy)
+
+
 def frontier(space: SearchSpace, fits: Fits, precision: str, freeze_blocks: int = 0,
              limit: int = 3, strategy: dict | None = None, policy: str = "full") -> list[TrainConfig]:
     """The memory frontier at one precision: for the largest micro batches predicted to fit,
@@ -62,8 +84,14 @@ def frontier(space: SearchSpace, fits: Fits, precision: str, freeze_blocks: int 
 def frontier_points(space: SearchSpace, fits: Fits, precision: str, freeze_blocks: int = 0,
                     strategy: dict | None = None, policy: str = "full") -> Iterator[TrainConfig]:
     """`frontier`'s points, largest micro batch first, each found as it is read: a point
-    costs estimates (fake training steps), so a caller that stops early pays for no more."""
-    for micro in reversed(space.micro_batch_sizes):
+    costs estimates (fake training steps), so a caller that stops early pays for no more.
+    The largest micro batch that fits at all (every block checkpointed) is found by a
+    binary search first; the micro batches above it are never estimated one by one."""
+    top = largest_fitting(space, fits, precision, space.checkpointable(freeze_blocks), freeze_blocks,
+                          strategy, policy)
+    if top is None:
+        return
+    for micro in reversed([m for m in space.micro_batch_sizes if m <= top.micro_batch_size]):
         config = fewest_checkpointed(space, fits, precision, micro, freeze_blocks, strategy, policy)
         if config is not None:
             yield config
@@ -102,26 +130,64 @@ def seed_groups(space: SearchSpace, allowed: Allowed = _anything) -> list[tuple[
 
 
 def seed_lists(space: SearchSpace, fits: Fits, allowed: Allowed = _anything) -> list[list[TrainConfig]]:
-    """Each seed group's seeds, best first: the largest micro batch predicted to fit without
-    checkpointing, then the frontier points where checkpointing lets a larger micro batch fit
-    (with selective checkpointing searched, also its largest micro batch). A lean group keeps
-    only the points no plain seed of its precision and strategy dominates (a micro batch as
-    large with no more checkpointed blocks): the only place its memory knobs can pay off."""
+    """Each seed group's seeds, best first (`lazy_seed_lists`, read to the end)."""
+    return [list(seeds) for _, seeds in lazy_seed_lists(space, fits, allowed)]
+
+
+def lazy_seed_lists(space: SearchSpace, fits: Fits,
+                    allowed: Allowed = _anything) -> list[tuple[str, Iterator[TrainConfig]]]:
+    """(precision, seeds) per seed group, the seeds best first and found as they are read:
+    the largest micro batch predicted to fit without checkpointing, then the frontier points
+    where checkpointing lets a larger micro batch fit (with selective checkpointing searched,
+    also its largest micro batch). A lean group keeps only the points no plain seed of its
+    precision and strategy dominates (a micro batch as large with no more checkpointed
+    blocks): the only place its memory knobs can pay off. Each seed costs estimates (fake
+    steps), so a wave that takes each group's next seed pays for no more than those."""
     # Freezing is opt-in; once allowed, the deepest freeze is both smaller and faster.
     freeze = space.max_freeze_blocks
-    plain: dict[tuple, list[TrainConfig]] = {}
+    plain: dict[tuple, _Memo] = {}
     out = []
     for precision, strategy, knobs in seed_groups(space, allowed):
-        mine = _frontier_seeds(space, fits, precision, freeze, strategy | knobs)
         key = (precision, tuple(strategy.items()))
         if not knobs:
-            plain[key] = mine
+            plain[key] = _Memo(_frontier_seeds(space, fits, precision, freeze, strategy))
+            out.append((precision, iter(plain[key])))
         else:
-            mine = [c for c in mine if not any(p.micro_batch_size >= c.micro_batch_size
-                                               and p.checkpoint_blocks <= c.checkpoint_blocks
-                                               for p in plain.get(key, []))]
-        out.append(mine)
+            mine = plain.get(key, _Memo(iter(())))
+            out.append((precision, _undominated(_frontier_seeds(space, fits, precision, freeze, strategy | knobs),
+                                                mine.all)))
     return out
+
+
+class _Memo:
+    """An iterator's items, kept as they are read, so that two readers pay for each once."""
+
+    def __init__(self, items: Iterator):
+        self.items, self.read = items, []
+
+    def __iter__(self) -> Iterator:
+        i = 0
+        while True:
+            if i == len(self.read):
+                item = next(self.items, _END)
+                if item is _END:
+                    return
+                self.read.append(item)
+            yield self.read[i]
+            i += 1
+
+    def all(self) -> list:
+        return list(self)
+
+
+_END = object()
+
+
+def _undominated(seeds: Iterator[TrainConfig], plain: Callable[[], list[TrainConfig]]) -> Iterator[TrainConfig]:
+    for c in seeds:
+        if not any(p.micro_batch_size >= c.micro_batch_size and p.checkpoint_blocks <= c.checkpoint_blocks
+                   for p in plain()):
+            yield c
 
 
 def starting_points(space: SearchSpace, fits: Fits, allowed: Allowed = _anything) -> list[TrainConfig]:
@@ -130,16 +196,18 @@ def starting_points(space: SearchSpace, fits: Fits, allowed: Allowed = _anything
     return [seeds[i] for i in range(max(map(len, lists), default=0)) for seeds in lists if i < len(seeds)]
 
 
-def _frontier_seeds(space: SearchSpace, fits: Fits, precision: str, freeze: int, kept: dict) -> list[TrainConfig]:
-    # The largest micro batch that fits unchecked; the smaller ones (they fit too) are not estimated.
-    plain = next((c for c in frontier_points(space, fits, precision, freeze, kept) if c.checkpoint_blocks == 0), None)
-    mine = [plain] if plain else []
+def _frontier_seeds(space: SearchSpace, fits: Fits, precision: str, freeze: int, kept: dict) -> Iterator[TrainConfig]:
+    # The largest micro batch that fits unchecked (a binary search over the sizes), first:
+    # the frontier below is estimated only when a second seed is read.
+    plain = largest_fitting(space, fits, precision, 0, freeze, kept)
+    if plain is not None:
+        yield plain
     line = frontier(space, fits, precision, freeze, 2, kept)
     # Each other policy's largest micro batch, after full's first checkpointed point.
     line[1:1] = [c for p in space.policies()[1:] for c in frontier(space, fits, precision, freeze, 1, kept, p)]
-    mine += [c for c in dict.fromkeys(line)
-             if c not in mine and (plain is None or c.micro_batch_size > plain.micro_batch_size)]
-    return mine
+    for c in dict.fromkeys(line):
+        if c != plain and (plain is None or c.micro_batch_size > plain.micro_batch_size):
+            yield c
 
 
 def replacement(space: SearchSpace, fits: Fits, seed: TrainConfig) -> TrainConfig | None:
@@ -216,17 +284,13 @@ def _matched_ratio(records: Sequence[TrialRecord], key: Callable, shape: Callabl
 def one_liner(space: SearchSpace, fits: Fits, precisions: Sequence[str]) -> TrainConfig | None:
     """What a user tries first: the first of `precisions` the space holds (on a GPU the
     fastest 16-bit autocast, bf16-mixed else 16-mixed; on the CPU 32-true) at the largest
-    micro batch predicted to fit with nothing checkpointed or frozen and the plain knobs. One
-    estimate per micro batch, largest first. None when no such precision is allowed or not
+    micro batch predicted to fit with nothing checkpointed or frozen and the plain knobs (a
+    binary search over the sizes). None when no such precision is allowed or not
     even micro batch 1 fits so (the user's one-liner would run out of memory)."""
     precision = next((p for p in precisions if p in space.precisions), None)
     if precision is None:
         return None
-    for micro in reversed(space.micro_batch_sizes):
-        config = space.config(precision, micro)
-        if fits(config):
-            return config
-    return None
+    return largest_fitting(space, fits, precision, 0)
 
 
 def reference_point(space: SearchSpace, fits: Fits, freeze_blocks: int) -> TrainConfig | None:
@@ -259,21 +323,29 @@ def smallest(space: SearchSpace, estimate: Callable[[TrainConfig], int], allowed
 
 
 def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = _anything,
-                records: Sequence[TrialRecord] = ()) -> list[TrainConfig]:
+                records: Sequence[TrialRecord] = ()) -> Iterator[TrainConfig]:
     """After a new best: its compiled (or eager) twin, its precision's frontier under the
     now-calibrated model at the micro batches next to the best's (under its checkpoint policy,
     memory knobs and compile setting), its twins in the other seed groups, its other-policy
-    twin, then its neighbours at its precision (cheap local steps)."""
+    twin, then its neighbours at its precision (cheap local steps), then the rest of the
+    frontier. Found as they are read: a caller that takes the first that is new pays only
+    for the estimates up to it."""
     strategy = space.kept(best)
-    flip = [best.replace(compile=not best.compile)] if len(space.compile) > 1 else []
+    if len(space.compile) > 1:
+        yield best.replace(compile=not best.compile)
     sizes = space.micro_batch_sizes
     here = sizes.index(best.micro_batch_size)
-    line = frontier(space, fits, best.precision, best.freeze_blocks, len(sizes), strategy, best.checkpoint_policy)
-    near = sorted((c for c in line if c != best), key=lambda c: abs(sizes.index(c.micro_batch_size) - here))
+    by_distance = sorted(sizes, key=lambda m: (abs(sizes.index(m) - here), -m))  # the larger first on a tie
+    near = (c for m in by_distance if m != best.micro_batch_size
+            for c in [fewest_checkpointed(space, fits, best.precision, m, best.freeze_blocks, strategy,
+                                          best.checkpoint_policy)] if c is not None and c != best)
+    yield from itertools.islice(near, 2)
+    yield from twins(space, fits, best, allowed, records)
     # The other policy at the best's micro batch, and at its own largest one.
     others = [t for t in [policy_twin(space, fits, best)] if t is not None]
     others += [c for p in space.policies() if p != best.checkpoint_policy
                for c in frontier(space, fits, best.precision, best.freeze_blocks, 1, strategy, p)
                if c.checkpoint_blocks and c not in others]
-    local = [c for c in space.neighbours(best) if c.precision == best.precision]
-    return flip + near[:2] + twins(space, fits, best, allowed, records) + others + local + near[2:]
+    yield from others
+    yield from (c for c in space.neighbours(best) if c.precision == best.precision)
+    yield from near

@@ -60,6 +60,15 @@ class TrialRecord:
         return m.peak_memory_bytes + (m.overhead_bytes or 0)
 
     @property
+    def needed_bytes(self) -> int | None:
+        """An OOM's lower bound on the device bytes its config needs, the overhead counted
+        as in `peak_memory_bytes`; None where the message said nothing."""
+        m = self.measurement
+        if m is None or m.needed_bytes is None:
+            return None
+        return m.needed_bytes + (m.overhead_bytes or 0)
+
+    @property
     def loaded(self) -> bool:
         """Measured while other work kept at least LOADED_SHARE of the host's cores busy:
         its figure is the host's, not the config's, until it is measured again."""

@@ -46,7 +46,9 @@ def run_timeout_s(spec: ModelSpec, record: TrialRecord, steps: int) -> float:
     m, search = record.measurement, spec.search
     if m is None or not m.step_time_s:
         return search.trial_timeout_s * max(1.0, steps / search.measure_steps)
-    startup_s = max(0.0, m.wall_s - (search.warmup_steps + search.measure_steps) * m.step_time_s)
+    # The steps it ran: a window in seconds may hold more than measure_steps.
+    timed = max(search.measure_steps, len(m.step_times_s))
+    startup_s = max(0.0, m.wall_s - (search.warmup_steps + timed) * m.step_time_s)
     return max(search.trial_timeout_s, 3 * (startup_s + (search.warmup_steps + steps) * m.step_time_s))
 
 

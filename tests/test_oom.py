@@ -1,0 +1,96 @@
+"""What an out-of-memory message says the step needed (device/oom.needed_bytes), carried to
+the search's memory model as a lower bound on that config's peak."""
+
+import torch
+
+from autofit.config.train_config import TrainConfig
+from autofit.device.memory import check_growth, LiveBytesTracker
+from autofit.device.oom import needed_bytes
+from autofit.measure.measurement import Measurement
+from autofit.measure.trial import _read_result
+from autofit.search.memory import MemoryModel
+from autofit.search.study import TrialRecord
+
+GiB, MiB = 2**30, 2**20
+
+# PyTorch >= 2.1 (the message issue 33's H100 run printed, with its numbers).
+CUDA_NEW = ("CUDA out of memory. Tried to allocate 12.28 GiB. GPU 0 has a total capacity of 79.10 GiB of which "
+            "4.50 GiB is free. Including non-PyTorch memory, this process has 74.59 GiB memory in use. Of the "
+            "allocated memory 70.10 GiB is allocated by PyTorch, and 3.97 GiB is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+# PyTorch < 2.1.
+CUDA_OLD = ("CUDA out of memory. Tried to allocate 36.00 MiB (GPU 0; 1.95 GiB total capacity; 130.35 MiB already "
+            "allocated; 11.44 MiB free; 150.00 MiB reserved in total by PyTorch)")
+
+
+def test_a_cuda_message_gives_what_pytorch_held_plus_what_it_asked_for():
+    assert needed_bytes(CUDA_NEW) == int(12.28 * GiB) + int(70.10 * GiB)
+    assert needed_bytes(CUDA_OLD) == 36 * MiB + int(130.35 * MiB)
+    # Only the request (a message cut short): still a lower bound.
+    assert needed_bytes("CUDA out of memory. Tried to allocate 512 bytes.") == 512
+
+
+def test_the_cpu_trackers_message_gives_the_live_bytes_plus_the_allocation():
+    tracker = LiveBytesTracker(budget_bytes=1000)
+    try:
+        with tracker:
+            torch.zeros(100, dtype=torch.float32)  # 400 bytes, freed at once
+            keep = torch.zeros(200, dtype=torch.float32)  # 800 bytes live
+            torch.zeros(100, dtype=torch.float32)  # 400 more: over 1000
+    except torch.OutOfMemoryError as exc:
+        assert needed_bytes(str(exc)) == 1200, str(exc)
+    else:
+        raise AssertionError("the tracker let the step exceed its budget")
+    del keep
+
+
+def test_memory_growth_gives_its_peak():
+    class Meter:
+        def growth_bytes(self):
+            return 5 * MiB
+
+    try:
+        check_growth(Meter(), tracked_peak_bytes=10 * MiB, budget_bytes=12 * MiB, step=3)
+    except torch.OutOfMemoryError as exc:
+        assert needed_bytes(str(exc)) == 15 * MiB
+    else:
+        raise AssertionError("growth over the budget was not an out-of-memory error")
+
+
+def test_a_message_without_sizes_gives_nothing():
+    assert needed_bytes("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)") is None
+    assert needed_bytes("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes.") is None
+
+
+def test_ranks_merge_to_the_largest_need(tmp_path):
+    config = TrainConfig(precision="bf16-mixed", micro_batch_size=8, parallelism="ddp", world_size=2)
+    base = {"config": config.to_dict(), "status": "oom", "reason": "out of memory"}
+    import json
+    (tmp_path / "r.json.rank0").write_text(json.dumps(base | {"needed_bytes": 5 * GiB}))
+    (tmp_path / "r.json.rank1").write_text(json.dumps(base | {"needed_bytes": 7 * GiB}))
+    assert _read_result(tmp_path / "r.json", 2)["needed_bytes"] == 7 * GiB
+
+
+def _oom(config: TrainConfig, *, predicted: int, budget: int, needed: int | None) -> TrialRecord:
+    m = Measurement(status="oom", config=config, budget_bytes=budget, needed_bytes=needed)
+    return TrialRecord(number=0, config=config, status="oom", predicted_peak_bytes=predicted, measurement=m,
+                       budget_bytes=budget)
+
+
+def test_the_bytes_an_oom_needed_bound_its_groups_fit_from_below():
+    """The one-liner estimated at 10 GiB on a 10 GiB card runs out of memory saying it needed
+    14 GiB: the fit predicts at least that for it, so a micro batch whose estimate saves
+    less than the shortfall is not predicted to fit (without the bytes, half the micro
+    batch would be); one that saves enough is."""
+    budget = 10 * GiB
+    one = TrainConfig(precision="bf16-mixed", micro_batch_size=8)
+    half = TrainConfig(precision="bf16-mixed", micro_batch_size=4, grad_accum_steps=2)
+    least = TrainConfig(precision="bf16-mixed", micro_batch_size=1, grad_accum_steps=8)
+    estimate = lambda c: 6 * GiB + c.micro_batch_size * GiB // 2  # noqa: E731  (states + activations)
+    model = MemoryModel(estimate, budget)
+    told = [_oom(one, predicted=estimate(one), budget=budget, needed=14 * GiB)]
+    silent = [_oom(one, predicted=estimate(one), budget=budget, needed=None)]
+    assert model.corrected_peak(one, told) >= 14 * GiB
+    assert model.fits(half, silent) and not model.fits(half, told)
+    assert model.fits(least, told)
