@@ -29,6 +29,7 @@ from autofit.device.support import require_supported
 from autofit.workload import build_workload
 from autofit.workload.probe import check_batch_dim
 from autofit.train import distributed
+from autofit.train.knobs import prepare_process
 from autofit.train.loop import train
 from autofit.train.runner import resolve_device
 from autofit.profiles.demotions import record_demotion
@@ -59,6 +60,8 @@ def train_command(spec_path: str | Path, *, profile: str | Path | None = None, s
     budget_bytes = budget.requested_bytes
     config, loaded, profile_path = _config(spec, profile, info, world, budget)
     require_supported(config.precision, info)
+    # Before CUDA starts: the allocator setting the profile measured, inductor's cache the tune filled.
+    prepare_process(config)
     if loaded is not None and loaded.measured.flags:
         # What was measured is what runs: TF32/cuDNN flags, and on a CPU the intra-op threads.
         set_process_flags(loaded.measured.flags)
