@@ -10,6 +10,11 @@ Three tunes, each `python -m autofit tune ... --json` in its own process with in
    state folder: the same configs compile again, now from inductor's cache in `<state>/inductor`.
 3. A model that does not compile (`.item()` in its forward: a graph break, and autofit compiles
    with fullgraph), `compile: true`: the tune records one compile_error and still writes a profile.
+4. One config matched: `autofit trial` of the first tune's winner, compiled, twice in one fresh
+   state folder (the second is what a re-tune, the validation or `autofit train` of that
+   config meets): compile seconds cold against warm. The two tunes
+   above may compile different configs (their leaders follow the host's noise); this pair
+   compiles the same one. `--matched-only` runs this step alone and adds it to `--out`'s JSON.
 Writes a markdown table of the figures to `--out` and the raw summaries beside it (`.json`).
 """
 
@@ -34,8 +39,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/2026-11-27-compile-cache.md")
     parser.add_argument("--time-budget", default="20m", help="each tune's --time-budget (default 20m)")
+    parser.add_argument("--matched-only", action="store_true", help="step 4 alone, added to --out's JSON")
     args = parser.parse_args()
     started = time.monotonic()
+    if args.matched_only:
+        result = json.loads(args.out.with_suffix(".json").read_text())
+        raw = result.pop("raw")
+        result["matched"] = _matched(result["runs"]["first"]["chosen"] or {"precision": "32-true"})
+        args.out.with_suffix(".json").write_text(json.dumps(result | {"raw": raw}, indent=1, default=str) + "\n")
+        args.out.write_text(_markdown(result))
+        print(_markdown(result))
+        return 0
     with tempfile.TemporaryDirectory(prefix="autofit-compile-cache-") as folder:
         root = Path(folder)
         state = root / "state"
@@ -49,6 +63,7 @@ def main() -> int:
               "runs": {name: _figures(run) for name, run in runs.items()}}
     first, again = result["runs"]["first"]["compile_s_total"], result["runs"]["again"]["compile_s_total"]
     result["compile_speedup"] = round(first / again, 2) if first and again else None
+    result["matched"] = _matched(result["runs"]["first"]["chosen"] or {"precision": "32-true"})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result | {"raw": runs}, indent=1, default=str) + "\n")
     args.out.write_text(_markdown(result))
@@ -88,6 +103,28 @@ def _tune(spec: Path, state: Path, study: Path, time_budget: str) -> dict:
             "stderr_tail": got["stderr"][-4000:]}
 
 
+def _matched(config: dict) -> dict:
+    """`autofit trial` of `config` compiled: in a fresh state folder, then twice in another."""
+    sets = [f"--set={k}={v}" for k, v in config.items() if k in ("precision", "micro_batch_size", "grad_accum_steps",
+                                                                    "checkpoint_blocks", "freeze_blocks")]
+    spec = _compiled_tiny_gpt(Path(tempfile.mkdtemp(prefix="autofit-compile-matched-")))
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="autofit-compile-state-") as state:
+        for name in ("first", "again"):
+            got = _run([sys.executable, "-m", "autofit", "trial", str(spec), *sets, "--set=compile=true",
+                        "--device", "cpu", "--json"], timeout_s=TUNE_TIMEOUT_S, env={"AUTOFIT_STATE_DIR": state})
+            try:  # `trial --json` prints one indented document
+                m = json.loads(got["stdout"])
+            except ValueError:
+                m = {"status": f"failed: {got['stderr'][-300:]}"}
+            runs[name] = {"rc": got["rc"], "wall_s": got["wall_s"], "compile_s": m.get("compile_s"),
+                          "status": m.get("status"), "samples_per_s": m.get("samples_per_s")}
+    cold_s, warm_s = runs["first"]["compile_s"], runs["again"]["compile_s"]
+    return {"config": config | {"compile": True}, "command": " ".join(["autofit trial SPEC", *sets,
+                                                                        "--set=compile=true --device cpu --json"]),
+            "runs": runs, "compile_speedup": round(cold_s / warm_s, 2) if cold_s and warm_s else None}
+
+
 def _figures(run: dict) -> dict:
     trials = [t for t in run["summary"].get("trials", []) if t.get("trial_wall_s") is not None]
     compiled = [t for t in trials if t["config"].get("compile")]
@@ -117,6 +154,14 @@ def _markdown(r: dict) -> str:
                   f"fresh study): {r['compile_speedup']}x.", ""]
     for name, f in r["runs"].items():
         lines.append(f"- {name}: compiled trials {f['compiled_configs']}")
+    matched = r.get("matched")
+    if matched:
+        lines += ["", f"One config matched (`{matched['command']}`, twice, one fresh `AUTOFIT_STATE_DIR`):", "",
+                  "| run | compile s | trial wall s | status |", "|---|---|---|---|"]
+        for name, m in matched["runs"].items():
+            lines.append(f"| {name} | {m['compile_s']} | {m['wall_s']} | {m['status']} |")
+        lines += ["", f"Compile seconds, first compile over the same config again in the same state folder: "
+                      f"{matched['compile_speedup']}x."]
     return "\n".join(lines) + "\n"
 
 

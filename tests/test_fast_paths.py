@@ -186,3 +186,15 @@ def test_the_cudnn_benchmark_hook_sets_the_flag_the_profile_records(monkeypatch)
     assert process_flags()["cudnn_benchmark"] is False  # the default leaves the flag alone
     apply_config(torch.nn.Linear(2, 2), TrainConfig(micro_batch_size=1, cudnn_benchmark=True))
     assert process_flags()["cudnn_benchmark"] is True  # what the profile records and train sets again
+
+
+def test_torchs_own_default_written_into_the_variable_gives_way_to_the_state_folder(tmp_path, monkeypatch):
+    """Inductor writes its temp folder into TORCHINDUCTOR_CACHE_DIR the first time anything asks
+    for it (importing Dynamo's counters does, in a fresh process): that is not a user's choice."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.setenv("AUTOFIT_STATE_DIR", str(tmp_path / "state"))
+    cache_dir()  # what inductor does the first time it needs its folder
+    assert os.environ.get(INDUCTOR_CACHE_ENV)  # torch's default, written by torch
+    assert use_inductor_cache() == str(tmp_path / "state" / "inductor")

@@ -198,13 +198,22 @@ def use_inductor_cache(state_dir=None) -> str | None:
     without a state folder (no HOME) torch's default stays. Returns the folder in use, if any."""
     global _inductor_folder_set
     current = os.environ.get(INDUCTOR_CACHE_ENV)
-    if not current or (current == _inductor_folder_set and state_dir is not None):
+    if not current or current == _torch_default_cache() or (current == _inductor_folder_set and state_dir is not None):
         try:
             folder = (default_state_dir() if state_dir is None else Path(state_dir)) / "inductor"
         except AutofitError:
             return None
         os.environ[INDUCTOR_CACHE_ENV] = _inductor_folder_set = str(folder)
     return os.environ[INDUCTOR_CACHE_ENV]
+
+
+def _torch_default_cache() -> str:
+    """Inductor's temp folder, which inductor writes into the variable the first time it asks
+    for its folder (importing Dynamo's counters is enough): that value is torch's, not the
+    user's. A private torch function; tests/test_fast_paths.py fails loudly if it moves."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
 
 
 def prepare_process(config: TrainConfig, state_dir=None) -> None:
