@@ -198,3 +198,12 @@ def test_torchs_own_default_written_into_the_variable_gives_way_to_the_state_fol
     cache_dir()  # what inductor does the first time it needs its folder
     assert os.environ.get(INDUCTOR_CACHE_ENV)  # torch's default, written by torch
     assert use_inductor_cache() == str(tmp_path / "state" / "inductor")
+
+
+def test_the_env_export_carries_the_allocator_setting_and_cudnns_autotuner():
+    from autofit.profiles.export import to_env
+
+    plain = to_env(TrainConfig(micro_batch_size=8))
+    assert ALLOC_CONF_ENV not in plain and "AUTOFIT_CUDNN_BENCHMARK" not in plain
+    tuned = to_env(TrainConfig(micro_batch_size=8, expandable_segments=True, cudnn_benchmark=True))
+    assert tuned[ALLOC_CONF_ENV] == "expandable_segments:True" and tuned["AUTOFIT_CUDNN_BENCHMARK"] == "1"
