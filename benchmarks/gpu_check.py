@@ -1,16 +1,22 @@
 """The check to run whenever a GPU is lent: what a new user sees against the obvious setting.
 
-    python benchmarks/gpu_check.py                      # GPT-2 small on the first GPU, <= 8 min
+    python benchmarks/gpu_check.py                      # GPT-2 small and BERT-base on the first GPU, <= 12 min
+    python benchmarks/gpu_check.py --spec benchmarks/specs/gpt-small.yaml --hand-loops one-liner one-liner+compile
+                                                        # one spec, two hand loops: <= 6 min
     python benchmarks/gpu_check.py --spec benchmarks/specs/gpt-small-tiny.yaml --time-budget 30 --out /tmp/x
                                                         # the same on a CPU, to know the script works
 
-In order: `autofit doctor`; hand-written PyTorch loops (fp32, tf32, the AMP one-liner: bf16
-autocast (fp16 where the device has no bf16) at the largest micro batch that fits, with fused
-AdamW, and the one-liner under torch.compile), each at the largest micro batch of the global
-batch that runs, each in its own process; then `autofit tune SPEC --time-budget N`. Writes
-`<out>/<date>-<device>-gpu-check.{json,md}` (default out: benchmarks/results; on a CPU name
-another folder: CPU figures are not GPU results). The hand loops are skipped on a CPU
-except fp32 (tf32 and bf16 autocast are GPU settings).
+In order: `autofit doctor`; then per spec (`--spec`, repeatable; default GPT-2 small and
+BERT-base): hand-written PyTorch loops (fp32, tf32, the AMP one-liner: bf16 autocast (fp16
+where the device has no bf16) at the largest micro batch that fits, with fused AdamW, and the
+one-liner under torch.compile), each at the largest micro batch of the global batch that
+runs, each in its own process; then `autofit tune SPEC --time-budget N` with the default
+space, which on CUDA tries compiling (and the allocator's expandable segments) on the
+leaders: the compiled trials are counted from its --json trials. Per spec: the tuned
+profile over the hand one-liner and over the compiled one-liner, and the profile's MFU.
+Writes `<out>/<date>-<device>-gpu-check.{json,md}` (default out: benchmarks/results; on a
+CPU name another folder: CPU figures are not GPU results). The hand loops are skipped on a
+CPU except fp32 (tf32 and bf16 autocast are GPU settings).
 """
 
 import argparse
@@ -29,17 +35,22 @@ HAND_LOOPS = ("fp32", "tf32", "one-liner", "one-liner+compile")
 HAND_WINDOW_S = 8.0  # a hand loop's timed window after warm-up, seconds
 HAND_MIN_STEPS = 3
 HAND_TIMEOUT_S = 150.0
+DEFAULT_SPECS = (REPO / "benchmarks/specs/gpt-small.yaml", REPO / "benchmarks/specs/bert-base.yaml")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", type=Path, default=REPO / "benchmarks/specs/gpt-small.yaml")
-    parser.add_argument("--time-budget", default="120", help="the tune's --time-budget (default 120)")
+    parser.add_argument("--spec", type=Path, action="append",
+                        help="a spec to check (repeatable; default: GPT-2 small and BERT-base)")
+    parser.add_argument("--hand-loops", nargs="+", choices=HAND_LOOPS, default=list(HAND_LOOPS),
+                        help="the hand loops run per spec on a GPU (default: all)")
+    parser.add_argument("--time-budget", default="120", help="each tune's --time-budget (default 120)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
     parser.add_argument("--hand-loop", choices=HAND_LOOPS, help=argparse.SUPPRESS)  # a child: one hand loop
     args = parser.parse_args()
+    specs = args.spec or list(DEFAULT_SPECS)
     if args.hand_loop:
-        print(json.dumps(hand_loop(args.spec, args.hand_loop)))
+        print(json.dumps(hand_loop(specs[0], args.hand_loop)))
         return 0
     import torch
 
@@ -47,29 +58,12 @@ def main() -> int:
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
     start = time.monotonic()
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
-              "spec": str(args.spec), "time_budget": args.time_budget, "commit": _commit(),
+              "specs": [str(p) for p in specs], "time_budget": args.time_budget, "commit": _commit(),
               "torch": torch.__version__}
     record["doctor"] = _run([sys.executable, "-m", "autofit", "doctor", "--json"], timeout_s=240)
-    record["hand"] = {}
-    for name in HAND_LOOPS if cuda else ("fp32",):
-        got = _run([sys.executable, __file__, "--spec", str(args.spec), "--hand-loop", name],
-                   timeout_s=HAND_TIMEOUT_S)
-        record["hand"][name] = _last_json(got) | {"wall_s": got["wall_s"], "rc": got["rc"]}
-        print(f"hand {name}: {record['hand'][name]}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(prefix="autofit-gpu-check-") as folder:
-        tune = _run([sys.executable, "-m", "autofit", "tune", str(args.spec), "--time-budget", str(args.time_budget),
-                     "--state-dir", f"{folder}/state", "--out", f"{folder}/profiles", "--no-report", "--json"],
-                    timeout_s=600)
-        record["tune"] = {"rc": tune["rc"], "wall_s": tune["wall_s"], "stderr_tail": tune["stderr"][-6000:]}
-        summary = _last_json(tune)
-        if summary.get("profile_path"):
-            record["tune"]["profile"] = Path(summary["profile_path"]).read_text()
-            record["tune"]["best"] = summary.get("best")
-            record["tune"]["search"] = summary.get("search")
+    record["runs"] = {str(spec): check_spec(spec, args.hand_loops if cuda else ["fp32"], args.time_budget)
+                      for spec in specs}
     record["wall_s"] = round(time.monotonic() - start, 1)
-    one = record["hand"].get("one-liner", record["hand"].get("fp32", {})).get("samples_per_s")
-    best = (record["tune"].get("best") or {}).get("samples_per_s")
-    record["tune_over_hand_one_liner"] = round(best / one, 3) if best and one else None
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")[:40]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{record['date'][:10]}-{slug}-gpu-check"
@@ -77,6 +71,33 @@ def main() -> int:
     stem.with_suffix(".md").write_text(_markdown(record))
     print(stem.with_suffix(".md"))
     return 0
+
+
+def check_spec(spec: Path, hand_loops: list[str], time_budget: str) -> dict:
+    """The hand loops, then the tune, of one spec; the tune's figures over the hand ones."""
+    run = {"hand": {}}
+    for name in hand_loops:
+        got = _run([sys.executable, __file__, "--spec", str(spec), "--hand-loop", name], timeout_s=HAND_TIMEOUT_S)
+        run["hand"][name] = _last_json(got) | {"wall_s": got["wall_s"], "rc": got["rc"]}
+        print(f"{spec.name} hand {name}: {run['hand'][name]}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="autofit-gpu-check-") as folder:
+        tune = _run([sys.executable, "-m", "autofit", "tune", str(spec), "--time-budget", str(time_budget),
+                     "--state-dir", f"{folder}/state", "--out", f"{folder}/profiles", "--no-report", "--json"],
+                    timeout_s=600)
+        run["tune"] = {"rc": tune["rc"], "wall_s": tune["wall_s"], "stderr_tail": tune["stderr"][-6000:]}
+        summary = _last_json(tune)
+        if summary.get("profile_path"):
+            run["tune"] |= {"profile": Path(summary["profile_path"]).read_text(), "best": summary.get("best"), "search": summary.get("search"),
+                            "mfu": (summary.get("search") or {}).get("mfu")}
+        trials = [t for t in summary.get("trials", []) if t.get("trial_wall_s") is not None]
+        run["tune"]["trials_measured"] = len(trials)
+        run["tune"]["compiled_trials"] = [(t["number"], t["status"], t.get("compile_s"), t["config"])
+                                          for t in trials if t["config"].get("compile")]
+    best = (run["tune"].get("best") or {}).get("samples_per_s")
+    for hand in ("one-liner", "one-liner+compile", "fp32"):
+        got = run["hand"].get(hand, {}).get("samples_per_s")
+        run[f"tune_over_{hand}"] = round(best / got, 3) if best and got else None
+    return run
 
 
 def hand_loop(spec_path: Path, name: str) -> dict:
@@ -155,9 +176,9 @@ def _to(batch, device):
     return tuple(v.to(device) for v in batch)
 
 
-def _run(cmd: list[str], *, timeout_s: float) -> dict:
+def _run(cmd: list[str], *, timeout_s: float, env: dict | None = None) -> dict:
     start = time.monotonic()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=env)
         rc, out, err = done.returncode, done.stdout, done.stderr
@@ -180,20 +201,23 @@ def _last_json(got: dict) -> dict:
 
 def _markdown(r: dict) -> str:
     lines = [f"# GPU check: {r['device']}, {r['date']}", "",
-             f"`python benchmarks/gpu_check.py --spec {r['spec']} --time-budget {r['time_budget']}` at {r['commit']}, "
-             f"torch {r['torch']}; {r['wall_s']} s in all.", "",
-             f"doctor: exit {r['doctor']['rc']} in {r['doctor']['wall_s']} s", "",
-             "| hand loop | micro x accum | samples/s | step s | wall s |", "|---|---|---|---|---|"]
-    for name, h in r["hand"].items():
-        shape = f"{h.get('micro_batch_size')} x {h.get('grad_accum_steps')}" if h.get("status") == "ok" else h.get(
-            "status")
-        lines.append(f"| {name} | {shape} | {h.get('samples_per_s', '-')} | {h.get('step_time_s', '-')} | "
-                     f"{h['wall_s']} |")
-    t = r["tune"]
-    best = t.get("best") or {}
-    lines += ["", f"autofit tune --time-budget {r['time_budget']}: exit {t['rc']} in {t['wall_s']} s; "
-              f"{best.get('samples_per_s', '-')} samples/s "
-              f"({(best.get('config') or {})}); over the hand one-liner: {r['tune_over_hand_one_liner']}", ""]
+             f"`python benchmarks/gpu_check.py {' '.join('--spec ' + s for s in r['specs'])} --time-budget "
+             f"{r['time_budget']}` at {r['commit']}, torch {r['torch']}; {r['wall_s']} s in all.", "",
+             f"doctor: exit {r['doctor']['rc']} in {r['doctor']['wall_s']} s", ""]
+    for spec, run in r["runs"].items():
+        lines += [f"## {spec}", "", "| hand loop | micro x accum | samples/s | step s | wall s |", "|---|---|---|---|---|"]
+        for name, h in run["hand"].items():
+            shape = f"{h.get('micro_batch_size')} x {h.get('grad_accum_steps')}" if h.get("status") == "ok" \
+                else h.get("status")
+            lines.append(f"| {name} | {shape} | {h.get('samples_per_s', '-')} | {h.get('step_time_s', '-')} | "
+                         f"{h['wall_s']} |")
+        t = run["tune"]
+        best = t.get("best") or {}
+        lines += ["", f"autofit tune --time-budget {r['time_budget']}: exit {t['rc']} in {t['wall_s']} s; "
+                  f"{best.get('samples_per_s', '-')} samples/s ({(best.get('config') or {})}), MFU {t.get('mfu')}; "
+                  f"over the hand one-liner: {run['tune_over_one-liner']}, over the compiled one-liner: "
+                  f"{run['tune_over_one-liner+compile']}; compiled trials {len(t['compiled_trials'])} of "
+                  f"{t['trials_measured']}: {t['compiled_trials']}", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -310,7 +310,8 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
 
 # Knobs added after the landscapes were made, at their defaults: left out of the key of the
 # fixed per-config noise, so adding a knob does not reshuffle the landscapes.
-_LATER_KNOB_DEFAULTS = {"checkpoint_policy": "full", "compile": False}
+_LATER_KNOB_DEFAULTS = {"checkpoint_policy": "full", "compile": False, "expandable_segments": False,
+                        "cudnn_benchmark": False}
 
 
 def _noise_key(c: TrainConfig) -> str:

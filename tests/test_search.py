@@ -735,3 +735,57 @@ def test_the_noise_decided_with_is_an_upper_bound_of_the_spread_seen():
     assert choice.decision_noise(records, 0.03) > 2 * observed  # two repeats prove little
     assert choice.decision_noise([_ok(0, a), _ok(1, a, repeat=True)], 0.03) == choice.NOISE_FLOOR
     assert choice.central([1.0, 9.0, 2.0]) == 2.0 and choice.central([0.0, 2.0, 2.0, 2.0, 50.0]) == 2.0
+
+
+def test_compile_is_tried_on_the_leaders_only():
+    """Compiling is a refinement of the leading configs: no seed, twin, reference or sampled
+    trial is compiled; the first compiled trial is the compiled twin of the eager best measured
+    before it, and few are tried (each costs a compile on a GPU)."""
+    landscape = _landscape("compiled")
+    landscape.reset()
+    _, result = run_tuner(landscape)
+    measured = [r for r in sorted(result.records, key=lambda r: r.number) if r.measurement is not None
+                and not r.repeat]
+    first = next(i for i, r in enumerate(measured) if r.config.compile)
+    eager_best = max((r for r in measured[:first] if r.status == "ok"), key=lambda r: r.samples_per_s)
+    assert measured[first].config == eager_best.config.replace(compile=True)
+    compiled = [r for r in measured if r.config.compile]
+    # The leader's twin and what it lets fit (main before this change compiled 16 of 26 trials here).
+    assert 1 <= len(compiled) <= 3, [r.config.short() for r in compiled]
+    assert result.ranked[0].config.compile  # compiled steps run faster on this landscape
+    assert landscape.samples_per_s(result.ranked[0].config) >= 0.98 * landscape.grid_best()[1]
+
+
+def test_the_sampler_never_proposes_a_refinement_knob():
+    space = SearchSpace(global_batch_size=8, precisions=("32-true", "bf16-mixed"), micro_batch_sizes=(1, 2, 4, 8),
+                        max_checkpoint_blocks=2, max_freeze_blocks=0, compile=(False, True),
+                        expandable_segments=(False, True))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(40):
+        trial = study.ask()
+        config = space.suggest(trial)
+        assert not config.compile and not config.expandable_segments
+        study.tell(trial, 1.0)
+    # Enqueued (a refinement planned it), the same knob is read back; its default is no param at all.
+    leader = space.config("bf16-mixed", 4)
+    study.enqueue_trial(space.params(leader.replace(compile=True)))
+    trial = study.ask()
+    assert space.suggest(trial, study.trials[trial.number].system_attrs["fixed_params"]).compile
+    assert "compile" not in space.params(leader) and space.params(leader.replace(compile=True))["compile"]
+    assert all(not c.compile for c in space.neighbours(leader))
+
+
+def test_seeds_twins_and_the_reference_are_eager_and_the_leader_gets_its_compiled_twin():
+    space = SearchSpace(global_batch_size=8, precisions=("32-true", "bf16-mixed"), micro_batch_sizes=(1, 2, 4, 8),
+                        max_checkpoint_blocks=2, max_freeze_blocks=0, compile=(False, True))
+    fits = lambda c: c.micro_batch_size <= 4  # noqa: E731
+    assert not any(c.compile for c in seeding.starting_points(space, fits))
+    best = space.config("bf16-mixed", 4, compile=True)
+    assert not any(c.compile for c in seeding.twins(space, fits, best))
+    assert not seeding.reference_point(space, fits, 0).compile
+    eager = best.replace(compile=False)
+    refined = seeding.refinements(space, fits, eager)
+    assert [c for c in refined if c.compile] == [best]  # the leader's compiled twin, nothing else compiled
+    # After the cheap moves around the leader: its twins in the other seed groups first.
+    twins = seeding.twins(space, fits, eager)
+    assert twins and all(refined.index(t) < refined.index(best) for t in twins)

@@ -125,9 +125,16 @@ def test_spec_hash_is_stable_and_tracks_what_tuning_depends_on(tmp_path):
     both = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"checkpoint_policies": ["full", "selective"]}),
                                 "f.yaml"))
     assert both.spec_hash != a.spec_hash and both.search.checkpoint_policies == ("full", "selective")
+    # A knob the device decides (compile: on CUDA unless forbidden): absent, forbidden and
+    # opted in are three spaces, so three hashes; `false` / `true` spell `[false]` / `[false, true]`.
     eager = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"compile": [False]}), "g.yaml"))
     compiled = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"compile": [False, True]}), "h.yaml"))
-    assert eager.spec_hash == a.spec_hash != compiled.spec_hash and compiled.search.compile == (False, True)
+    assert a.search.compile == () and "compile" not in a.to_dict()["search"]
+    assert len({a.spec_hash, eager.spec_hash, compiled.spec_hash}) == 3 and compiled.search.compile == (False, True)
+    forbidden = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"compile": False}), "i.yaml"))
+    opted = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"compile": True}), "j.yaml"))
+    assert forbidden.search.compile == (False,) and opted.search.compile == (False, True)
+    assert parse_spec(a.to_dict(), source_dir=tmp_path).search.compile == ()  # the child reads what the parent wrote
 
 
 def test_example_specs_parse():
@@ -185,7 +192,8 @@ def test_byom_keys_join_the_hash_only_when_given():
 
 def test_opt_in_knobs_keep_the_hash_of_specs_without_them():
     plain = parse_spec(tiny_gpt_dict(), source_dir=REPO)
-    explicit = parse_spec(tiny_gpt_dict(search={"optimizer_bits": [32], "chunked_loss": [False]}), source_dir=REPO)
+    explicit = parse_spec(tiny_gpt_dict(search={"optimizer_bits": [32], "checkpoint_policies": ["full"]}),
+                          source_dir=REPO)
     opted = parse_spec(tiny_gpt_dict(search={"optimizer_bits": [32, 8]}), source_dir=REPO)
     assert plain.spec_hash == explicit.spec_hash != opted.spec_hash
     assert opted.search.optimizer_bits == (32, 8)

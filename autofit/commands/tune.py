@@ -17,6 +17,7 @@ from autofit.base.sizes import parse_duration
 from autofit.config.spec import load_spec, MAX_TRIALS
 from autofit.device.budget import budget_for
 from autofit.device.probe import select_device
+from autofit.train.knobs import use_inductor_cache
 from autofit.search.study import storage_errors
 from autofit.tuning.tune import tune, TuneOutcome, TuneSetup
 from autofit.commands.args import check_count, check_seconds
@@ -50,6 +51,9 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
     if storage is None:
         folder = ensure_folder(Path(state_dir) if state_dir is not None else default_state_dir(), "--state-dir")
         storage = sqlite_storage(folder)
+    # Beside the study, before the worker starts (its children inherit it): a re-tune, the
+    # validation and `autofit train` load the graphs compiled here instead of compiling again.
+    use_inductor_cache(state_dir)
     out_dir = ensure_folder(Path(out_dir) if out_dir is not None else default_store_dir(), "--out")
     # Ctrl-C (the CLI's stop flag) ends the search at the next safe point, kills the trial
     # under way and leaves the study to resume.

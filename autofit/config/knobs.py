@@ -23,6 +23,10 @@ from typing import Any
 from autofit.base.errors import SpecError
 
 CHECKPOINT_POLICIES = ("full", "selective")  # what a checkpointed block keeps (train/knobs.py)
+# A vocabulary this large makes the logits (and their gradient) a large share of a step's
+# memory: the chunked loss is tried on the leaders of such LM heads (GPT-2's 50257 is one).
+LARGE_VOCAB_TOKENS = 32768
+DEVICE_KINDS = ("cpu", "cuda")  # where trials run (`DeviceInfo.kind`)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,8 +59,19 @@ class KnobDef:
     active_with: str | None = None
     # "memory": a memory knob (its own seed group; seeds try its frugal value where the plain
     # one cannot fit); "twin": speed scales about alike at every batch, so planned configs
-    # keep it; "plain": an ordinary dimension.
+    # keep it; "refine": tried only as a refinement of the leading configs (the sampler never
+    # proposes it, seeds and planned configs never hold it: each try costs a compile or a
+    # process-wide setting, and it pays about alike at every shape); "plain": an ordinary dimension.
     role: str = "plain"
+    # The device kinds where it acts; elsewhere it is inert and never searched.
+    devices: tuple[str, ...] = DEVICE_KINDS
+    # The device kinds where the space searches it when the spec names no values (the spec's
+    # `[false]` forbids it, `[false, true]` opts in anywhere it acts); none: opt-in only.
+    default_on: tuple[str, ...] = ()
+    # The model fact (a key of the analysis, `autofit.measure.tasks.analysis`) it needs to be
+    # searched by default: convolutions for cuDNN's autotuner, a large vocabulary head for the
+    # chunked loss.
+    needs: str | None = None
     # Memory rule: the values from the one that holds most to the one that holds least (the
     # memory model orders configs by it); None with `calibrated_apart`: the estimator's
     # calibration is fitted per value; None without it: configs must match on it.
@@ -70,6 +85,11 @@ class KnobDef:
     @property
     def default(self):
         return self.values[0]
+
+    @property
+    def spec_default(self) -> tuple:
+        """The spec's `search.<choices>` when it names none: () lets the device decide."""
+        return () if self.default_on else (self.default,)
 
     @property
     def lean(self):
@@ -116,24 +136,42 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
             doc="the optimizer's moments in fp32 or blockwise 8-bit (bitsandbytes AdamW8bit); "
                 "changes numerics: opt-in"),
     KnobDef(name="chunked_loss", type=bool, values=(False, True), choices="chunked_loss", role="memory",
-            holds_more=(False, True), tags={True: "chunked-ce"},
+            holds_more=(False, True), tags={True: "chunked-ce"}, default_on=("cuda",), needs="large_vocab_head",
             # The chunked loss reads the head's weight outside the model's forward, where
             # DDP's and FSDP2's hooks do not see it.
             rules=(Rule(value=True, parallelisms=("ddp", "fsdp"),
                         why="runs in one process only, got parallelism {parallelism}"),),
             applied_by="autofit.train.runner:Runner.__init__",
-            doc="LM heads: head + cross-entropy in chunks, the full logits never exist; opt-in"),
+            doc="LM heads: head + cross-entropy in chunks, the full logits never exist; on CUDA a "
+                "refinement of the leaders for heads of 32768+ tokens, elsewhere opt-in"),
     KnobDef(name="checkpoint_policy", type=str, values=CHECKPOINT_POLICIES, choices="checkpoint_policies",
             after="checkpoint_blocks", active_with="checkpoint_blocks", calibrated_apart=True,
             tags={"selective": "sel"},
             applied_by="autofit.train.knobs:apply_checkpointing",
             doc="what each checkpointed block keeps: its input (full) or also its matmul and "
                 "attention outputs (selective); opt-in"),
-    KnobDef(name="compile", type=bool, values=(False, True), choices="compile", role="twin",
-            calibrated_apart=True, tags={True: "compiled"},
+    KnobDef(name="compile", type=bool, values=(False, True), choices="compile", role="refine",
+            default_on=("cuda",), calibrated_apart=True, tags={True: "compiled"},
             applied_by="autofit.train.knobs:apply_compile",
-            doc="torch.compile of each block (the whole model without a block stack); compile time "
-                "measured apart from throughput; opt-in"),
+            doc="torch.compile of each block (the whole model without a block stack), tried on the "
+                "leaders only; compile time measured apart from throughput, inductor's cache in the "
+                "state folder; on CUDA by default, on the CPU opt-in"),
+    # A setting of the CUDA caching allocator, read once when CUDA starts: set in the trial
+    # child's environment, and by `autofit train` / `profile.apply` before CUDA starts.
+    KnobDef(name="expandable_segments", type=bool, values=(False, True), choices="expandable_segments",
+            role="refine", devices=("cuda",), default_on=("cuda",), tags={True: "expseg"},
+            # Fragmentation is not what the fake-tensor trace sees: the calibration per value learns it.
+            calibrated_apart=True,
+            applied_by="autofit.device.alloc_conf:set_expandable_segments",
+            doc="CUDA allocator's expandable segments (less fragmentation near the cap), tried on "
+                "the leaders; CUDA only"),
+    KnobDef(name="cudnn_benchmark", type=bool, values=(False, True), choices="cudnn_benchmark",
+            role="refine", devices=("cuda",), default_on=("cuda",), needs="convolutional",
+            tags={True: "cudnn-bench"},
+            calibrated_apart=True,  # the autotuner may pick algorithms with larger workspaces
+            applied_by="autofit.train.knobs:apply_cudnn_benchmark",
+            doc="cuDNN's autotuner picks each convolution's fastest algorithm, tried on the leaders "
+                "of models with convolutions; CUDA only"),
 )}
 
 
@@ -172,9 +210,11 @@ def config_fields(cls: type) -> type:
 
 def choice_fields(*, spec: bool) -> "callable":
     """Decorator: one field per knob holding the values searched, the default alone unless
-    opted in (`spec`: only the knobs the spec's `search:` section has)."""
+    opted in (`spec`: only the knobs the spec's `search:` section has, where a knob the
+    device decides defaults to ())."""
     knobs = spec_knobs() if spec else list(KNOBS.values())
-    return lambda cls: add_fields(cls, [(k.choices, tuple[k.type, ...], (k.default,)) for k in knobs])
+    return lambda cls: add_fields(cls, [(k.choices, tuple[k.type, ...], k.spec_default if spec else (k.default,))
+                                        for k in knobs])
 
 
 def knob_table() -> str:
@@ -182,11 +222,19 @@ def knob_table() -> str:
     def spell(value):
         return str(value).lower() if isinstance(value, bool) else str(value)
 
-    rows = ["| knob | values (default first) | spec `search:` key | rules | applied by | what |",
-            "|---|---|---|---|---|---|"]
+    def by_default(k: KnobDef) -> str:
+        if not k.default_on:
+            return "opt-in" if k.in_spec else "-"
+        return f"on {', '.join(k.default_on)}" + (f" where `{k.needs}`" if k.needs else "")
+
+    rows = ["| knob | values (default first) | spec `search:` key | searched by default | role | rules | applied by "
+            "| what |",
+            "|---|---|---|---|---|---|---|---|"]
     for k in KNOBS.values():
         rules = "; ".join(f"{spell(r.value)} not with {', '.join(r.precisions + r.parallelisms)}" for r in k.rules)
+        if k.devices != DEVICE_KINDS:
+            rules = "; ".join(filter(None, (rules, f"acts on {', '.join(k.devices)} only")))
         rows.append(f"| `{k.name}` | {', '.join(spell(v) for v in k.values)} | "
-                    f"{f'`{k.choices}`' if k.in_spec else '(the data decides)'} | {rules or '-'} | "
-                    f"`{k.applied_by}` | {k.doc} |")
+                    f"{f'`{k.choices}`' if k.in_spec else '(the data decides)'} | {by_default(k)} | {k.role} | "
+                    f"{rules or '-'} | `{k.applied_by}` | {k.doc} |")
     return "\n".join(rows) + "\n"

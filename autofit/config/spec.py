@@ -210,6 +210,9 @@ class ModelSpec:
         out["search"] = dataclasses.asdict(self.search) | {
             name: list(getattr(self.search, name))
             for name in ("precisions", *(k.choices for k in spec_knobs()))}
+        for k in spec_knobs():  # none named: the device decides, and the key stays absent
+            if not out["search"][k.choices]:
+                del out["search"][k.choices]
         out["search"]["time_budget"] = out["search"].pop("time_budget_s")  # the key a spec writes
         return out
 
@@ -224,7 +227,7 @@ class ModelSpec:
                                             "memory_headroom")}
         # Opt-in knobs join the hash only when opted in: specs without them keep their hash
         # (and their profiles).
-        space |= {k: d["search"][k] for k, default in _OPT_IN_DEFAULTS.items() if d["search"][k] != default}
+        space |= {k: d["search"][k] for k, default in _OPT_IN_DEFAULTS.items() if d["search"].get(k, default) != default}
         relevant = {
             "model": d["model"], "data": d["data"], "optimizer": d["optimizer"],
             **({"loss": d["loss"]} if "loss" in d else {}),
@@ -507,7 +510,7 @@ def _seed(r: "Reader") -> int:
 
 
 _OPT_IN_DEFAULTS = {"min_micro_batch_size": None, "loss_curve_rtol": 0.01} | {
-    k.choices: [k.default] for k in spec_knobs()}
+    k.choices: list(k.spec_default) for k in spec_knobs()}
 
 
 def _search(r: "Reader") -> SearchSpec:
@@ -535,7 +538,7 @@ def _search(r: "Reader") -> SearchSpec:
         trial_timeout_s=r.number("trial_timeout_s", default=600.0, minimum=0.0, exclusive=True,
                                  maximum=MAX_TIMEOUT_S),
         min_micro_batch_size=r.positive_int("min_micro_batch_size", default=None, maximum=MAX_GLOBAL_BATCH_SIZE),
-        **{k.choices: _choices(r, k.choices, k.values, default=(k.default,)) for k in spec_knobs()},
+        **{k.choices: _choices(r, k.choices, k.values, default=k.spec_default) for k in spec_knobs()},
         time_budget_s=_duration(r, "time_budget", default=DEFAULT_TIME_BUDGET_S),
         loss_curve_rtol=r.number("loss_curve_rtol", default=0.01, minimum=0.0, exclusive=True, maximum=1.0),
     )
@@ -552,8 +555,13 @@ def _duration(r: "Reader", key: str, *, default: float) -> float:
 
 
 def _choices(r: "Reader", key: str, allowed: tuple, *, default: tuple) -> tuple:
-    """A non-empty list of distinct values from `allowed`, in the given order."""
-    values = r.get(key, list, default=list(default))
+    """A non-empty list of distinct values from `allowed`, in the given order; `default` when
+    absent. A yes/no knob also takes one boolean: `false` forbids it, `true` searches both."""
+    values = r.get(key, (list, bool) if allowed == (False, True) else list, default=None)
+    if values is None:
+        return default
+    if isinstance(values, bool):
+        values = [False, True] if values else [False]
     for i, value in enumerate(values):
         if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
             names = tuple(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed)  # YAML spelling

@@ -30,7 +30,7 @@ from autofit.device.oom import is_oom, needed_bytes
 from autofit.device.precision import process_flags
 from autofit.workload import build_workload, Workload
 from autofit.train import distributed
-from autofit.train.knobs import compile_count
+from autofit.train.knobs import compile_count, prepare_process
 from autofit.train.optim import implementation
 from autofit.train.runner import Runner
 from autofit.train.stagnation import UpdateProbe
@@ -46,6 +46,9 @@ _TRACEBACK_CHARS = 8000  # of a user's exception, for the parent's --debug
 class _Trial:
     def __init__(self, request: TrialRequest, workload: Workload | None = None):
         self.config = TrainConfig.from_dict(request.config)
+        # Before anything starts CUDA: the allocator reads its settings then (a forked child
+        # inherits the worker's environment, which knows no config).
+        prepare_process(self.config)
         self.spec = parse_spec(request.spec, source_dir=Path(request.source_dir))
         self.workload = workload  # built by the worker before the fork; else here
         self.budget_bytes = request.budget_bytes

@@ -93,6 +93,8 @@ class Analysis:
     micro_batch_floor: MicroBatchFloor | None  # the smallest micro batch the model's math allows
     chunkable: bool  # its LM head can take the chunked loss
     bucketing: bool  # sorting a step's samples by length changes its padding
+    large_vocab_head: bool = False  # a chunkable LM head of a large vocabulary (the chunked loss may pay)
+    convolutional: bool = False  # convolutions in it (cuDNN's autotuner may pay)
     data_assumptions: dict  # what the profile's figures assume of the data
     flops_per_sample: float | None = None  # for the profile's MFU; None: not known for this model
     schema: int = SCHEMA

@@ -16,14 +16,19 @@ import threading
 import time
 from pathlib import Path
 
+from autofit.device.alloc_conf import set_expandable_segments
+
 PARENT_PID_ENV = "AUTOFIT_TRIAL_PARENT_PID"  # set by `child_env` for the child it starts
 _POLL_S = 0.1
 _PARENT_POLL_S = 0.5
 _PARENT_GONE_WAIT_S = 2.0
 
 
-def child_env(device: str) -> dict:
+def child_env(device: str, *, expandable_segments: bool = False) -> dict:
+    """The environment of a child of ours on `device`. `expandable_segments`: the trial's
+    config turns the CUDA allocator's expandable segments on (read once, when CUDA starts)."""
     env = dict(os.environ)
+    set_expandable_segments(expandable_segments, env)
     # NVML numbers GPUs by PCI bus; so must CUDA, or probe's index 0 is another card.
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env[PARENT_PID_ENV] = str(os.getpid())  # the child exits (and cleans up) when we die

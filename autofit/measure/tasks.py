@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from autofit.base.errors import AutofitError, InputError, SpecError
+from autofit.config.knobs import LARGE_VOCAB_TOKENS
 from autofit.config.spec import ModelSpec, parse_spec
 from autofit.config.train_config import TrainConfig
 from autofit.workload import build_workload, make_workload, TextData, Workload
@@ -111,6 +112,10 @@ def probe(request: dict, context: dict) -> dict:
     return {"status": "ok"}
 
 
+_CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                 torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
+
+
 def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> Analysis:
     """The facts of `workload` the search space is built from: block count, the micro-batch
     floor of each rank's batch, whether its LM head can be chunked, whether sorting a step by
@@ -128,8 +133,12 @@ def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> Analysis:
     # Sorting a step by length only changes dynamically padded micro batches of mixed lengths.
     bucketing = (isinstance(data, TextData) and data.padding == "dynamic" and not data.packing
                  and spec.train.global_batch_size > 1)
-    return Analysis(n_blocks=block_count(model), micro_batch_floor=floor,
-                    chunkable=workload.chunked_loss_fn is not None, bucketing=bucketing,
+    chunkable = workload.chunked_loss_fn is not None
+    vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), default=0)
+    return Analysis(n_blocks=block_count(model), micro_batch_floor=floor, chunkable=chunkable, bucketing=bucketing,
+                    # What the knobs searched by default need (`KnobDef.needs`).
+                    large_vocab_head=chunkable and vocab >= LARGE_VOCAB_TOKENS,
+                    convolutional=any(isinstance(m, _CONVOLUTIONS) for m in model.modules()),
                     data_assumptions=workload.data_assumptions(),
                     # For the profile's MFU: counted where the model is built (the user's code
                     # runs in children only); None for a model whose FLOPs are not known.

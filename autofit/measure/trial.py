@@ -125,7 +125,8 @@ def _measure_ranks(request: TrialRequest, config: TrainConfig, *, device: str, t
             proc = None
             try:
                 proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file,
-                                        stderr=subprocess.STDOUT, env=child_env(device), start_new_session=True)
+                                        stderr=subprocess.STDOUT, env=child_env(device, expandable_segments=config.expandable_segments),
+                                        start_new_session=True)
                 if guard is not None:
                     guard.trial_started(proc.pid, Path(tmp))
                 ended = wait_for_child(proc, timeout_s, StopEither(stop_event))

@@ -18,6 +18,7 @@ import yaml
 
 from autofit.base.errors import ProfileError
 from autofit.config.train_config import TrainConfig
+from autofit.device.alloc_conf import ALLOC_CONF_ENV, with_expandable_segments
 from autofit.device.precision import get_policy
 
 FORMATS = ("yaml", "json", "hf", "lightning", "env")
@@ -325,6 +326,10 @@ def to_env(profile) -> dict[str, str]:
         env["AUTOFIT_CHUNKED_LOSS"] = "1"
     if config.compile:  # absent: eager
         env["AUTOFIT_COMPILE"] = "1"
+    if config.expandable_segments:  # the allocator's own variable: a job that loads this file gets it
+        env[ALLOC_CONF_ENV] = with_expandable_segments(None, True)
+    if config.cudnn_benchmark:
+        env["AUTOFIT_CUDNN_BENCHMARK"] = "1"
     if config.distributed:
         env |= {"AUTOFIT_PARALLELISM": config.parallelism, "AUTOFIT_WORLD_SIZE": str(config.world_size),
                 "AUTOFIT_TORCHRUN": torchrun_command(config)}

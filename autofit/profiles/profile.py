@@ -19,6 +19,7 @@ from autofit.base.paths import default_store_dir
 from autofit.config.reader import read_as, Reader
 from autofit.config.spec import ModelSpec, OptimizerSpec, parse_optimizer
 from autofit.config.train_config import TrainConfig
+from autofit.train.knobs import prepare_process
 from autofit.train.optim import build_optimizer, implementation
 from autofit.train.plan import resolve_plan_device, TrainingPlan
 from autofit.profiles import export
@@ -349,7 +350,8 @@ class Profile:
         return fit_now(self, memory_budget=memory_budget, device=device, export=True)
 
     def apply(self, model, optimizer_factory=None, *, device=None, max_grad_norm: float | None | str = "profile",
-              store=None, memory_budget: int | str | None = None, memory_headroom: float | None = None):
+              store=None, memory_budget: int | str | None = None, memory_headroom: float | None = None,
+              state_dir=None):
         """A `TrainingPlan`: `model` with this profile's checkpointing, freezing, dtype and
         device applied, plus autocast, GradScaler and the runner's step for a custom loop.
 
@@ -368,8 +370,12 @@ class Profile:
         `plan.step(batch=..., loss_fn=...)` survives an out-of-memory error by halving the
         micro batch; when this profile is in `store` (a folder or `ProfileStore`; default
         the store `load_profile` reads), each such demotion is recorded beside it, where the
-        next `autofit tune` starts from it."""
+        next `autofit tune` starts from it. `state_dir`: where the tune kept inductor's cache
+        (default: autofit's state folder)."""
         chosen = self.fitted(memory_budget=memory_budget, device=device, memory_headroom=memory_headroom)
+        # Before the plan moves the model (CUDA may start): the allocator setting measured, and
+        # inductor's cache in the state folder for a compiled config.
+        prepare_process(chosen.config, state_dir)
         # A folder, or a ProfileStore (its root); None: the store `load_profile` reads.
         root = Path(store if isinstance(store, (str, Path)) else getattr(store, "root", None) or default_store_dir())
         on_demotion = None

@@ -147,8 +147,9 @@ class Tuner:
                 self.study.enqueue_trial(self.space.params(planned))
             trial = ask(self.study)
             try:
-                queued = self._was_queued(trial)
-                config = self.space.suggest(trial)
+                fixed = self._fixed(trial)
+                queued = fixed is not None
+                config = self.space.suggest(trial, fixed)
                 known = self.known(config, records)
                 busy = known is None and self._busy(config, trial)  # another worker measures it
                 late = known is None and not busy and not self._affordable(config, records)
@@ -389,7 +390,7 @@ class Tuner:
             self._drop_queue()
             self.study.enqueue_trial(self.space.params(config))
             trial = ask(self.study)
-            config = self.space.suggest(trial)  # its params, set while claimed
+            config = self.space.suggest(trial, self._fixed(trial))  # its params, set while claimed
         record = self._evaluate(trial, config, records).replace(repeat=repeat)
         self._tell(trial, record)
         return record
@@ -477,10 +478,11 @@ class Tuner:
         """The params (sorted tuples) of the trials being measured now, by any worker."""
         return {tuple(sorted(t.params.items())) for t in self.study.get_trials(deepcopy=False, states=RUNNING)}
 
-    def _was_queued(self, trial: optuna.Trial) -> bool:
-        """Asked from the queue (a seed, refinement or neighbour), not proposed by the sampler."""
+    def _fixed(self, trial: optuna.Trial) -> dict | None:
+        """The params the queue set for `trial` (a seed, refinement or neighbour); None for a
+        trial the sampler proposes."""
         frozen = self.study.get_trials(deepcopy=False)
-        return trial.number < len(frozen) and "fixed_params" in frozen[trial.number].system_attrs
+        return frozen[trial.number].system_attrs.get("fixed_params") if trial.number < len(frozen) else None
 
 
 class _SearchTimeUp(Exception):

@@ -11,6 +11,7 @@ is fastest is measured, not assumed.
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
+from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
 from autofit.search.health import REFERENCE_PRECISIONS
 from autofit.search.space import SearchSpace
@@ -227,7 +228,6 @@ def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = 
     saving buys another micro batch, only a comparison at the best's shape tells which wins.
     Groups measured well below the best's group at a matched micro batch (`TWIN_FLOOR`)
     are left out, and the others come fastest first."""
-    compiled = {"compile": best.compile} if len(space.compile) > 1 else {}
     mine = space.seed_group(best)
     # The next larger micro batch, and the fewest blocks the best's own group needs there.
     larger = [(m, fewest_checkpointed(space, fits, best.precision, m, best.freeze_blocks, space.kept(best),
@@ -235,7 +235,7 @@ def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = 
               for m in space.micro_batch_sizes if m > best.micro_batch_size][:1]
     ranked = []
     for precision, strategy, knobs in seed_groups(space, allowed):
-        kept = strategy | knobs | compiled
+        kept = strategy | knobs  # eager, plain refinement knobs: those are tried on the leaders only
         group = space.seed_group(space.config(precision, best.micro_batch_size, **kept))
         ratio = _speed_ratio(space, records, mine, group)
         if group == mine or (ratio is not None and ratio < TWIN_FLOOR):
@@ -296,17 +296,13 @@ def one_liner(space: SearchSpace, fits: Fits, precisions: Sequence[str]) -> Trai
 def reference_point(space: SearchSpace, fits: Fits, freeze_blocks: int) -> TrainConfig | None:
     """The fastest full-numerics config predicted to fit at `freeze_blocks` (the largest
     micro batch of 32-true, else tf32, with 32-bit optimizer state and the fewest checkpointed
-    blocks; compiled if only a compiled step fits): what a low-precision trial at that depth
-    is judged against. None if the space has no such precision or nothing of it fits."""
+    blocks; eager: compiling is a refinement of the leaders only): what a low-precision trial
+    at that depth is judged against. None if the space has no such precision or nothing of it fits."""
     precision = next((p for p in REFERENCE_PRECISIONS if p in space.precisions), None)
     if precision is None or 32 not in space.optimizer_bits:
         return None
-    for compiled in dict.fromkeys((False, *space.compile)):
-        kept = {"optimizer_bits": 32} | ({"compile": True} if compiled else {})
-        line = frontier(space, fits, precision, freeze_blocks, 1, kept)
-        if line:
-            return line[0]
-    return None
+    line = frontier(space, fits, precision, freeze_blocks, 1, {"optimizer_bits": 32})
+    return line[0] if line else None
 
 
 def smallest(space: SearchSpace, estimate: Callable[[TrainConfig], int], allowed: Allowed = _anything) -> TrainConfig:
@@ -324,28 +320,60 @@ def smallest(space: SearchSpace, estimate: Callable[[TrainConfig], int], allowed
 
 def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = _anything,
                 records: Sequence[TrialRecord] = ()) -> Iterator[TrainConfig]:
-    """After a new best: its compiled (or eager) twin, its precision's frontier under the
-    now-calibrated model at the micro batches next to the best's (under its checkpoint policy,
-    memory knobs and compile setting), its twins in the other seed groups, its other-policy
-    twin, then its neighbours at its precision (cheap local steps), then the rest of the
-    frontier. Found as they are read: a caller that takes the first that is new pays only
-    for the estimates up to it."""
-    strategy = space.kept(best)
-    if len(space.compile) > 1:
-        yield best.replace(compile=not best.compile)
+    """After a new best: its precision's frontier under the now-calibrated model at the micro
+    batches next to the best's (under its checkpoint policy and memory knobs), its twins in the
+    other seed groups, then its refinement twins (`leader_twins`: compiled, expandable segments,
+    ...), its other-policy twin, then its neighbours at its precision (cheap local steps), then
+    the rest of the frontier. All but the refinement twins are planned eager with the refinement
+    knobs at their defaults: those are tried on the leader, once the cheap moves around it are
+    measured. Found as they are read: a caller that takes the first that is new pays only for
+    the estimates up to it."""
+    plain = {k.name: k.default for k in space.refine_knobs()}
+    eager = best.replace(**plain)
+    strategy = space.kept(eager)
     sizes = space.micro_batch_sizes
     here = sizes.index(best.micro_batch_size)
     by_distance = sorted(sizes, key=lambda m: (abs(sizes.index(m) - here), -m))  # the larger first on a tie
     near = (c for m in by_distance if m != best.micro_batch_size
             for c in [fewest_checkpointed(space, fits, best.precision, m, best.freeze_blocks, strategy,
-                                          best.checkpoint_policy)] if c is not None and c != best)
+                                          best.checkpoint_policy)] if c is not None and c != eager)
     yield from itertools.islice(near, 2)
-    yield from twins(space, fits, best, allowed, records)
+    yield from twins(space, fits, eager, allowed, records)
+    yield from leader_twins(space, fits, best)
     # The other policy at the best's micro batch, and at its own largest one.
-    others = [t for t in [policy_twin(space, fits, best)] if t is not None]
+    others = [t for t in [policy_twin(space, fits, eager)] if t is not None]
     others += [c for p in space.policies() if p != best.checkpoint_policy
                for c in frontier(space, fits, best.precision, best.freeze_blocks, 1, strategy, p)
                if c.checkpoint_blocks and c not in others]
     yield from others
-    yield from (c for c in space.neighbours(best) if c.precision == best.precision)
+    yield from (c for c in space.neighbours(eager) if c.precision == best.precision)
     yield from near
+
+
+def leader_twins(space: SearchSpace, fits: Fits, leader: TrainConfig) -> list[TrainConfig]:
+    """The leader with one more refinement knob away from its default (a compiled leader with
+    expandable segments too: they stack), in registry order, each followed by what it may let
+    fit (`_tightened`); a leader that holds refinement knobs already is tightened first. Knobs
+    whose rules refuse the leader's precision or strategy are left out."""
+    held = {k.name: getattr(leader, k.name) for k in space.refine_knobs()}
+    out = _tightened(space, fits, leader, held) if any(v != KNOBS[n].default for n, v in held.items()) else []
+    for knob in space.refine_knobs():
+        if held[knob.name] != knob.default:
+            continue
+        value = next(v for v in getattr(space, knob.choices) if v != knob.default)
+        if knob.refusal(value, leader.precision, leader.parallelism) is not None:
+            continue
+        twin = leader.replace(**{knob.name: value})
+        out += [twin] + _tightened(space, fits, twin, held | {knob.name: value})
+    return out
+
+
+def _tightened(space: SearchSpace, fits: Fits, config: TrainConfig, refined: dict) -> list[TrainConfig]:
+    """`config`'s micro batch and the next larger one with the fewest checkpointed blocks that
+    fit under its refinement knobs (`refined`): a compiled step's fused kernels and the chunked
+    loss keep less, which the fit learns apart once one of them ran."""
+    kept = space.kept(config) | refined
+    sizes = [m for m in space.micro_batch_sizes if m >= config.micro_batch_size][:2]
+    found = [fewest_checkpointed(space, fits, config.precision, m, config.freeze_blocks, kept,
+                                 config.checkpoint_policy) for m in sizes]
+    return [c for c in found if c is not None and c != config]

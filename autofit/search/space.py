@@ -66,6 +66,10 @@ class SearchSpace:
     parallelisms: tuple[str, ...] = ("ddp", "fsdp")
     # Why `micro_batch_sizes` starts where it does (a model with BatchNorm); None: every divisor.
     micro_batch_floor: MicroBatchFloor | None = None
+    # Memory knobs the device turned on rather than the spec (the chunked loss of a large
+    # vocabulary head on CUDA): tried as refinements of the leaders, like the "refine" rows,
+    # not as seed groups of their own.
+    refined: tuple[str, ...] = ()
 
     def knobs(self) -> tuple[Knob, ...]:
         """The knobs, in the order Optuna suggests them. Add a new knob here."""
@@ -103,9 +107,8 @@ class SearchSpace:
 
     def kept(self, config: TrainConfig) -> dict:
         """What the configs planned around `config` keep of it besides precision, micro batch,
-        checkpointing and freezing: its strategy, its memory knobs, and whether it is compiled
-        (compiling scales a config's speed about alike at every batch, so it is a twin, not a
-        dimension to seed)."""
+        checkpointing and freezing: its strategy, its memory knobs and its "twin" knobs. Not
+        its refinement knobs (compile, ...): those are tried on the leaders only."""
         return (self.strategy_of(config) | self.memory_knobs_of(config)
                 | {k.name: getattr(config, k.name) for k in self._searched("twin")})
 
@@ -135,8 +138,15 @@ class SearchSpace:
         return {k.name: getattr(config, k.name) for k in self._searched("memory")}
 
     def _searched(self, role: str) -> list:
-        """The registry's knobs of `role` with a choice in this space."""
-        return [k for k in KNOBS.values() if k.role == role and len(getattr(self, k.choices)) > 1]
+        """The registry's knobs of `role` with a choice in this space (refined ones apart)."""
+        return [k for k in KNOBS.values() if k.role == role and len(getattr(self, k.choices)) > 1
+                and k.name not in self.refined]
+
+    def refine_knobs(self) -> list:
+        """The knobs tried only on the leaders (`seeding.refinements`): the "refine" rows and
+        the `refined` memory knobs with a choice in this space. The sampler never proposes them."""
+        return [k for k in KNOBS.values() if len(getattr(self, k.choices)) > 1
+                and (k.role == "refine" or k.name in self.refined)]
 
     def config(self, precision: str, micro_batch_size: int, checkpoint_blocks: int = 0,
                freeze_blocks: int = 0, **other) -> TrainConfig:
@@ -168,8 +178,11 @@ class SearchSpace:
         """The checkpoint policies searched (one when the spec did not opt in)."""
         return self.checkpoint_policies if self.max_checkpoint_blocks else ("full",)
 
-    def suggest(self, trial: optuna.Trial) -> TrainConfig:
-        values = {k.field: k.suggest(trial) for k in self.knobs()}
+    def suggest(self, trial: optuna.Trial, fixed: dict | None = None) -> TrainConfig:
+        """The config of `trial`. `fixed`: the params the queue set (an enqueued trial's); a
+        refinement knob is read only from them, so the sampler never proposes it."""
+        refine = {k.name for k in self.refine_knobs()}
+        values = {k.field: k.suggest(trial) for k in self.knobs() if k.field not in refine or k.param in (fixed or {})}
         # Checkpointing beyond the trainable blocks is the same point as checkpointing all of them.
         values["checkpoint_blocks"] = min(values["checkpoint_blocks"], self.checkpointable(values["freeze_blocks"]))
         for k in KNOBS.values():  # e.g. bf16 weights and FSDP2 shards keep 32-bit optimizer state
@@ -178,8 +191,10 @@ class SearchSpace:
         return self._from_values(values)
 
     def params(self, config: TrainConfig) -> dict:
-        """Optuna parameters of `config` (for enqueueing)."""
-        return {k.param: k.encode(getattr(config, k.field)) for k in self.knobs()}
+        """Optuna parameters of `config` (for enqueueing). A refinement knob at its default is
+        left out, as a sampled trial leaves it (the same config, the same params)."""
+        at_default = {k.name for k in self.refine_knobs() if getattr(config, k.name) == k.default}
+        return {k.param: k.encode(getattr(config, k.field)) for k in self.knobs() if k.field not in at_default}
 
     def grid(self) -> list[TrainConfig]:
         knobs = self.knobs()
@@ -217,8 +232,9 @@ class SearchSpace:
             moved = self._step(config, move, by_field)
             if moved is not None and self.valid(moved):
                 out.append(moved)
+        refine = {k.name for k in self.refine_knobs()}  # tried on the leaders only, not as a neighbour
         for k in self.knobs():
-            if not k.ordered:
+            if not k.ordered and k.field not in refine:
                 # A policy without checkpointed blocks is inert: no neighbour there. No 8-bit
                 # state with bf16 weights.
                 out += [c for v in k.values if v != getattr(config, k.field)

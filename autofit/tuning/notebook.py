@@ -35,6 +35,7 @@ from autofit.device.budget import budget_for
 from autofit.device.probe import select_device
 from autofit.workload.data import FunctionData
 from autofit.workload.optimizer import from_object
+from autofit.train.knobs import use_inductor_cache
 from autofit.profiles.profile import Profile
 from autofit.tuning.tune import tune as tune_spec, TuneSetup
 from autofit.tuning.training import train_module
@@ -89,6 +90,7 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
     budget = budget_for(info, memory_budget, headroom=spec.search.memory_headroom, time_s=timeout_s)
     state = Path(state_dir) if state_dir is not None else default_state_dir()
     state.mkdir(parents=True, exist_ok=True)
+    use_inductor_cache(state)  # beside the study: a re-tune and the validation load its graphs
     out = Path(out_dir) if out_dir is not None else default_store_dir()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="autofit-objects-") as folder:

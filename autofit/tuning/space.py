@@ -51,13 +51,16 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: 
     if analysis is None:
         analysis = model_analysis(spec, build_workload(spec), nproc)
     n_blocks, floor = analysis.n_blocks, analysis.micro_batch_floor
-    chunked = spec.search.chunked_loss
+    choices = {k.choices: _choices(k, spec, device, analysis) for k in spec_knobs()}
+    chunked = choices["chunked_loss"]
     if True in chunked and not analysis.chunkable:
         raise SpecError(f"search.chunked_loss: only for language-model heads autofit can chunk (builtin gpt, "
                         f"hf *ForCausalLM with synthetic, tokens or text data); {spec.name} has none; use [false]")
     if True in chunked and nproc > 1:
-        logger.warning("search.chunked_loss: runs in one process only; not searched with --nproc {}", nproc)
+        if spec.search.chunked_loss:  # asked for, not turned on by the device
+            logger.warning("search.chunked_loss: runs in one process only; not searched with --nproc {}", nproc)
         chunked = (False,)
+    choices["chunked_loss"] = chunked
     rank_batch = spec.train.global_batch_size // nproc  # micro x accumulation x ranks = global
     return SearchSpace(
         global_batch_size=spec.train.global_batch_size, precisions=tuple(precisions),
@@ -66,5 +69,24 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: 
         max_checkpoint_blocks=n_blocks if spec.search.activation_checkpointing else 0,
         max_freeze_blocks=min(spec.search.max_freeze_blocks, n_blocks),
         length_bucketing=(False, True) if analysis.bucketing else (False,),
-        **{k.choices: getattr(spec.search, k.choices) for k in spec_knobs()} | {"chunked_loss": chunked},
+        **choices,
+        # The memory knobs the device turned on, not the spec: refinements of the leaders.
+        refined=tuple(k.name for k in spec_knobs() if k.role == "memory" and not getattr(spec.search, k.choices)
+                      and len(choices[k.choices]) > 1),
     )
+
+
+def _choices(knob, spec: ModelSpec, device: DeviceInfo, analysis: Analysis) -> tuple:
+    """The values of `knob` searched on `device`: none but the default where it is inert (a
+    CUDA setting on the CPU); the spec's where it names them; else every value where the device
+    turns it on by default and the model has what it needs (`KnobDef.needs`), the default elsewhere."""
+    named = getattr(spec.search, knob.choices)
+    if device.kind not in knob.devices:
+        if len(named) > 1:
+            logger.info("search.{}: inert on {}; not searched", knob.choices, device.name)
+        return (knob.default,)
+    if named:
+        return named
+    if device.kind in knob.default_on and (knob.needs is None or getattr(analysis, knob.needs)):
+        return knob.values
+    return (knob.default,)

@@ -42,6 +42,7 @@ from autofit.workload import build_workload, make_workload
 from autofit.workload.optimizer import from_object
 from autofit.workload.probe import check_batch_dim
 from autofit.train import distributed
+from autofit.train.knobs import prepare_process
 from autofit.train.loop import train
 from autofit.train.runner import resolve_device
 from autofit.profiles.demotions import record_demotion
@@ -78,6 +79,8 @@ def train_spec(setup: TrainSetup) -> dict:
     budget = budget_for(info, setup.memory_budget, headroom=0.0)
     config, loaded, profile_path = _config(spec, setup.profile, info, world, budget)
     require_supported(config.precision, info)
+    # Before CUDA starts: the allocator setting the profile measured, inductor's cache the tune filled.
+    prepare_process(config)
     if loaded is not None and loaded.measured.flags:
         # What was measured is what runs: TF32/cuDNN flags, and on a CPU the intra-op threads.
         set_process_flags(loaded.measured.flags)

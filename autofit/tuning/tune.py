@@ -100,7 +100,8 @@ def _record_dict(r: TrialRecord) -> dict:
             # What the trial cost: its child's wall time, and the timed steps within it.
             "trial_wall_s": None if m is None else round(m.wall_s, 3),
             "timed_s": None if m is None else round(sum(m.step_times_s), 4),
-            "foreign_cores": None if m is None else m.foreign_cores}
+            "foreign_cores": None if m is None else m.foreign_cores,
+            "compile_s": None if m is None or m.compile_s is None else round(m.compile_s, 2)}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
