@@ -139,7 +139,7 @@ def test_train_sets_the_profiles_allocator_setting_and_inductor_cache_before_cud
                     cuda=torch.cuda.is_initialized())
         return {}
 
-    monkeypatch.setattr("autofit.commands.train.train", train)
+    monkeypatch.setattr("autofit.tuning.training.train", train)
     train_command(spec_path, profile=profile_path, checkpoint_dir=tmp_path / "run", progress=False)
     assert seen == {"conf": "expandable_segments:True", "cache": str(tmp_path / "state" / "inductor"), "cuda": False}
 
