@@ -6,7 +6,6 @@ asking process; an error in it is an `InputError` (exit 2)."""
 
 from loguru import logger
 
-from autofit.base import stopping
 from autofit.base.errors import InputError, NonFiniteLossError, TrialError, TrialTimeoutError
 from autofit.config.spec import ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import TrainConfig
@@ -74,9 +73,11 @@ def probe_batch_dim(worker: Worker, spec: ModelSpec, *, timeout_s: float | None 
 
 
 def _answer(outcome: TaskOutcome, spec: ModelSpec) -> dict:
-    """The child's result; a stop or an error in the user's code raised as such."""
+    """The child's result; a stop or an error in the user's code raised as such. A stop is an
+    InterruptedError, which the tune catches where it has measured something (its best config
+    so far is the profile) and the CLI turns into exit 128+n elsewhere: not the stop flag's own
+    `Stopped`, which would unwind past the tune's anytime write."""
     if outcome.ended == "stopped":
-        stopping.check()  # the CLI's stop: exit 128+n
         raise InterruptedError("stopped")
     result = outcome.result or {}
     if result.get("status") == "input_error":  # the user's code raised: every config would fail alike
