@@ -784,8 +784,8 @@ def test_seeds_twins_and_the_reference_are_eager_and_the_leader_gets_its_compile
     assert not any(c.compile for c in seeding.twins(space, fits, best))
     assert not seeding.reference_point(space, fits, 0).compile
     eager = best.replace(compile=False)
-    refined = seeding.refinements(space, fits, eager)
+    refined = list(seeding.refinements(space, fits, eager))
     assert [c for c in refined if c.compile] == [best]  # the leader's compiled twin, nothing else compiled
     # After the cheap moves around the leader: its twins in the other seed groups first.
-    twins = seeding.twins(space, fits, eager)
+    twins = list(seeding.twins(space, fits, eager))
     assert twins and all(refined.index(t) < refined.index(best) for t in twins)
