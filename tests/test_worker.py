@@ -63,7 +63,9 @@ def test_a_hung_child_is_killed_and_its_folder_removed(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     seen = []
     with _worker() as worker:
-        outcome = worker.run(f"{TASKS}:hang", {}, timeout_s=1, on_child=lambda pid, folder: seen.append(pid))
+        # The task's timeout is 1 s; the worker's own start (torch imported) has its own, for a busy host.
+        outcome = worker.run(f"{TASKS}:hang", {}, timeout_s=1, on_child=lambda pid, folder: seen.append(pid),
+                             start_timeout_s=120)
         assert outcome.ended == "timeout"
         assert not alive(seen[0])  # killed (and reaped) before run() returned
     assert list(tmp_path.iterdir()) == []  # the task's folder and the worker's, removed
@@ -353,12 +355,9 @@ class _FakeRunner:
     ([], 0, 0),  # warm-up off
 ])
 def test_warm_up_runs_until_two_steps_agree_within_bounds(monkeypatch, times_s, warmup_steps, expected):
-    import autofit.measure.steps as steps_module
-
-    clock = _Clock()
-    monkeypatch.setattr(steps_module.time, "perf_counter", clock)
+    clock = _Clock()  # fed to Steps: warm-up and timed steps read one clock
     runner = _FakeRunner(clock, times_s + [0.3] * 3)
-    steps = Steps(runner, tracker=None, budget_bytes=None, warmup_steps=warmup_steps, measure_steps=3)
+    steps = Steps(runner, tracker=None, budget_bytes=None, warmup_steps=warmup_steps, measure_steps=3, clock=clock)
     steps.warm_up()
     steps.timed()
     assert len(steps.log.warmup_times_s) == expected

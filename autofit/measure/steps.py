@@ -98,10 +98,10 @@ class Steps:
         most = max(least, self.warmup_steps)
         while len(self.log.warmup_times_s) < most:
             logger.info("warm-up step {}", self.step)
-            started = time.perf_counter()
+            started = self.clock()
             self._warm_step(runner.peak_batch(self.step))
             runner.synchronize()
-            self.log.warmup_times_s.append(time.perf_counter() - started)
+            self.log.warmup_times_s.append(self.clock() - started)
             if len(self.log.warmup_times_s) >= least and _steady(self.log.warmup_times_s):
                 break
 
