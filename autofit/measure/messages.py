@@ -18,6 +18,7 @@ one place those names are written, and `tests/test_messages.py` resolves each of
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from autofit.config.train_config import MicroBatchFloor
 
@@ -39,8 +40,23 @@ def task(name: str) -> str:
     return TASKS[name]
 
 
+class _Message:
+    """A message's two ends: `to_dict` in JSON types (nested dataclasses as dicts), `from_dict`
+    as it crossed the boundary (`_read`); `_WHAT` names it in a refusal."""
+
+    __slots__ = ()
+    _WHAT: ClassVar[str]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict):
+        return _read(cls, raw, cls._WHAT)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TrialRequest:
+class TrialRequest(_Message):
     """What a trial child is asked to measure (request.json, or a worker task's payload)."""
 
     spec: dict  # ModelSpec.to_dict()
@@ -55,18 +71,11 @@ class TrialRequest:
     claim: bool = False  # the service's guard watches: claim the CUDA context in the trial folder
     claim_dir: str | None = None  # that folder, once the child knows it
     schema: int = SCHEMA
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "TrialRequest":
-        """A request as it crossed the boundary; keys the worker adds (`_folder`) are not its."""
-        return _read(cls, raw, "trial request")
+    _WHAT: ClassVar[str] = "trial request"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EstimateRequest:
+class EstimateRequest(_Message):
     """What the resident estimator child is asked: the predicted peak of `config` (a
     `TrainConfig.to_dict()`), and with `budget_bytes` the largest micro batch that fits it."""
 
@@ -76,17 +85,11 @@ class EstimateRequest:
     compute_capability: str | None = None  # the card's, for its cuBLAS workspaces
     capacity_bytes: int | None = None  # the allocator cap the reserved peak is replayed under
     schema: int = SCHEMA
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "EstimateRequest":
-        return _read(cls, raw, "estimate request")
+    _WHAT: ClassVar[str] = "estimate request"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Analysis:
+class Analysis(_Message):
     """The `analyze` task's reply: the model's facts the search space is built from."""
 
     n_blocks: int  # the repeated blocks checkpointing and freezing count in
@@ -98,17 +101,12 @@ class Analysis:
     data_assumptions: dict  # what the profile's figures assume of the data
     flops_per_sample: float | None = None  # for the profile's MFU; None: not known for this model
     schema: int = SCHEMA
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["micro_batch_floor"] = None if self.micro_batch_floor is None else self.micro_batch_floor.to_dict()
-        return out
+    _WHAT: ClassVar[str] = "model analysis"
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Analysis":
-        floor = raw.get("micro_batch_floor")
-        return _read(cls, {**raw, "micro_batch_floor": None if floor is None else MicroBatchFloor(**floor)},
-                     "model analysis")
+        floor = raw.get("micro_batch_floor")  # crossed as a dict (`asdict`), read back as the type
+        return _read(cls, {**raw, "micro_batch_floor": None if floor is None else MicroBatchFloor(**floor)}, cls._WHAT)
 
 
 def _read(cls, raw: dict, what: str):
