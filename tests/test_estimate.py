@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autofit.measure.child import run_request
-from autofit.device.precision import same_tensors
+from autofit.device.support import same_tensors
 from autofit.measure import asks
 from autofit.measure.estimate import _simulate, estimate_memory, EstimateError, max_micro_batch_size
 from autofit.measure.resident import Resident

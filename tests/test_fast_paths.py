@@ -2,7 +2,8 @@
 
 import os
 
-from autofit.train.knobs import apply_compile, INDUCTOR_CACHE_ENV, use_inductor_cache
+from autofit.device.compiler_cache import INDUCTOR_CACHE_ENV, use_inductor_cache
+from autofit.train.knobs import apply_compile
 from autofit.workload.zoo import gpt
 
 

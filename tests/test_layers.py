@@ -19,7 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "autofit"
 # The only places an autofit module is imported inside a function (or by name through
 # importlib): the lazy package __init__ and the CLI's dispatch, both to defer torch/optuna.
-DEFERRING_MODULES = {"autofit", "autofit.cli"}
+# The package and the CLI defer torch and optuna to the command that needs them. Two more defer
+# torch so that the tune's parent never imports it (its trial worker does): a profile's
+# `apply` (profiles read and written there) and the search space's in-process analysis
+# (tests and tools; the tune's worker sends its own).
+DEFERRING_MODULES = {"autofit", "autofit.cli", "autofit.profiles.profile", "autofit.tuning.space"}
 MAX_DEFERRED_IMPORTS = 20
 
 
@@ -194,6 +198,16 @@ def test_the_cli_starts_without_torch_or_optuna():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_tunes_parent_imports_no_torch():
+    # Its trial worker imports torch while the parent opens the study: on a small host the two
+    # imports would cost an answer's first seconds twice (issue 33: SIGTERM at 10 s).
+    code = ("import sys, autofit.commands.tune, autofit.tuning.tune, autofit.service.job; "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
 
 
 def test_the_public_api_is_lazy_and_complete():

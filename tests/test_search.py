@@ -91,13 +91,26 @@ def test_contenders_within_noise_are_remeasured_interleaved():
     assert "interleaved rounds" in result.choice and f"{result.noise:.1%}" in result.choice
 
 
-def test_reference_is_the_fastest_full_precision_config_predicted_to_fit():
-    """The 32-true reference is the largest micro batch predicted to fit, not the smallest peak."""
+def test_reference_is_at_the_bests_micro_batch_with_the_fewest_checkpointed_blocks():
+    """The 32-true reference is taken at the best's micro batch (there the one-liner's, the
+    largest), with the fewest checkpointed blocks predicted to fit: not the smallest peak."""
     landscape = _landscape("roomy")
     tuner, result = run_tuner(landscape, max_trials=1)
     refs = [r for r in result.records if r.config.precision == "32-true" and r.status == "ok"]
-    assert refs and refs[0].config.micro_batch_size == landscape.space().micro_batch_sizes[-1]
+    assert refs and refs[0].config.micro_batch_size == result.records[0].config.micro_batch_size
+    assert refs[0].config.micro_batch_size == landscape.space().micro_batch_sizes[-1]
     assert refs[0].config.checkpoint_blocks == 0
+
+
+def test_a_reference_for_a_best_at_a_small_micro_batch_is_taken_there():
+    space = _landscape("roomy").space()
+    fits = lambda config: True  # noqa: E731
+    small = space.micro_batch_sizes[1]
+    assert seeding.reference_point(space, fits, 0, small).micro_batch_size == small
+    assert seeding.reference_point(space, fits, 0).micro_batch_size == space.micro_batch_sizes[-1]
+    # Nothing fits at the best's micro batch: the largest that fits.
+    only_one = lambda config: config.micro_batch_size == space.micro_batch_sizes[0]  # noqa: E731
+    assert seeding.reference_point(space, only_one, 0, small).micro_batch_size == space.micro_batch_sizes[0]
 
 
 def test_resume_under_the_same_budget_measures_no_search_trial_again(tmp_path):

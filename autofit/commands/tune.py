@@ -16,8 +16,9 @@ from autofit.base.paths import default_state_dir, default_store_dir, ensure_fold
 from autofit.base.sizes import parse_duration
 from autofit.config.spec import load_spec, MAX_TRIALS
 from autofit.device.budget import budget_for
+from autofit.device.compiler_cache import use_inductor_cache
 from autofit.device.probe import select_device
-from autofit.train.knobs import use_inductor_cache
+from autofit.measure.trial import trial_worker
 from autofit.search.study import storage_errors
 from autofit.tuning.tune import tune, TuneOutcome, TuneSetup
 from autofit.commands.args import check_count, check_seconds
@@ -55,13 +56,16 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
     # validation and `autofit train` load the graphs compiled here instead of compiling again.
     use_inductor_cache(state_dir)
     out_dir = ensure_folder(Path(out_dir) if out_dir is not None else default_store_dir(), "--out")
-    # Ctrl-C (the CLI's stop flag) ends the search at the next safe point, kills the trial
-    # under way and leaves the study to resume.
-    with storage_errors(storage):
-        return tune(TuneSetup(spec=spec, device=info, budget=budget, out_dir=out_dir, storage=storage, trials=trials,
-                              report=report, nproc=nproc, started=started),
-                    stop_event=stopping.requested)
-
+    # The trial worker starts now: its torch import and the model's build run while this
+    # process opens the study (the tune's parent never imports torch).
+    with trial_worker(spec, "cpu" if info.kind == "cpu" else str(info.index)) as worker:
+        worker.launch()
+        # Ctrl-C (the CLI's stop flag) ends the search at the next safe point, kills the trial
+        # under way and leaves the study to resume.
+        with storage_errors(storage):
+            return tune(TuneSetup(spec=spec, device=info, budget=budget, out_dir=out_dir, storage=storage,
+                                  trials=trials, report=report, nproc=nproc, started=started, trial_worker=worker),
+                        stop_event=stopping.requested)
 
 
 def main(args) -> int:

@@ -9,8 +9,7 @@ the model moves to the GPU. Other settings the user put in the variable are kept
 """
 
 import os
-
-import torch
+import sys
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 _EXPANDABLE = "expandable_segments"
@@ -42,4 +41,6 @@ def set_expandable_segments(enabled: bool, env: dict | None = None) -> bool:
     target[ALLOC_CONF_ENV] = with_expandable_segments(target.get(ALLOC_CONF_ENV), enabled)
     if env is not None:
         return False
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    # Not imported: CUDA cannot have started (and the tune's parent need not pay torch's import).
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()

@@ -10,7 +10,7 @@ import torch
 
 from autofit.base.errors import DeviceError
 from autofit.config.spec import PRECISIONS
-from autofit.device.support import unsupported_reason
+from autofit.device.support import SAME_TENSORS, TF32_PRECISIONS, unsupported_reason
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,20 +78,14 @@ _POLICIES = {
 assert tuple(_POLICIES) == PRECISIONS
 
 
-def same_tensors(name: str) -> str:
-    """The first precision (in PRECISIONS' order) that holds tensors of the same sizes as
-    `name`: tf32 changes only the matmuls' internal math, and fp16 and bf16 autocast keep
-    copies of one size. Their memory is one, so is its estimate."""
-    get_policy(name)  # a clear error for an unknown name
-    return _SAME_TENSORS[name]
-
-
 def _tensor_sizes(p: PrecisionPolicy) -> tuple:
     return p.param_dtype.itemsize, None if p.autocast_dtype is None else p.autocast_dtype.itemsize
 
 
-_SAME_TENSORS = {name: next(other for other in PRECISIONS if _tensor_sizes(_POLICIES[other]) == _tensor_sizes(policy))
-                 for name, policy in _POLICIES.items()}
+assert tuple(n for n, p in _POLICIES.items() if p.tf32) == TF32_PRECISIONS, "device.support.TF32_PRECISIONS is out of date"
+# The torch-free table the search reads (`support.SAME_TENSORS`) holds for these dtypes.
+assert SAME_TENSORS == {name: next(other for other in PRECISIONS if _tensor_sizes(_POLICIES[other]) == _tensor_sizes(policy))
+                        for name, policy in _POLICIES.items()}, "device.support.SAME_TENSORS is out of date"
 
 
 def get_policy(name: str) -> PrecisionPolicy:

@@ -38,3 +38,20 @@ def require_supported(name: str, device) -> None:
     reason = unsupported_reason(name, device_kind=device.kind, compute_capability=device.compute_capability)
     if reason is not None:
         raise DeviceError(f"precision: {reason}")
+
+
+# Precisions whose fp32 matmuls and convolutions may use TF32 tensor cores.
+TF32_PRECISIONS = ("tf32",)
+# Precisions that hold tensors of the same sizes, each named by the first of them in
+# PRECISIONS' order: tf32 changes only the matmuls' internal math, and fp16 and bf16 autocast
+# keep copies of one size. Their memory is one, so is their estimate (`device.precision`
+# checks this table against the policies' dtypes when it is imported).
+SAME_TENSORS = {"32-true": "32-true", "tf32": "32-true", "16-mixed": "16-mixed", "bf16-mixed": "16-mixed",
+                "bf16-true": "bf16-true"}
+
+
+def same_tensors(name: str) -> str:
+    """The first precision that holds tensors of the same sizes as `name` (SAME_TENSORS)."""
+    if name not in SAME_TENSORS:
+        raise DeviceError(f"precision: must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    return SAME_TENSORS[name]

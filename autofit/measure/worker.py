@@ -80,6 +80,7 @@ class Worker:
         self.wire: LineSocket | None = None
         self.folder: Path | None = None
         self.setup_s: float | None = None
+        self._setting_up = False  # launched, its setup's answer not read yet
         self._child, self._cleanup = None, None
         self._forked: set[int] = set()  # children not reaped yet
         self._exits: dict[int, int] = {}  # their exit statuses the worker reported
@@ -88,12 +89,10 @@ class Worker:
 
     # --- the worker's lifetime -------------------------------------------------------------
 
-    def start(self, *, timeout_s: float, stop_event=None) -> None:
-        """Start the worker and wait for its setup; an error in the user's code there is an
-        `InputError` (exit 2), anything else a `TrialError`. A worker that died since its last
-        task (the kernel's OOM killer) is started again."""
-        if self.proc is not None and self.proc.poll() is not None:
-            self._lost()
+    def launch(self) -> None:
+        """Start the worker's process and send it its setup without waiting for the answer
+        (`start` waits): `autofit tune` launches it before its own imports, so the worker's
+        torch import and model build overlap the command's."""
         if self.proc is not None or self.spawn:
             return
         self.folder = Path(tempfile.mkdtemp(prefix="autofit-worker-"))
@@ -107,7 +106,19 @@ class Worker:
         theirs.close()
         self.wire = LineSocket(ours)
         self._send({"preload": list(self.preload), "setup": self.setup, "payload": self.payload})
+        self._setting_up = True
+
+    def start(self, *, timeout_s: float, stop_event=None) -> None:
+        """Start the worker (unless launched) and wait for its setup; an error in the user's
+        code there is an `InputError` (exit 2), anything else a `TrialError`. A worker that died
+        since its last task (the kernel's OOM killer) is started again."""
+        if not self._setting_up and self.proc is not None and self.proc.poll() is not None:
+            self._lost()
+        self.launch()
+        if not self._setting_up:
+            return
         reply = self._wait_reply(timeout_s, stop_event, what="its setup")
+        self._setting_up = False
         if reply.get("error"):
             self.close()
             _raise_setup_error(reply)
@@ -140,6 +151,7 @@ class Worker:
             self.folder = None
         self._exits.clear()
         self._forked.clear()
+        self._setting_up = False
 
     def __enter__(self) -> "Worker":
         return self
@@ -369,7 +381,28 @@ def task_log_tail(folder: Path) -> str:
 
 
 def stop_asked(stop_event) -> bool:
+    if isinstance(stop_event, StopAfter):
+        return stop_event.is_set()
     return (stop_event is not None and stop_event.is_set()) or stopping.requested.is_set()
+
+
+class StopAfter:
+    """A stop that lets the task under way run `grace_s` longer: `is_set()` once the caller's
+    stop event or the CLI's stop flag has been seen set for `grace_s`. A tune's first trial
+    watches one: with nothing measured yet, a stop that waits a few seconds for it gets an
+    answer (the one-liner, measured) where an instant stop gets none. A second Ctrl-C still
+    ends the process at once (`base.stopping`)."""
+
+    def __init__(self, stop_event, grace_s: float):
+        self.stop_event, self.grace_s = stop_event, grace_s
+        self.since: float | None = None  # when the stop was first seen
+
+    def is_set(self) -> bool:
+        if not ((self.stop_event is not None and self.stop_event.is_set()) or stopping.requested.is_set()):
+            return False
+        if self.since is None:
+            self.since = time.monotonic()
+        return time.monotonic() - self.since >= self.grace_s
 
 
 class StopEither:

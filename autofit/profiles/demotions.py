@@ -12,7 +12,7 @@ from autofit.base.atomic import atomic_write_text, guarded_write
 from autofit.base.documents import read_json
 from autofit.base.errors import AutofitError, ProfileError
 from autofit.config.reader import read_as
-from autofit.train.recover import Demotion
+from autofit.config.train_config import Demotion
 
 DEMOTIONS_SUFFIX = ".demotions.json"  # beside a profile: its runs' out-of-memory recoveries
 

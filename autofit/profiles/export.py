@@ -19,7 +19,7 @@ import yaml
 from autofit.base.errors import ProfileError
 from autofit.config.train_config import TrainConfig
 from autofit.device.alloc_conf import ALLOC_CONF_ENV, with_expandable_segments
-from autofit.device.precision import get_policy
+from autofit.device.support import TF32_PRECISIONS
 
 FORMATS = ("yaml", "json", "hf", "lightning", "env")
 
@@ -47,7 +47,6 @@ def _hf_field_names() -> set[str] | None:
 
 def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
     config = _config(profile)
-    policy = get_policy(config.precision)
     fields = _hf_field_names()
     # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old
     # name is a deprecated alias) and added every_n_layers; older releases know only the old.
@@ -59,7 +58,7 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
         "bf16": config.precision in ("bf16-mixed", "bf16-true"),
         "fp16": config.precision == "16-mixed",
         # Explicit either way: the profile was measured with TF32 on or off, not the default.
-        "tf32": policy.tf32,
+        "tf32": config.precision in TF32_PRECISIONS,
         ckpt_key: config.checkpoint_blocks > 0,
     }
     notes = []

@@ -9,9 +9,9 @@ choose by: the winner runs.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
-import torch
 from loguru import logger
 
 from autofit.base.errors import NothingFitsError, ProfileError
@@ -82,7 +82,8 @@ def fit_now(profile: Profile, *, memory_budget: int | str | None = None, device=
     device's memory) when given. An `export` may be made on another machine than the one
     that trains (a login node): there this GPU's free memory only chooses when it is the
     profile's kind of GPU."""
-    if isinstance(device, torch.device):
+    torch = sys.modules.get("torch")  # not imported: `device` is no torch.device (the tune's parent has none)
+    if torch is not None and isinstance(device, torch.device):
         device = "cpu" if device.type == "cpu" else (device.index or 0)
     info = device if isinstance(device, DeviceInfo) else select_device(device)
     budget_bytes = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, what="memory_budget",

@@ -19,9 +19,6 @@ from autofit.base.paths import default_store_dir
 from autofit.config.reader import read_as, Reader
 from autofit.config.spec import ModelSpec, OptimizerSpec, parse_optimizer
 from autofit.config.train_config import TrainConfig
-from autofit.train.knobs import prepare_process
-from autofit.train.optim import build_optimizer, implementation
-from autofit.train.plan import resolve_plan_device, TrainingPlan
 from autofit.profiles import export
 from autofit.profiles.demotions import record_demotion
 from autofit.profiles.fitting import fit_now
@@ -372,6 +369,11 @@ class Profile:
         the store `load_profile` reads), each such demotion is recorded beside it, where the
         next `autofit tune` starts from it. `state_dir`: where the tune kept inductor's cache
         (default: autofit's state folder)."""
+        # torch here, not at the top: reading and writing profiles (the tune's parent) needs none.
+        from autofit.train.knobs import prepare_process
+        from autofit.train.optim import build_optimizer, implementation
+        from autofit.train.plan import resolve_plan_device, TrainingPlan
+
         chosen = self.fitted(memory_budget=memory_budget, device=device, memory_headroom=memory_headroom)
         # Before the plan moves the model (CUDA may start): the allocator setting measured, and
         # inductor's cache in the state folder for a compiled config.

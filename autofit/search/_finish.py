@@ -41,10 +41,10 @@ def ensure_reference(tuner: "Tuner") -> None:
     attempts, depth = 0, None
     while attempts < REFERENCE_ATTEMPTS:
         records = tuner.records()
-        depth = _unreferenced_depth(tuner, records)
+        depth, micro = _unreferenced(tuner, records)
         if depth is None:
             return
-        reference = seeding.reference_point(tuner.space, tuner.fits(records), depth)
+        reference = seeding.reference_point(tuner.space, tuner.fits(records), depth, micro)
         if reference is None or tuner.known(reference, records) is not None:
             break
         if tuner.measure_now(reference, records, unless_busy=True) is None:
@@ -62,23 +62,25 @@ def ensure_reference(tuner: "Tuner") -> None:
                        "scaler skips and the first loss only (no mean-loss comparison)", depth)
 
 
-def _unreferenced_depth(tuner: "Tuner", records: list["TrialRecord"]) -> int | None:
-    """The freezing depth of a contender for the win (within noise of the best) that is not
-    full numerics and has no healthy reference at its depth; with no reference in the study
-    at all, the best's depth (0 when nothing ranks). None: nothing to measure."""
+def _unreferenced(tuner: "Tuner", records: list["TrialRecord"]) -> tuple[int | None, int | None]:
+    """(freezing depth, micro batch) of a contender for the win (within noise of the best)
+    that is not full numerics and has no healthy reference at its depth; with no reference
+    in the study at all, the best's (depth 0 and no micro batch when nothing ranks).
+    (None, None): nothing to measure."""
     space = tuner.space
     if not any(p in space.precisions for p in REFERENCE_PRECISIONS) or 32 not in space.optimizer_bits:
-        return None
+        return None, None
     # The configs that can win: this session's, once it has measured any (a resumed study).
     budget_bytes = tuner.budget_bytes
     ranked = _fresh_ranked(records, budget_bytes, tuner.session_start) or choice.rank(records, budget_bytes)
     if reference_for(None, records, same_freeze=False) is None:
-        return ranked[0].record.config.freeze_blocks if ranked else 0
+        best = ranked[0].record.config if ranked else None
+        return (0, None) if best is None else (best.freeze_blocks, best.micro_batch_size)
     for r in choice.contenders(ranked, choice.prior_noise(ranked)):
         config = r.record.config
         if not is_reference(config) and reference_for(config, records, same_freeze=True) is None:
-            return config.freeze_blocks
-    return None
+            return config.freeze_blocks, config.micro_batch_size
+    return None, None
 
 
 def refresh_leaders(tuner: "Tuner", records: list["TrialRecord"]) -> list["TrialRecord"]:

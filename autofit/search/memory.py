@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
-from autofit.device.precision import same_tensors
+from autofit.device.support import same_tensors
 from autofit.search.study import TrialRecord
 
 # Margin on the budget: wide while nothing is measured (the estimator's own error), narrow

@@ -29,6 +29,9 @@ PROBE_AFTER_OOMS = 2
 # at most this share of the budget: a fit that was low twice is not trusted near the budget,
 # but the smallest micro batch's step can be slower than the whole time budget.
 PROBE_SHARE = 0.75
+# In the queue after a new best: "the next seed group with nothing measured goes here", found
+# when it is reached (each costs estimates: fake steps), under the fit as it is then.
+UNSEEDED = object()
 
 
 def allowed_of(records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
@@ -55,6 +58,7 @@ class Plan:
         self.first = first
         self.queue: list[TrainConfig] = list(starts)
         self.seeds: set[TrainConfig] = set(starts)
+        self.offered: set = set()  # the seed groups `_unseeded` has queued since the last new best
 
     def next(self, records: list[TrialRecord], best: TrialRecord | None, running: set) -> TrainConfig | None:
         """The next config to measure, re-checked now: not known, predicted to fit, numerics
@@ -82,6 +86,11 @@ class Plan:
         for refill in range(2):
             while self.queue:
                 config = self.queue.pop(0)
+                if config is UNSEEDED:
+                    found = self._unseeded(records)  # none: every group was offered since the last new best
+                    if found:
+                        self.queue[:0] = [*found, UNSEEDED]
+                    continue
                 if ready(config):
                     return config
                 if config in self.seeds and self.known(config, records) is None and allowed(config):
@@ -103,17 +112,17 @@ class Plan:
         return None
 
     def _seed_lists(self, fits, allowed, records: list[TrialRecord] = (),
-                    best: TrialRecord | None = None) -> list:
-        """The seed groups' seeds (`seeding.lazy_seed_lists`: each found as it is read). With
-        `fast_first`, the full-precision groups last, and left out once one of their trials
-        (the reference) ran below `seeding.TWIN_FLOOR` of a healthy 16-bit best: their next
-        seeds cost more than they can win."""
-        groups = seeding.lazy_seed_lists(self.space, fits, allowed)
+                    best: TrialRecord | None = None, *, groups: bool = False) -> list:
+        """The seed groups' seeds (`seeding.lazy_seed_lists`: each found as it is read; with
+        `groups`, the `SeedGroup`s). With `fast_first`, the full-precision groups last, and
+        left out once one of their trials (the reference) ran below `seeding.TWIN_FLOOR` of a
+        healthy 16-bit best: their next seeds cost more than they can win."""
+        found = seeding.lazy_seed_lists(self.space, fits, allowed)
         if self.fast_first:
-            groups.sort(key=lambda group: (group[0] in REFERENCE_PRECISIONS, group[0] not in self.first))
+            found.sort(key=lambda group: (group.precision in REFERENCE_PRECISIONS, group.precision not in self.first))
             slow = self._slow(records, best)
-            groups = [g for g in groups if g[0] not in slow]
-        return [seeds for _, seeds in groups]
+            found = [g for g in found if g.precision not in slow]
+        return found if groups else [g.seeds for g in found]
 
     def _slow(self, records: list[TrialRecord], best: TrialRecord | None) -> set[str]:
         """With `fast_first` and a 16-bit best: the full precisions one of whose trials ran
@@ -155,8 +164,8 @@ class Plan:
         twin = seeding.policy_twin(self.space, self.fits_of(records), config)
         if twin is None or twin in self.queue or self.known(twin, records) is not None:
             return
-        seeds = [c for c in self.queue if c in self.seeds]
-        self.queue = seeds + [twin] + [c for c in self.queue if c not in self.seeds]
+        seeds = [c for c in self.queue if c in self.seeds or c is UNSEEDED]
+        self.queue = seeds + [twin] + [c for c in self.queue if c not in seeds]
 
     def _replace_seed(self, seed: TrainConfig, records: list[TrialRecord]) -> None:
         """A seed that no longer fits (the fit moved since it was planned): its precision and
@@ -170,7 +179,8 @@ class Plan:
         """A new best: the wave of seeds under way, then the seed groups with nothing measured,
         then (planned at each ask) the best's reference and refinements; what was queued
         around the old best is stale."""
-        self.queue = [c for c in self.queue if c in self.seeds] + self._unseeded(records)
+        self.queue = [c for c in self.queue if c in self.seeds] + [UNSEEDED]
+        self.offered = set()
 
     def _reference(self, best: TrainConfig, records: list[TrialRecord]) -> list[TrainConfig]:
         """A low-precision best with no full-precision trial at its freezing depth: its loss
@@ -178,7 +188,8 @@ class Plan:
         unseen. The fastest reference config predicted to fit at that depth, first."""
         if is_reference(best) or reference_for(best, records, same_freeze=True) is not None:
             return []
-        reference = seeding.reference_point(self.space, self.fits_of(records), best.freeze_blocks)
+        reference = seeding.reference_point(self.space, self.fits_of(records), best.freeze_blocks,
+                                            best.micro_batch_size)
         return [reference] if reference is not None and self.known(reference, records) is None else []
 
     def after_oom(self, config: TrainConfig, records: list[TrialRecord]) -> None:
@@ -208,9 +219,11 @@ class Plan:
         self.queue[:0] = self.space.neighbours(config)
 
     def _unseeded(self, records: list[TrialRecord]) -> list[TrainConfig]:
-        """For each seed group with nothing measured yet at its seeds' freezing depth (its seed
-        ran out of memory, or was dropped as no longer fitting), its largest config predicted to fit now: each is
-        measured before refining around another's best."""
+        """The next seed group (in wave order) with nothing measured yet at its seeds' freezing
+        depth (its seed ran out of memory, or was dropped as no longer fitting), not offered
+        since the last new best: its largest config predicted to fit now, to be measured
+        before refining around another's best. [] when none is left. Groups measured, queued
+        or offered are passed over before their seeds are read (reading one costs estimates)."""
         fits = self.fits_of(records)
         # At the seed's freezing depth: the one-liner (nothing frozen) does not stand for its
         # group's seed at the deepest freeze, which may be the fastest point.
@@ -219,12 +232,12 @@ class Plan:
 
         measured = {key(r.config) for r in records if r.measurement is not None and r.status != "oom"}
         queued = {key(c) for c in self.queue if c in self.seeds}
-        out = []
-        for seeds in self._seed_lists(fits, allowed_of(records)):
-            fresh = next((c for c in seeds if self.known(c, records) is None), None)
-            if fresh is None or key(fresh) in measured | queued:
+        for group in self._seed_lists(fits, allowed_of(records), groups=True):
+            if group.key in measured | queued | self.offered:
                 continue
-            out.append(fresh)
-            queued.add(key(fresh))
-        self.seeds.update(out)
-        return out
+            self.offered.add(group.key)
+            fresh = next((c for c in group.seeds if self.known(c, records) is None), None)
+            if fresh is not None and key(fresh) not in measured:
+                self.seeds.add(fresh)
+                return [fresh]
+        return []

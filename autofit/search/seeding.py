@@ -10,6 +10,7 @@ is fastest is measured, not assumed.
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
@@ -130,14 +131,19 @@ def seed_groups(space: SearchSpace, allowed: Allowed = _anything) -> list[tuple[
     return out
 
 
+class SeedGroup(NamedTuple):
+    precision: str
+    key: tuple  # (space.seed_group of its configs, their freezing depth): known before a seed is read
+    seeds: Iterator[TrainConfig]
+
+
 def seed_lists(space: SearchSpace, fits: Fits, allowed: Allowed = _anything) -> list[list[TrainConfig]]:
     """Each seed group's seeds, best first (`lazy_seed_lists`, read to the end)."""
-    return [list(seeds) for _, seeds in lazy_seed_lists(space, fits, allowed)]
+    return [list(group.seeds) for group in lazy_seed_lists(space, fits, allowed)]
 
 
-def lazy_seed_lists(space: SearchSpace, fits: Fits,
-                    allowed: Allowed = _anything) -> list[tuple[str, Iterator[TrainConfig]]]:
-    """(precision, seeds) per seed group, the seeds best first and found as they are read:
+def lazy_seed_lists(space: SearchSpace, fits: Fits, allowed: Allowed = _anything) -> list[SeedGroup]:
+    """Each seed group, its seeds best first and found as they are read:
     the largest micro batch predicted to fit without checkpointing, then the frontier points
     where checkpointing lets a larger micro batch fit (with selective checkpointing searched,
     also its largest micro batch). A lean group keeps only the points no plain seed of its
@@ -148,15 +154,17 @@ def lazy_seed_lists(space: SearchSpace, fits: Fits,
     freeze = space.max_freeze_blocks
     plain: dict[tuple, _Memo] = {}
     out = []
+    top = space.micro_batch_sizes[-1]
     for precision, strategy, knobs in seed_groups(space, allowed):
         key = (precision, tuple(strategy.items()))
+        group = (space.seed_group(space.config(precision, top, **strategy, **knobs)), freeze)
         if not knobs:
             plain[key] = _Memo(_frontier_seeds(space, fits, precision, freeze, strategy))
-            out.append((precision, iter(plain[key])))
+            out.append(SeedGroup(precision, group, iter(plain[key])))
         else:
             mine = plain.get(key, _Memo(iter(())))
-            out.append((precision, _undominated(_frontier_seeds(space, fits, precision, freeze, strategy | knobs),
-                                                mine.all)))
+            out.append(SeedGroup(precision, group, _undominated(
+                _frontier_seeds(space, fits, precision, freeze, strategy | knobs), mine.all)))
     return out
 
 
@@ -293,14 +301,23 @@ def one_liner(space: SearchSpace, fits: Fits, precisions: Sequence[str]) -> Trai
     return largest_fitting(space, fits, precision, 0)
 
 
-def reference_point(space: SearchSpace, fits: Fits, freeze_blocks: int) -> TrainConfig | None:
-    """The fastest full-numerics config predicted to fit at `freeze_blocks` (the largest
-    micro batch of 32-true, else tf32, with 32-bit optimizer state and the fewest checkpointed
-    blocks; eager: compiling is a refinement of the leaders only): what a low-precision trial
-    at that depth is judged against. None if the space has no such precision or nothing of it fits."""
+def reference_point(space: SearchSpace, fits: Fits, freeze_blocks: int,
+                    micro_batch_size: int | None = None) -> TrainConfig | None:
+    """The full-numerics config (32-true, else tf32, with 32-bit optimizer state; eager:
+    compiling is a refinement of the leaders only) that a low-precision trial at
+    `freeze_blocks` is judged against: its losses are needed, not its throughput. At
+    `micro_batch_size` (the shape of the config it is for) with the fewest checkpointed
+    blocks predicted to fit there: throughput peaks at about the same micro batch in every
+    precision, and a slow precision's trial at a far larger one can cost minutes. Without a
+    shape, or where nothing fits at it, the largest micro batch predicted to fit. None if the
+    space has no such precision or nothing of it fits."""
     precision = next((p for p in REFERENCE_PRECISIONS if p in space.precisions), None)
     if precision is None or 32 not in space.optimizer_bits:
         return None
+    if micro_batch_size is not None:
+        at = fewest_checkpointed(space, fits, precision, micro_batch_size, freeze_blocks, {"optimizer_bits": 32})
+        if at is not None:
+            return at
     line = frontier(space, fits, precision, freeze_blocks, 1, {"optimizer_bits": 32})
     return line[0] if line else None
 

@@ -4,18 +4,17 @@ models whose layers normalise over the batch."""
 
 import contextlib
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 from loguru import logger
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autofit.base.errors import AutofitError, SpecError
-from autofit.base.paths import default_state_dir
+from autofit.base.errors import SpecError
 from autofit.config.knobs import CHECKPOINT_POLICIES, KNOBS
 from autofit.config.train_config import MicroBatchFloor, TrainConfig
 from autofit.device.alloc_conf import ALLOC_CONF_ENV, set_expandable_segments
+from autofit.device.compiler_cache import use_inductor_cache
 from autofit.workload.blocks import Blocks, find_block_stack
 
 __all__ = ["find_block_stack"]  # re-exported: FSDP2's units and the estimator's shards cut the same stack
@@ -184,38 +183,6 @@ def apply_freezing(model: nn.Module, n_blocks: int) -> int:
 # torch.compile backend: `aot_eager` traces the same graphs with no code generation (where
 # no compiler is at hand, and in the tests, where inductor's compile takes tens of seconds).
 COMPILE_BACKEND_ENV = "AUTOFIT_COMPILE_BACKEND"
-INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # read by inductor at each compile
-
-
-_inductor_folder_set: str | None = None  # the folder this process put in the variable, if any
-
-
-def use_inductor_cache(state_dir=None) -> str | None:
-    """Keep inductor's compiled graphs in autofit's state folder (`<state>/inductor`), so
-    a re-tune, a validation and `autofit train` of the same config load them instead of
-    compiling again, across reboots (torch's default is a temp folder). Children inherit
-    the setting. A folder the user set wins (one set here gives way to a later `state_dir`);
-    without a state folder (no HOME) torch's default stays. Returns the folder in use, if any."""
-    global _inductor_folder_set
-    current = os.environ.get(INDUCTOR_CACHE_ENV)
-    if not current or current == _torch_default_cache() or (current == _inductor_folder_set and state_dir is not None):
-        try:
-            folder = (default_state_dir() if state_dir is None else Path(state_dir)) / "inductor"
-        except AutofitError:
-            return None
-        os.environ[INDUCTOR_CACHE_ENV] = _inductor_folder_set = str(folder)
-    return os.environ[INDUCTOR_CACHE_ENV]
-
-
-def _torch_default_cache() -> str:
-    """Inductor's temp folder, which inductor writes into the variable the first time it asks
-    for its folder (importing Dynamo's counters is enough): that value is torch's, not the
-    user's. A private torch function; tests/test_fast_paths.py fails loudly if it moves."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return os.path.abspath(default_cache_dir())
-
-
 def prepare_process(config: TrainConfig, state_dir=None) -> None:
     """The process-wide part of `config`, set before CUDA starts (`autofit train`,
     `profile.apply`, the trial child): the allocator's expandable segments (read once, when

@@ -11,39 +11,17 @@ half-applied update could not be undone.
 import datetime as dt
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from autofit.config.train_config import TrainConfig
+from autofit.config.train_config import Demotion, TrainConfig
 from autofit.device.oom import is_oom
 
 
 class StepOutOfMemory(torch.OutOfMemoryError):
     """A micro batch's forward/backward ran out of memory; the step's gradients are cleared.
     Still a `torch.OutOfMemoryError`, so code that knows nothing of recovery sees an OOM."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Demotion:
-    """One recovery: what ran out of memory, at which step, and what runs from there on."""
-
-    step: int  # the optimizer step that was done again
-    from_config: TrainConfig
-    to_config: TrainConfig
-    reason: str  # the error's first line
-    time: str  # UTC, ISO 8601
-
-    def to_dict(self) -> dict:
-        return {"step": self.step, "from_config": self.from_config.to_dict(), "to_config": self.to_config.to_dict(),
-                "reason": self.reason, "time": self.time}
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "Demotion":
-        return cls(step=int(raw["step"]), from_config=TrainConfig.from_dict(raw["from_config"]),
-                   to_config=TrainConfig.from_dict(raw["to_config"]), reason=str(raw["reason"]),
-                   time=str(raw["time"]))
 
 
 def halved(config: TrainConfig) -> TrainConfig | None:

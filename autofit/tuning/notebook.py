@@ -35,7 +35,7 @@ from autofit.device.budget import budget_for
 from autofit.device.probe import select_device
 from autofit.workload.data import FunctionData
 from autofit.workload.optimizer import from_object
-from autofit.train.knobs import use_inductor_cache
+from autofit.device.compiler_cache import use_inductor_cache
 from autofit.profiles.profile import Profile
 from autofit.tuning.tune import tune as tune_spec, TuneSetup
 from autofit.tuning.training import train_module

@@ -15,9 +15,7 @@ from autofit.config.knobs import spec_knobs
 from autofit.config.spec import divisors, ModelSpec
 from autofit.device.probe import DeviceInfo
 from autofit.device.support import supported_precisions, unsupported_reason
-from autofit.workload import build_workload
 from autofit.measure.messages import Analysis
-from autofit.measure.tasks import analysis as model_analysis
 from autofit.search import SearchSpace
 
 
@@ -49,6 +47,10 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: 
                             for p in spec.search.precisions)
         raise DeviceError(f"search.precisions: none runs on {device.name}: {reasons}")
     if analysis is None:
+        # Here, not at the top: the tune's parent gets the analysis from its worker and never imports torch.
+        from autofit.measure.tasks import analysis as model_analysis
+        from autofit.workload import build_workload
+
         analysis = model_analysis(spec, build_workload(spec), nproc)
     n_blocks, floor = analysis.n_blocks, analysis.micro_batch_floor
     choices = {k.choices: _choices(k, spec, device, analysis) for k in spec_knobs()}

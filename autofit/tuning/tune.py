@@ -31,10 +31,10 @@ from autofit.device.budget import Budget
 from autofit.device.peak import mfu
 from autofit.device.probe import DeviceInfo, with_memory_budget
 from autofit.measure import asks
-from autofit.measure.estimate import EstimateError, MemoryEstimate
+from autofit.measure.estimated import EstimateError, MemoryEstimate
 from autofit.measure.measurement import Measurement
 from autofit.measure.trial import measure, raise_input_error, trial_worker
-from autofit.measure.worker import Worker
+from autofit.measure.worker import StopAfter, Worker
 from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, Tuner
 from autofit.search.deadline import Deadline
 from autofit.search.health import LossCurveCheck
@@ -51,6 +51,10 @@ from autofit.tuning.validation import (baseline_record, Halted, host_load, LOADE
                                        reference_record, REFERENCE_STEPS, run_timeout_s, run_validation, validate)
 
 HALT_POLL_S = 0.1  # how often the tune looks at its stop and its deadline
+# A stop (or the budget's end) while the first trial runs and nothing is measured yet lets
+# that trial finish if it can within this many seconds: an answer (the one-liner, measured)
+# is worth a few seconds. Only where a stop writes a profile (`TuneSetup.write_on_stop`).
+FIRST_ANSWER_GRACE_S = 3.0
 # The one-liner's precision, first found first: the fastest 16-bit autocast on a GPU (bf16
 # where the device has it: the space holds only what it supports); 32-true on the CPU.
 ONE_LINER_CUDA = ("bf16-mixed", "16-mixed")
@@ -131,6 +135,9 @@ class TuneSetup:
     # answer); False: it is an interruption that a later tune resumes (the service, which is
     # stopped to be restarted, and whose pairs are tuned again).
     write_on_stop: bool = True
+    # The spec's trial worker, launched by the caller (`autofit tune` starts it before it
+    # imports torch, so the two start-ups overlap); None: the tune starts its own.
+    trial_worker: Worker | None = None
 
 
 def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
@@ -149,7 +156,8 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
     run = _Tune(spec, device=setup.device, budget=setup.budget, out_dir=Path(setup.out_dir), storage=setup.storage,
                 execute_on=setup.execute_on, max_trials=setup.trials or spec.search.trials, stop_event=stop_event,
                 on_trial=on_trial, nproc=setup.nproc, guard=guard, worker=setup.worker or socket.gethostname(),
-                objects=setup.objects, deadline=deadline)
+                objects=setup.objects, deadline=deadline, trial_worker=setup.trial_worker,
+                grace_s=FIRST_ANSWER_GRACE_S if setup.write_on_stop else 0.0)
     with contextlib.ExitStack() as cleanup:  # the study's locks and the worker are released however it ends
         run.watch(cleanup)
         try:
@@ -207,7 +215,8 @@ class _Tune:
     def __init__(self, spec: ModelSpec, *, device: DeviceInfo, budget: Budget, out_dir: Path,
                  storage: str | None, execute_on: str | None, max_trials: int,
                  stop_event: threading.Event | None, on_trial, nproc: int,
-                 guard, worker: str, objects: Path | None = None, deadline: Deadline):
+                 guard, worker: str, objects: Path | None = None, deadline: Deadline,
+                 trial_worker: Worker | None = None, grace_s: float = 0.0):
         if objects is not None and nproc > 1:  # ranks rebuild the workload from a spec file
             raise SpecError("a model given as a Python object is tuned in one process: nproc must be 1")
         self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget.usable_bytes, out_dir, storage
@@ -221,7 +230,9 @@ class _Tune:
         # Set on a stop or at the budget's end (`watch`): the measurements' and waits' stop.
         self.halt = threading.Event()
         self.stop_event, self.on_trial, self.guard, self.worker = stop_event, on_trial, guard, worker
-        self.objects = objects
+        self.objects, self.launched_worker = objects, trial_worker
+        # What the first trial may run on after a halt while nothing is measured (FIRST_ANSWER_GRACE_S).
+        self.grace_s, self.answered = grace_s, False
         self.timeouts: dict = {}  # config -> timeouts so far: a retry gets twice the time
         # Precisions in which a config ran, and the first failure of the user's code in each
         # that has none (config_failure).
@@ -271,17 +282,19 @@ class _Tune:
     def prepare(self, cleanup: contextlib.ExitStack) -> None:
         spec, device = self.spec, self.device
         # The user's code (model module, data, forward) runs only in the worker's children.
-        self.trial_worker = cleanup.enter_context(trial_worker(spec, "cpu" if device.kind == "cpu" else self.execute_on,
-                                                               objects=self.objects))
+        self.trial_worker = cleanup.enter_context(
+            self.launched_worker or trial_worker(spec, "cpu" if device.kind == "cpu" else self.execute_on,
+                                                 objects=self.objects))
+        # The study first, while the worker starts (its torch import, the model's build).
+        name = study_name(spec, device, self.emulated_budget_bytes)
+        self.study = make_study(study_name=name, storage=self.storage, seed=spec.train.seed)
+        self.locks = cleanup.enter_context(StudyLocks(self.storage, name))
+        self.written_before = profiles_written(self.study)
         # A model autofit did not write: is its batch where autofit splits it? (In a child: it
         # runs the user's forward.)
         asks.probe_batch_dim(self.trial_worker, spec, stop_event=self.halt)
         self.analysis = asks.analyze(self.trial_worker, spec, self.nproc, stop_event=self.halt)
         self.space: SearchSpace = search_space(spec, device, self.nproc, self.analysis)
-        name = study_name(spec, device, self.emulated_budget_bytes)
-        self.study = make_study(study_name=name, storage=self.storage, seed=spec.train.seed)
-        self.locks = cleanup.enter_context(StudyLocks(self.storage, name))
-        self.written_before = profiles_written(self.study)
         logger.info("tuning {} on {} ({}): budget {}, {} configs in the space, up to {} trials",
                     spec.name, device.name, self.execute_on, format_bytes(self.budget_bytes), self.space.size,
                     self.max_trials)
@@ -475,8 +488,10 @@ class _Tune:
 
     def run_trial(self, config) -> Measurement:
         limit_s = self.spec.search.trial_timeout_s * 2 ** self.timeouts.get(config, 0)
+        stop = self.halt if self.answered or not self.grace_s else StopAfter(self.halt, self.grace_s)
         m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
-                    stop_event=self.halt, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker)
+                    stop_event=stop, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker)
+        self.answered = self.answered or m.status == "ok"
         if m.status == "timeout":
             self.timeouts[config] = self.timeouts.get(config, 0) + 1
         if m.input_error:
