@@ -108,6 +108,59 @@ def test_a_stop_during_validation_ends_the_tune_within_two_seconds_with_the_best
     assert all(t <= timer for _, steps, t in calls if steps == 20)
 
 
+def test_the_services_tune_stopped_during_validation_ends_within_two_seconds_for_a_resume(tmp_path, simulated):
+    """`autofit serve` (write_on_stop=False): the stop is an interruption, not an answer."""
+    calls = simulated(validation_blocks=True)
+    stop, stopped_at = threading.Event(), []
+
+    def watch():
+        while not any(steps == 20 for _, steps, _ in calls):
+            time.sleep(0.02)
+        stopped_at.append(time.monotonic())
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
+    with pytest.raises(InterruptedError, match="rerun to resume"):
+        tune(TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6, tune_time_s=600.0),
+                       out_dir=tmp_path / "profiles", storage=None, report=False, write_on_stop=False),
+             stop_event=stop)
+    assert time.monotonic() - stopped_at[0] < 2.0
+    assert [t for _, steps, t in calls if steps == 20 and t > stopped_at[0]] == []  # no validation after it
+    assert not (tmp_path / "profiles").exists() or not list((tmp_path / "profiles").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("writes", [True, False])
+def test_a_stop_during_the_first_trial_lets_it_finish_where_a_stop_writes_a_profile(tmp_path, monkeypatch, writes):
+    """Nothing measured yet: the CLI's tune gives the trial under way a few seconds to end
+    (an answer, the one-liner); the service's stop cuts it at once."""
+    stop, seen = threading.Event(), []
+
+    def measure(spec, config, *, budget_bytes=None, stop_event=None, **_):
+        seen.append(config)
+        stop.set()  # the stop comes while the first trial runs
+        time.sleep(0.3)  # ... which ends 0.3 s later
+        if stop_event.is_set():
+            return Measurement(status="error", config=config, reason="stopped", budget_bytes=budget_bytes)
+        return Measurement(status="ok", config=config, peak_memory_bytes=1000, overhead_bytes=0, samples_per_s=50.0,
+                           step_time_s=0.2, step_times_s=[0.2] * 3, losses=[4.0, 3.9, 3.8], budget_bytes=budget_bytes,
+                           wall_s=0.3)
+
+    monkeypatch.setattr("autofit.tuning.tune.measure", measure)
+    monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
+                        lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
+    setup = TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6, tune_time_s=600.0),
+                      out_dir=tmp_path / "profiles", storage=None, report=False, write_on_stop=writes)
+    if not writes:
+        with pytest.raises(InterruptedError):
+            tune(setup, stop_event=stop)
+        return
+    outcome = tune(setup, stop_event=stop)
+    assert len(seen) == 1 and outcome.profile.config == seen[0]  # the one-liner, measured
+    assert "a stop was asked for" in outcome.incomplete and not outcome.profile.search.validated
+
+
 def test_with_time_the_profile_is_validated_and_states_its_speedup_over_the_one_liner(tmp_path, simulated):
     calls = simulated(validation_blocks=False)
     outcome = _tune(tmp_path, time_budget_s=120.0)
