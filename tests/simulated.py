@@ -50,6 +50,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.config.spec import SearchSpec
 from autofit.search import SearchSpace, Tuner, make_study
 from autofit.search.deadline import Deadline, SEARCH_SHARE
+from autofit.search.health import REFERENCE_TRIAL_STEPS
 from autofit.measure.measurement import Measurement
 
 GiB = 2**30
@@ -192,21 +193,27 @@ class Landscape:
     def step_s(self, c: TrainConfig) -> float:
         return self.global_batch_size / self.samples_per_s(c)
 
-    def measure_s(self, c: TrainConfig, status: str, window_s: float | None = None) -> float:
-        """What one measurement of `c` costs on the device."""
+    def measure_s(self, c: TrainConfig, status: str, window_s: float | None = None, *, reference: bool = False) -> float:
+        """What one measurement of `c` costs on the device (`reference`: for the losses, its
+        warm-up and `REFERENCE_TRIAL_STEPS` steps, no time window)."""
         step_s = self.step_s(c)
         if status == "oom":
             return self.start_s + step_s
         if status == "compile_error":
             return 2 * self.start_s
+        if reference:
+            return self.start_s + (WARMUP_STEPS + REFERENCE_TRIAL_STEPS) * step_s
         window_s = self.window_s if window_s is None else window_s
         if window_s is None:
             return self.start_s + STEP_WINDOW * step_s
         return self.start_s + WARMUP_STEPS * step_s + max(window_s, MIN_WINDOW_STEPS * step_s)
 
-    def measure(self, c: TrainConfig) -> Measurement:
+    def measure_reference(self, c: TrainConfig) -> Measurement:
+        return self.measure(c, reference=True)
+
+    def measure(self, c: TrainConfig, *, reference: bool = False) -> Measurement:
         m = self._measure(c)
-        cost_s = self.measure_s(c, m.status)
+        cost_s = self.measure_s(c, m.status, reference=reference)
         if self.device_s[0] + cost_s > self.stop_at_s[0]:
             self.device_s[0] = max(self.device_s[0], self.stop_at_s[0])
             return Measurement(status="timeout", config=c, budget_bytes=self.budget_bytes,
@@ -294,7 +301,7 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
     deadline = Deadline(budget_s, clock=landscape.clock, search_share=SEARCH_SHARE if anytime else 1.0)
     tuner = Tuner(timed.space(), study=study, budget_bytes=landscape.budget_bytes, measure=timed.measure,
                   estimate=timed.estimate, max_trials=trials, patience=patience, deadline=deadline,
-                  one_liner=ONE_LINER_GPU if anytime else ())
+                  one_liner=ONE_LINER_GPU if anytime else (), measure_reference=timed.measure_reference if anytime else None)
     result = tuner.run()
     best, best_sps = landscape.grid_best()
     chosen = result.ranked[0].config if result.ranked else None

@@ -159,3 +159,31 @@ def test_the_one_liner_does_not_stand_for_its_groups_seed_at_the_deepest_freeze(
     tuner = _tuner(land, 240.0)
     tuner.search()
     assert any(c.precision == "bf16-mixed" and c.freeze_blocks == land.max_freeze_blocks for c in land.calls)
+
+
+def test_the_references_planned_for_a_16bit_best_are_measured_for_their_losses_in_a_few_steps():
+    """Issue 33, item 4: on the H100 landscape (fp32 ~6x slower than bf16) the 32-true
+    reference of a bf16 best is timed over `REFERENCE_TRIAL_STEPS` steps, not a window in time,
+    and only a planned reference is; its losses still judge the best's health."""
+    land = dataclasses.replace(H100, window_s=2.0)
+    taken = []
+
+    def reference(config):
+        taken.append(config)
+        return land.measure_reference(config)
+
+    land.reset(0)
+    land.stop_at_s[0] = 240.0
+    tuner = Tuner(land.space(), study=make_study(study_name="t", storage=None, seed=0),
+                  budget_bytes=land.budget_bytes, measure=land.measure, estimate=land.estimate, max_trials=40,
+                  patience=12, deadline=Deadline(240.0, clock=land.clock), one_liner=ONE_LINER_GPU,
+                  measure_reference=reference)
+    result = tuner.run()
+    assert taken and all(c.precision == "32-true" and c.optimizer_bits == 32 for c in taken)
+    assert set(taken) <= tuner.references
+    slow = taken[0]
+    assert land.measure_s(slow, "ok", reference=True) <= land.measure_s(slow, "ok")
+    fast = land.space().config("bf16-mixed", 64)  # a fast step: 3 steps instead of a 2 s window
+    assert land.measure_s(fast, "ok", reference=True) < land.measure_s(fast, "ok")
+    best = result.ranked[0]
+    assert best.config.precision != "32-true" and best.status == "ok"  # judged against the reference, healthy

@@ -514,6 +514,7 @@ def test_the_contenders_freezing_depths_get_their_references_after_the_search():
     tuner = _StubTuner(FREEZABLE, [reference, healthy, drifting], lambda config: 100.0)
     finish.ensure_reference(tuner)
     assert [r.config for r in tuner.records()[3:]] == [FREEZABLE.config("32-true", 8, 0, 1)]
+    assert tuner.references == {FREEZABLE.config("32-true", 8, 0, 1)}  # measured as a reference: a few steps
     from autofit.search import choice
     assert choice.rank(tuner.records(), tuner.budget_bytes)[0].record.config == healthy.config
 
@@ -636,6 +637,7 @@ class _StubTuner:
     def __init__(self, space, records, measure, budget_bytes=GiB):
         self.space, self._records, self._measure, self.budget_bytes = space, list(records), measure, budget_bytes
         self.session_start = None  # one session: every record is this session's (TrialRecord.fresh)
+        self.references = set()  # the configs planned as references (measured for their losses)
 
     def records(self):
         return list(self._records)

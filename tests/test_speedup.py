@@ -150,3 +150,25 @@ def test_a_resumed_study_measures_its_leaders_again_and_only_fresh_figures_decid
     assert searched_after == searched_before  # no search trial measured again
     assert old_leader in landscape.calls and set(landscape.calls) <= leaders  # the leaders, measured again
     assert second.ranked[0].config != old_leader  # its old figure did not decide
+
+
+def test_a_validation_run_takes_no_more_steps_than_fit_its_share_of_the_budgets_rest(tmp_path):
+    """Issue 33: on an H100 at 120 s, 10 s windows for the reference, the one-liner, the
+    winner and their pairs did not fit the budget's rest; each run now fits a share of it."""
+    from autofit.tuning.validation import MIN_VALIDATE_STEPS, steps_within, VALIDATION_RUN_SHARE
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    warmup, config = spec.search.warmup_steps, TrainConfig(micro_batch_size=8, grad_accum_steps=2)
+
+    def trial(step_s: float, start_s: float) -> TrialRecord:
+        m = Measurement(status="ok", config=config, samples_per_s=16 / step_s, step_time_s=step_s,
+                        step_times_s=[step_s] * 3, wall_s=start_s + (warmup + 3) * step_s)
+        return TrialRecord(number=0, config=config, status="ok", predicted_peak_bytes=None, measurement=m)
+
+    slow = trial(1.2, 4.0)  # fp32 GPT-2 small on an H100: 1.2 s a step, 4 s to start
+    steps = steps_within(spec, slow, 12, left_s=60.0)
+    assert MIN_VALIDATE_STEPS < steps < 12 and 4.0 + (warmup + steps) * 1.2 <= VALIDATION_RUN_SHARE * 60.0
+    assert steps_within(spec, slow, 12, left_s=10.0) == MIN_VALIDATE_STEPS  # never fewer
+    assert steps_within(spec, slow, 12, left_s=math.inf) == 12  # no budget: as asked
+    assert steps_within(spec, trial(0.02, 4.0), 50, left_s=48.0) == 50  # a fast step fits as asked
+    assert steps_within(spec, None, 12, left_s=10.0) == 12  # nothing measured to go by

@@ -47,6 +47,7 @@ def ensure_reference(tuner: "Tuner") -> None:
         reference = seeding.reference_point(tuner.space, tuner.fits(records), depth, micro)
         if reference is None or tuner.known(reference, records) is not None:
             break
+        tuner.references.add(reference)  # measured for its losses: a few steps
         if tuner.measure_now(reference, records, unless_busy=True) is None:
             # Another worker sharing the study is measuring it: its result is the reference
             # (or, if that worker dies, the trial comes back to be measured here).

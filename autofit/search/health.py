@@ -14,6 +14,11 @@ from autofit.search.study import TrialRecord
 FIRST_LOSS_RTOL = 0.02
 MEAN_LOSS_RTOL = 0.10
 REFERENCE_PRECISIONS = ("32-true", "tf32")
+# A reference planned for its losses (the health of a low-precision best) times this many
+# steps after its warm-up, with no time window: the first loss and a short mean are what the
+# checks read. The warm-up stays: its figure is a steady step's, so it may still rank (a
+# figure from cold steps would drop its precision's groups as slow).
+REFERENCE_TRIAL_STEPS = 3
 # Of the trainable elements, the share left bit-identical by the timed steps may exceed the
 # reference's by this much (elements whose gradient was zero stay put in both).
 UNCHANGED_SHARE_EXCESS = 0.01

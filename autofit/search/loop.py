@@ -61,12 +61,17 @@ class Tuner:
                  on_trial: Callable[[TrialRecord, "TrialRecord | None", int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, starts: tuple[TrainConfig, ...] = (),
                  locks: StudyLocks | None = None, worker: str | None = None, deadline: Deadline | None = None,
-                 one_liner: tuple[str, ...] = ()):
+                 one_liner: tuple[str, ...] = (),
+                 measure_reference: Callable[[TrainConfig], Measurement] | None = None):
         self.space, self.study, self.budget_bytes = space, study, budget_bytes
         # Without locks (a study of this process alone): ones that serialise its threads.
         self.locks = locks or StudyLocks(None, study.study_name)
         self.worker = worker  # recorded in each of its trials
         self.measure = measure
+        # A full-precision reference taken for its losses (the health of a low-precision best):
+        # a few steps, no time window (issue 33); None: measured like any trial.
+        self.measure_reference = measure_reference or measure
+        self.references: set[TrainConfig] = set()  # the configs planned as references
         self.memory = MemoryModel(self._gated(estimate), budget_bytes)
         self._searching_since: float | None = None  # the search loop's start while it runs
         self.max_trials, self.patience, self.timeout_s = max_trials, patience, timeout_s
@@ -115,6 +120,7 @@ class Tuner:
         self.plan = Plan(self.space, starts, known=self.known, fits_of=self.fits,
                          estimate=self.memory.predicted_peak, affordable=self._affordable,
                          peak_share=lambda c, records: self.memory.corrected_peak(c, records) / self.budget_bytes,
+                         references=self.references,
                          first=self.one_liner_precisions[:1] if self.one_liner is None else (self.one_liner.precision,),
                          fast_first=any(p not in REFERENCE_PRECISIONS for p in self.one_liner_precisions))
         stop_reason = None
@@ -429,7 +435,7 @@ class Tuner:
 
     def _evaluate(self, trial: optuna.Trial, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord:
         with heartbeat(self.study, trial):  # so that a worker that dies here leaves the trial to another
-            measurement = self.measure(config)
+            measurement = (self.measure_reference if config in self.references else self.measure)(config)
         record = TrialRecord(number=trial.number, config=config, status=measurement.status,
                              predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
                              reason=measurement.reason, budget_bytes=self.budget_bytes, worker=self.worker,

@@ -44,7 +44,8 @@ class Plan:
     def __init__(self, space: SearchSpace, starts: tuple[TrainConfig, ...], *, known: Known, fits_of: FitsOf,
                  estimate: Callable[[TrainConfig], int], fast_first: bool = False, first: tuple[str, ...] = (),
                  affordable: Callable[[TrainConfig, list[TrialRecord]], bool] = lambda config, records: True,
-                 peak_share: Callable[[TrainConfig, list[TrialRecord]], float] | None = None):
+                 peak_share: Callable[[TrainConfig, list[TrialRecord]], float] | None = None,
+                 references: set | None = None):
         self.space, self.known, self.fits_of, self.estimate = space, known, fits_of, estimate
         # False for a config whose trial cannot end in the time left (the tuner's time budget).
         self.affordable = affordable
@@ -56,6 +57,8 @@ class Plan:
         # Precisions whose groups lead each wave (the one-liner's): the precision a user would
         # pick is the likeliest to be healthy and fast, so a short budget measures it first.
         self.first = first
+        # The references planned (`_reference`), which the tuner measures for their losses.
+        self.references: set[TrainConfig] = set() if references is None else references
         self.queue: list[TrainConfig] = list(starts)
         self.seeds: set[TrainConfig] = set(starts)
         self.offered: set = set()  # the seed groups `_unseeded` has queued since the last new best
@@ -190,7 +193,10 @@ class Plan:
             return []
         reference = seeding.reference_point(self.space, self.fits_of(records), best.freeze_blocks,
                                             best.micro_batch_size)
-        return [reference] if reference is not None and self.known(reference, records) is None else []
+        if reference is None or self.known(reference, records) is not None:
+            return []
+        self.references.add(reference)
+        return [reference]
 
     def after_oom(self, config: TrainConfig, records: list[TrialRecord]) -> None:
         """A checkpointed config that ran out of memory: its micro batch with the fewest blocks

@@ -37,7 +37,7 @@ from autofit.measure.trial import measure, raise_input_error, trial_worker
 from autofit.measure.worker import StopAfter, Worker
 from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, Tuner
 from autofit.search.deadline import Deadline
-from autofit.search.health import LossCurveCheck
+from autofit.search.health import LossCurveCheck, REFERENCE_TRIAL_STEPS
 from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
 from autofit.profiles.demotions import read_demotions
 from autofit.profiles.profile import device_from_info, Profile, ProfileModel, SearchSummary, TrainingSetup, utc_now
@@ -48,7 +48,8 @@ from autofit.tuning.report import format_trial_line, trials_table, write_html_re
 from autofit.tuning.space import device_for_ranks, search_space, study_name
 from autofit.tuning.speedup import keeps_winner, measure_speedup, Speedup
 from autofit.tuning.validation import (baseline_record, Halted, host_load, LOADED_HOST, over_32_true,
-                                       reference_record, REFERENCE_STEPS, run_timeout_s, run_validation, validate)
+                                       reference_record, REFERENCE_STEPS, run_timeout_s, run_validation,
+                                       steps_within, validate)
 
 HALT_POLL_S = 0.1  # how often the tune looks at its stop and its deadline
 # A stop (or the budget's end) while the first trial runs and nothing is measured yet lets
@@ -306,7 +307,8 @@ class _Tune:
                            estimate=self.predict, max_trials=self.max_trials, patience=spec.search.patience,
                            timeout_s=self.timeout_s, on_trial=self.report_trial, should_stop=self.should_stop,
                            starts=starts, locks=self.locks, worker=self.worker, deadline=self.deadline,
-                           one_liner=ONE_LINER_CUDA if self.device.kind == "cuda" else ONE_LINER_CPU)
+                           one_liner=ONE_LINER_CUDA if self.device.kind == "cuda" else ONE_LINER_CPU,
+                           measure_reference=self.run_reference)
 
     def search(self) -> tuple[SearchResult, tuple[dict, str] | None]:
         """(the search's result, the profile another worker of the study wrote, if one did)."""
@@ -486,11 +488,15 @@ class _Tune:
 
     # --- what the stages measure with ----------------------------------------------------
 
-    def run_trial(self, config) -> Measurement:
+    def run_reference(self, config) -> Measurement:
+        """A full-precision reference planned for its losses: a few steps after its warm-up."""
+        return self.run_trial(config, measure_steps=REFERENCE_TRIAL_STEPS, window_s=0.0)
+
+    def run_trial(self, config, **steps) -> Measurement:
         limit_s = self.spec.search.trial_timeout_s * 2 ** self.timeouts.get(config, 0)
         stop = self.halt if self.answered or not self.grace_s else StopAfter(self.halt, self.grace_s)
         m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
-                    stop_event=stop, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker)
+                    stop_event=stop, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker, **steps)
         self.answered = self.answered or m.status == "ok"
         if m.status == "timeout":
             self.timeouts[config] = self.timeouts.get(config, 0) + 1
@@ -519,7 +525,11 @@ class _Tune:
     def run_long(self, config, steps: int, timeout_s: float, *, keep: bool = True) -> Measurement:
         """A validation run: `steps` timed steps, held to the 32-true loss curve. Raises Halted
         once the tune is halted (a stop, the budget's end): a run cut short is no result, and
-        nothing after it runs (`unvalidated` writes the profile from what was measured)."""
+        nothing after it runs (`unvalidated` writes the profile from what was measured).
+        Fewer steps where `steps` would take more than its share of the budget's rest
+        (`validation.steps_within`)."""
+        trial = next((r for r in reversed(self.tuner.records()) if r.config == config and r.status == "ok"), None)
+        steps = steps_within(self.spec, trial, steps, self.deadline.left_s())
         m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
                     stop_event=self.halt, measure_steps=steps, timeout_s=min(timeout_s, self.deadline.left_s() + 1),
                     guard=self.guard, worker=self.trial_worker)

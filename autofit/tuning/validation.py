@@ -31,6 +31,10 @@ REFERENCE_STEPS = 12
 # 0.02 s step cost about the same wall time.
 VALIDATE_WINDOW_S = 10.0
 MIN_VALIDATE_STEPS = 5
+# ... and no more of them than fit this share of the time budget's rest: the runs after it
+# (the winner, its pairs with the one-liner) need their time too, and a run cut by the
+# budget's end gives nothing (on an H100 at 120 s, a 10 s window each did not fit).
+VALIDATION_RUN_SHARE = 0.25
 
 
 class Halted(Exception):
@@ -50,6 +54,19 @@ def run_timeout_s(spec: ModelSpec, record: TrialRecord, steps: int) -> float:
     timed = max(search.measure_steps, len(m.step_times_s))
     startup_s = max(0.0, m.wall_s - (search.warmup_steps + timed) * m.step_time_s)
     return max(search.trial_timeout_s, 3 * (startup_s + (search.warmup_steps + steps) * m.step_time_s))
+
+
+def steps_within(spec: ModelSpec, record: TrialRecord | None, steps: int, left_s: float) -> int:
+    """`steps`, fewer where a run of them would take more than VALIDATION_RUN_SHARE of the
+    `left_s` seconds the budget has left (at `record`'s trial step time and start-up); never
+    below MIN_VALIDATE_STEPS (or `steps`, if fewer)."""
+    m = None if record is None else record.measurement
+    if not math.isfinite(left_s) or m is None or not m.step_time_s:
+        return steps
+    timed = max(spec.search.measure_steps, len(m.step_times_s))
+    startup_s = max(0.0, m.wall_s - (spec.search.warmup_steps + timed) * m.step_time_s)
+    fit = math.floor((VALIDATION_RUN_SHARE * left_s - startup_s) / m.step_time_s) - spec.search.warmup_steps
+    return max(min(MIN_VALIDATE_STEPS, steps), min(steps, fit))
 
 
 def validation_steps(spec: ModelSpec, record: TrialRecord) -> int:
