@@ -3,7 +3,7 @@ log line (the one-liner, measured) and to the end, for one or more checkouts, in
 (A B A B ...) so a busy host weighs on each alike. Each run gets fresh state and profile
 folders.
 
-    python benchmarks/first_answer.py --runs 3 /work/main /work/wt/old -- --time-budget 30
+    python benchmarks/first_answer.py --runs 3 --time-budget 30 /work/main /work/wt/old
 
 Prints one line per run and the medians per checkout; `--json` writes them.
 """
@@ -46,12 +46,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--spec", default="examples/tiny-gpt.yaml")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("extra", nargs="*", help="more `autofit tune` arguments (after --)")
+    parser.add_argument("--time-budget", default="30", help="the tune's --time-budget (default 30)")
     args = parser.parse_args()
     rows = []
     for i in range(args.runs):
         for repo in args.repos:
-            row = one_run(repo.resolve(), args.spec, args.extra) | {"run": i, "load_1m": round(os.getloadavg()[0], 2)}
+            row = one_run(repo.resolve(), args.spec, ["--time-budget", args.time_budget]) | {"run": i, "load_1m": round(os.getloadavg()[0], 2)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     for repo in args.repos:

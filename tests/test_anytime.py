@@ -187,3 +187,25 @@ def test_the_references_planned_for_a_16bit_best_are_measured_for_their_losses_i
     assert land.measure_s(fast, "ok", reference=True) < land.measure_s(fast, "ok")
     best = result.ranked[0]
     assert best.config.precision != "32-true" and best.status == "ok"  # judged against the reference, healthy
+
+
+def test_a_stop_that_comes_while_the_next_config_is_planned_starts_no_trial():
+    """An estimate takes seconds on a small host: a SIGTERM during one (after the one-liner
+    was measured) must not be followed by a trial started anyway."""
+    land = dataclasses.replace(H100, window_s=2.0)
+    land.reset(0)
+    land.stop_at_s[0] = 240.0
+    stopped = []
+
+    def estimate(config):
+        if land.calls:  # the first estimate after a trial: the stop comes while it runs
+            stopped.append(True)
+        return land.estimate(config)
+
+    tuner = Tuner(land.space(), study=make_study(study_name="t", storage=None, seed=0),
+                  budget_bytes=land.budget_bytes, measure=land.measure, estimate=estimate, max_trials=40,
+                  patience=12, deadline=Deadline(240.0, clock=land.clock), one_liner=ONE_LINER_GPU,
+                  should_stop=lambda: bool(stopped))
+    stop_reason, _, _ = tuner.search()
+    assert stopped and stop_reason == "stopped"
+    assert len(land.calls) == 1  # the one-liner, and nothing after the stop

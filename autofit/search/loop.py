@@ -168,6 +168,9 @@ class Tuner:
             except _SearchTimeUp:
                 self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING
                 raise
+            if self.halted():  # the stop came while planning (an estimate takes seconds): start nothing
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                return None, self._stop_text()
         progress.skipped = {"known": 0, "pruned": 0, "late": 0}
         return (trial, config, records), None
 
