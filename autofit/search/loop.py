@@ -189,10 +189,6 @@ class Tuner:
             return self._stop_text()
         self._tell(trial, record)
         records = self.records()  # other workers sharing the study may have finished trials too
-        if record.status == "oom":
-            self.plan.after_oom(config, records)
-            if config == self.one_liner:
-                self._one_liner_again(records)
         best, new_best = progress.best, _best(records, self.budget_bytes)
         # A best found unhealthy once its reference is measured gives way to a slower one:
         # that is a new best too (patience counts from it, and the plan turns to it).
@@ -200,13 +196,19 @@ class Tuner:
         improved = changed or (new_best is not None and best is not None
                                and new_best.samples_per_s > best.samples_per_s)
         progress.since_best = 0 if improved else progress.since_best + 1
+        progress.best = new_best
+        # Said before what is planned from it: planning costs estimates, which the end of the
+        # search's share cuts (the trial would then never be said).
+        self.on_trial(record, new_best, self.spent(records))
+        if record.status == "oom":
+            self.plan.after_oom(config, records)
+            if config == self.one_liner:
+                self._one_liner_again(records)
         if changed:
             self.plan.new_best(new_best.config, records)
         elif (new_best is not None and record.feasible(self.budget_bytes)
               and record.samples_per_s >= (1 - 2 * choice.NOISE_PRIOR) * new_best.samples_per_s):
             self.plan.contender(record.config, records)
-        progress.best = new_best
-        self.on_trial(record, new_best, self.spent(records))
         return None
 
     def _one_liner_again(self, records: list[TrialRecord]) -> None:
