@@ -136,8 +136,8 @@ class TuneSetup:
     # answer); False: it is an interruption that a later tune resumes (the service, which is
     # stopped to be restarted, and whose pairs are tuned again).
     write_on_stop: bool = True
-    # The spec's trial worker, launched by the caller (`autofit tune` starts it before it
-    # imports torch, so the two start-ups overlap); None: the tune starts its own.
+    # The spec's trial worker, launched by the caller (`autofit tune` starts it first thing,
+    # so its start-up runs while the study opens); None: the tune starts its own.
     trial_worker: Worker | None = None
 
 
@@ -309,6 +309,8 @@ class _Tune:
                            starts=starts, locks=self.locks, worker=self.worker, deadline=self.deadline,
                            one_liner=ONE_LINER_CUDA if self.device.kind == "cuda" else ONE_LINER_CPU,
                            measure_reference=self.run_reference)
+        # A resumed study may hold an answer already: then no trial gets the first one's grace.
+        self.answered = any(r.status == "ok" for r in self.tuner.records())
 
     def search(self) -> tuple[SearchResult, tuple[dict, str] | None]:
         """(the search's result, the profile another worker of the study wrote, if one did)."""
