@@ -14,11 +14,13 @@ from simulated import (generated, GiB, LANDSCAPES, MIN_WINDOW_STEPS, ONE_LINER_G
 H100 = TIMED[0]
 
 
-def _tuner(landscape, budget_s, *, one=ONE_LINER_GPU, seed=0):
+def _tuner(landscape, budget_s, *, one=ONE_LINER_GPU, seed=0, **hooks):
+    """`hooks`: the Tuner's other callables (estimate, measure_reference, should_stop, ...)."""
     landscape.reset(seed)
     landscape.stop_at_s[0] = budget_s
     return Tuner(landscape.space(), study=make_study(study_name="t", storage=None, seed=seed),
-                 budget_bytes=landscape.budget_bytes, measure=landscape.measure, estimate=landscape.estimate,
+                 budget_bytes=landscape.budget_bytes, measure=landscape.measure,
+                 **{"estimate": landscape.estimate} | hooks,
                  max_trials=40, patience=12, deadline=Deadline(budget_s, clock=landscape.clock), one_liner=one)
 
 
@@ -172,12 +174,7 @@ def test_the_references_planned_for_a_16bit_best_are_measured_for_their_losses_i
         taken.append(config)
         return land.measure_reference(config)
 
-    land.reset(0)
-    land.stop_at_s[0] = 240.0
-    tuner = Tuner(land.space(), study=make_study(study_name="t", storage=None, seed=0),
-                  budget_bytes=land.budget_bytes, measure=land.measure, estimate=land.estimate, max_trials=40,
-                  patience=12, deadline=Deadline(240.0, clock=land.clock), one_liner=ONE_LINER_GPU,
-                  measure_reference=reference)
+    tuner = _tuner(land, 240.0, measure_reference=reference)
     result = tuner.run()
     assert taken and all(c.precision == "32-true" and c.optimizer_bits == 32 for c in taken)
     assert set(taken) <= tuner.references
@@ -193,8 +190,6 @@ def test_a_stop_that_comes_while_the_next_config_is_planned_starts_no_trial():
     """An estimate takes seconds on a small host: a SIGTERM during one (after the one-liner
     was measured) must not be followed by a trial started anyway."""
     land = dataclasses.replace(H100, window_s=2.0)
-    land.reset(0)
-    land.stop_at_s[0] = 240.0
     stopped = []
 
     def estimate(config):
@@ -202,10 +197,6 @@ def test_a_stop_that_comes_while_the_next_config_is_planned_starts_no_trial():
             stopped.append(True)
         return land.estimate(config)
 
-    tuner = Tuner(land.space(), study=make_study(study_name="t", storage=None, seed=0),
-                  budget_bytes=land.budget_bytes, measure=land.measure, estimate=estimate, max_trials=40,
-                  patience=12, deadline=Deadline(240.0, clock=land.clock), one_liner=ONE_LINER_GPU,
-                  should_stop=lambda: bool(stopped))
-    stop_reason, _, _ = tuner.search()
+    stop_reason, _, _ = _tuner(land, 240.0, estimate=estimate, should_stop=lambda: bool(stopped)).search()
     assert stopped and stop_reason == "stopped"
     assert len(land.calls) == 1  # the one-liner, and nothing after the stop

@@ -53,10 +53,28 @@ def simulated(monkeypatch):
     return install
 
 
-def _tune(tmp_path, *, time_budget_s: float, stop_event=None):
+def _tune(tmp_path, *, time_budget_s: float, stop_event=None, write_on_stop: bool = True):
+    return tune(_setup(tmp_path, time_budget_s=time_budget_s, write_on_stop=write_on_stop), stop_event=stop_event)
+
+
+def _setup(tmp_path, *, time_budget_s: float, write_on_stop: bool = True) -> TuneSetup:
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
-    return tune(TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6, tune_time_s=time_budget_s),
-                          out_dir=tmp_path / "profiles", storage=None, report=False), stop_event=stop_event)
+    return TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6, tune_time_s=time_budget_s),
+                     out_dir=tmp_path / "profiles", storage=None, report=False, write_on_stop=write_on_stop)
+
+
+def _stop_at_first_validation(calls: list) -> tuple[threading.Event, list]:
+    """A stop set once the first validation run (20 steps) has started, and when it was set."""
+    stop, stopped_at = threading.Event(), []
+
+    def watch():
+        while not any(steps == 20 for _, steps, _ in calls):
+            time.sleep(0.02)
+        stopped_at.append(time.monotonic())
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return stop, stopped_at
 
 
 def test_at_the_budgets_end_the_best_measured_config_is_the_profile_marked_unvalidated(tmp_path, simulated,
@@ -87,20 +105,12 @@ def test_at_the_budgets_end_the_best_measured_config_is_the_profile_marked_unval
     assert outcome.incomplete and "not validated" in outcome.incomplete
 
 
+@pytest.mark.timing
 def test_a_stop_during_validation_ends_the_tune_within_two_seconds_with_the_best_measured(tmp_path, simulated):
     calls = simulated(validation_blocks=True)
-    stop = threading.Event()
-    timer = None
-
-    def watch():  # the stop comes once the first validation run has started
-        while not any(steps == 20 for _, steps, _ in calls):
-            time.sleep(0.02)
-        stop.set()
-        nonlocal timer
-        timer = time.monotonic()
-
-    threading.Thread(target=watch, daemon=True).start()
+    stop, stopped_at = _stop_at_first_validation(calls)
     outcome = _tune(tmp_path, time_budget_s=600.0, stop_event=stop)
+    timer = stopped_at[0]
     assert time.monotonic() - timer < 2.0
     assert outcome.incomplete and "a stop was asked for" in outcome.incomplete
     assert not outcome.profile.search.validated
@@ -108,23 +118,13 @@ def test_a_stop_during_validation_ends_the_tune_within_two_seconds_with_the_best
     assert all(t <= timer for _, steps, t in calls if steps == 20)
 
 
+@pytest.mark.timing
 def test_the_services_tune_stopped_during_validation_ends_within_two_seconds_for_a_resume(tmp_path, simulated):
     """`autofit serve` (write_on_stop=False): the stop is an interruption, not an answer."""
     calls = simulated(validation_blocks=True)
-    stop, stopped_at = threading.Event(), []
-
-    def watch():
-        while not any(steps == 20 for _, steps, _ in calls):
-            time.sleep(0.02)
-        stopped_at.append(time.monotonic())
-        stop.set()
-
-    threading.Thread(target=watch, daemon=True).start()
-    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
+    stop, stopped_at = _stop_at_first_validation(calls)
     with pytest.raises(InterruptedError, match="rerun to resume"):
-        tune(TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6, tune_time_s=600.0),
-                       out_dir=tmp_path / "profiles", storage=None, report=False, write_on_stop=False),
-             stop_event=stop)
+        _tune(tmp_path, time_budget_s=600.0, stop_event=stop, write_on_stop=False)
     assert time.monotonic() - stopped_at[0] < 2.0
     assert [t for _, steps, t in calls if steps == 20 and t > stopped_at[0]] == []  # no validation after it
     assert not (tmp_path / "profiles").exists() or not list((tmp_path / "profiles").glob("*.yaml"))
@@ -149,9 +149,7 @@ def test_a_stop_during_the_first_trial_lets_it_finish_where_a_stop_writes_a_prof
     monkeypatch.setattr("autofit.tuning.tune.measure", measure)
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
                         lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
-    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
-    setup = TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6, tune_time_s=600.0),
-                      out_dir=tmp_path / "profiles", storage=None, report=False, write_on_stop=writes)
+    setup = _setup(tmp_path, time_budget_s=600.0, write_on_stop=writes)
     if not writes:
         with pytest.raises(InterruptedError):
             tune(setup, stop_event=stop)

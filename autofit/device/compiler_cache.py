@@ -1,7 +1,7 @@
 """Where inductor keeps its compiled graphs: autofit's state folder (`<state>/inductor`),
 set in the environment before any child starts, so trials, the validation and `autofit train`
-of a config load the graphs a tune compiled. No torch at import: `autofit tune` sets it before
-it starts its trial worker, whose start-up overlaps the command's own imports.
+of a config load the graphs a tune compiled. No torch at import: `autofit tune`, whose process
+never imports torch, sets it before it starts its trial worker.
 """
 
 import os
@@ -30,6 +30,7 @@ def use_inductor_cache(state_dir=None) -> str | None:
             return None
         os.environ[INDUCTOR_CACHE_ENV] = _inductor_folder_set = str(folder)
     return os.environ[INDUCTOR_CACHE_ENV]
+
 
 def _torch_default_cache() -> str:
     """Inductor's temp folder, which inductor writes into the variable the first time it asks

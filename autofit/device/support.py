@@ -10,8 +10,7 @@ def unsupported_reason(name: str, *, device_kind: str, compute_capability: tuple
 
     Takes plain facts (from NVML or torch) so the parent can decide without touching CUDA.
     """
-    if name not in PRECISIONS:
-        raise DeviceError(f"precision: must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    _known(name)
     if device_kind == "cpu":
         # On a CPU "tf32" is the same computation as 32-true; searching it would only
         # measure noise twice.
@@ -52,6 +51,10 @@ SAME_TENSORS = {"32-true": "32-true", "tf32": "32-true", "16-mixed": "16-mixed",
 
 def same_tensors(name: str) -> str:
     """The first precision that holds tensors of the same sizes as `name` (SAME_TENSORS)."""
-    if name not in SAME_TENSORS:
-        raise DeviceError(f"precision: must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    _known(name)
     return SAME_TENSORS[name]
+
+
+def _known(name: str) -> None:
+    if name not in PRECISIONS:
+        raise DeviceError(f"precision: must be one of {', '.join(PRECISIONS)}, got {name!r}")

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
 from autofit.base.errors import AutofitError, UserCodeError
+from autofit.config.knobs import DEVICE_KINDS
 from autofit.config.spec import divisors, ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.allocator import replay, workspace_events
@@ -33,7 +34,6 @@ from autofit.train.user_optim import count_state, CountedState, OptimizerStateEr
 from autofit.measure.estimate_shard import per_rank
 from autofit.measure.estimated import EstimateError, MemoryEstimate
 
-DEVICE_KINDS = ("cpu", "cuda")
 ESTIMATED_STEPS = 2  # optimizer state exists from the first optimizer.step() on
 # Memory is the same for every micro batch after the second: the first allocates the
 # gradients, the second adds to them. Simulating two keeps long accumulations cheap.

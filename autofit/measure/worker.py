@@ -91,8 +91,8 @@ class Worker:
 
     def launch(self) -> None:
         """Start the worker's process and send it its setup without waiting for the answer
-        (`start` waits): `autofit tune` launches it before its own imports, so the worker's
-        torch import and model build overlap the command's."""
+        (`start` waits): `autofit tune` launches it first, so the worker's torch import and
+        model build run while the command opens its study."""
         if self.proc is not None or self.spawn:
             return
         self.folder = Path(tempfile.mkdtemp(prefix="autofit-worker-"))
@@ -381,8 +381,11 @@ def task_log_tail(folder: Path) -> str:
 
 
 def stop_asked(stop_event) -> bool:
-    if isinstance(stop_event, StopAfter):
-        return stop_event.is_set()
+    return stop_event.is_set() if isinstance(stop_event, StopAfter) else _asked(stop_event)
+
+
+def _asked(stop_event) -> bool:
+    """The caller's stop event or the CLI's stop flag is set."""
     return (stop_event is not None and stop_event.is_set()) or stopping.requested.is_set()
 
 
@@ -398,7 +401,7 @@ class StopAfter:
         self.since: float | None = None  # when the stop was first seen
 
     def is_set(self) -> bool:
-        if not ((self.stop_event is not None and self.stop_event.is_set()) or stopping.requested.is_set()):
+        if not _asked(self.stop_event):
             return False
         if self.since is None:
             self.since = time.monotonic()

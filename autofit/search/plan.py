@@ -243,7 +243,7 @@ class Plan:
                 continue
             self.offered.add(group.key)
             fresh = next((c for c in group.seeds if self.known(c, records) is None), None)
-            if fresh is not None and key(fresh) not in measured:
+            if fresh is not None:
                 self.seeds.add(fresh)
                 return [fresh]
         return []

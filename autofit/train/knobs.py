@@ -183,6 +183,8 @@ def apply_freezing(model: nn.Module, n_blocks: int) -> int:
 # torch.compile backend: `aot_eager` traces the same graphs with no code generation (where
 # no compiler is at hand, and in the tests, where inductor's compile takes tens of seconds).
 COMPILE_BACKEND_ENV = "AUTOFIT_COMPILE_BACKEND"
+
+
 def prepare_process(config: TrainConfig, state_dir=None) -> None:
     """The process-wide part of `config`, set before CUDA starts (`autofit train`,
     `profile.apply`, the trial child): the allocator's expandable segments (read once, when

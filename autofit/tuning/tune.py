@@ -240,6 +240,7 @@ class _Tune:
         self.ran_precisions: set[str] = set()
         self.failed_precisions: dict[str, Measurement] = {}
         self.validations: dict = {}  # config -> its validation runs, which the frontier reuses
+        self.searched: dict = {}  # config -> its latest search trial that ran (validation sizes its runs by it)
         # Every validation run trains the same batches from the same weights: a low-precision
         # one is held to the 32-true baseline's loss curve, not to one short mean.
         self.curve = LossCurveCheck(spec.search.loss_curve_rtol)
@@ -348,6 +349,7 @@ class _Tune:
 
     def validate(self, result: SearchResult) -> _Chosen:
         spec = self.spec
+        self.searched = {r.config: r for r in result.records if r.status == "ok"}
         # The floor: the one-liner (on the CPU 32-true at the largest micro batch that fits).
         baseline = baseline_record(result, self.demoted)
         self._loss_reference(result, baseline)
@@ -530,8 +532,7 @@ class _Tune:
         nothing after it runs (`unvalidated` writes the profile from what was measured).
         Fewer steps where `steps` would take more than its share of the budget's rest
         (`validation.steps_within`)."""
-        trial = next((r for r in reversed(self.tuner.records()) if r.config == config and r.status == "ok"), None)
-        steps = steps_within(self.spec, trial, steps, self.deadline.left_s())
+        steps = steps_within(self.spec, self.searched.get(config), steps, self.deadline.left_s())
         m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
                     stop_event=self.halt, measure_steps=steps, timeout_s=min(timeout_s, self.deadline.left_s() + 1),
                     guard=self.guard, worker=self.trial_worker)

@@ -50,10 +50,14 @@ def run_timeout_s(spec: ModelSpec, record: TrialRecord, steps: int) -> float:
     m, search = record.measurement, spec.search
     if m is None or not m.step_time_s:
         return search.trial_timeout_s * max(1.0, steps / search.measure_steps)
-    # The steps it ran: a window in seconds may hold more than measure_steps.
-    timed = max(search.measure_steps, len(m.step_times_s))
-    startup_s = max(0.0, m.wall_s - (search.warmup_steps + timed) * m.step_time_s)
-    return max(search.trial_timeout_s, 3 * (startup_s + (search.warmup_steps + steps) * m.step_time_s))
+    return max(search.trial_timeout_s, 3 * (_startup_s(spec, m) + (search.warmup_steps + steps) * m.step_time_s))
+
+
+def _startup_s(spec: ModelSpec, m: Measurement) -> float:
+    """A trial's start-up: its wall time less its warm-up and timed steps (a window in seconds
+    may hold more than measure_steps)."""
+    timed = max(spec.search.measure_steps, len(m.step_times_s))
+    return max(0.0, m.wall_s - (spec.search.warmup_steps + timed) * m.step_time_s)
 
 
 def steps_within(spec: ModelSpec, record: TrialRecord | None, steps: int, left_s: float) -> int:
@@ -63,9 +67,7 @@ def steps_within(spec: ModelSpec, record: TrialRecord | None, steps: int, left_s
     m = None if record is None else record.measurement
     if not math.isfinite(left_s) or m is None or not m.step_time_s:
         return steps
-    timed = max(spec.search.measure_steps, len(m.step_times_s))
-    startup_s = max(0.0, m.wall_s - (spec.search.warmup_steps + timed) * m.step_time_s)
-    fit = math.floor((VALIDATION_RUN_SHARE * left_s - startup_s) / m.step_time_s) - spec.search.warmup_steps
+    fit = math.floor((VALIDATION_RUN_SHARE * left_s - _startup_s(spec, m)) / m.step_time_s) - spec.search.warmup_steps
     return max(min(MIN_VALIDATE_STEPS, steps), min(steps, fit))
 
 
