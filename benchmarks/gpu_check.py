@@ -6,14 +6,16 @@
     python benchmarks/gpu_check.py --spec benchmarks/specs/gpt-small-tiny.yaml --time-budget 30 --out /tmp/x
                                                         # the same on a CPU, to know the script works
 
-In order: `autofit doctor`; then per spec (`--spec`, repeatable; default GPT-2 small and
-BERT-base): hand-written PyTorch loops (fp32, tf32, the AMP one-liner: bf16 autocast (fp16
-where the device has no bf16) at the largest micro batch that fits, with fused AdamW, and the
-one-liner under torch.compile), each at the largest micro batch of the global batch that
-runs, each in its own process; then `autofit tune SPEC --time-budget N` with the default
-space, which on CUDA tries compiling (and the allocator's expandable segments) on the
-leaders: the compiled trials are counted from its --json trials. Per spec: the tuned
-profile over the hand one-liner and over the compiled one-liner, and the profile's MFU.
+In order, per spec (`--spec`, repeatable; default GPT-2 small and BERT-base): hand-written
+PyTorch loops (fp32, tf32, the AMP one-liner: bf16 autocast (fp16 where the device has no
+bf16) at the largest micro batch that fits, with fused AdamW, and the one-liner under
+torch.compile), each at the largest micro batch of the global batch that runs, each in its
+own process; then `autofit tune SPEC --time-budget N` with the default space, which on CUDA
+tries compiling (and the allocator's expandable segments) on the leaders: the compiled
+trials are counted from its --json trials. Per spec: the tuned profile over the hand
+one-liner and over the compiled one-liner, and the profile's MFU. Then `autofit doctor`
+(last, so that a lease cut short keeps the figures; `--skip-doctor` leaves it out). The
+record is written after each stage, the tune's whole log beside it.
 Writes `<out>/<date>-<device>-gpu-check.{json,md}` (default out: benchmarks/results; on a
 CPU name another folder: CPU figures are not GPU results). The hand loops are skipped on a
 CPU except fp32 (tf32 and bf16 autocast are GPU settings).
@@ -35,6 +37,7 @@ HAND_LOOPS = ("fp32", "tf32", "one-liner", "one-liner+compile")
 HAND_WINDOW_S = 8.0  # a hand loop's timed window after warm-up, seconds
 HAND_MIN_STEPS = 3
 HAND_TIMEOUT_S = 150.0
+DOCTOR_TIMEOUT_S = 150.0
 DEFAULT_SPECS = (REPO / "benchmarks/specs/gpt-small.yaml", REPO / "benchmarks/specs/bert-base.yaml")
 
 
@@ -46,6 +49,7 @@ def main() -> int:
                         help="the hand loops run per spec on a GPU (default: all)")
     parser.add_argument("--time-budget", default="120", help="each tune's --time-budget (default 120)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
+    parser.add_argument("--skip-doctor", action="store_true", help="leave `autofit doctor` out (a rerun)")
     parser.add_argument("--hand-loop", choices=HAND_LOOPS, help=argparse.SUPPRESS)  # a child: one hand loop
     args = parser.parse_args()
     specs = args.spec or list(DEFAULT_SPECS)
@@ -60,21 +64,31 @@ def main() -> int:
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
               "specs": [str(p) for p in specs], "time_budget": args.time_budget, "commit": _commit(),
               "torch": torch.__version__}
-    record["doctor"] = _run([sys.executable, "-m", "autofit", "doctor", "--json"], timeout_s=240)
-    record["runs"] = {str(spec): check_spec(spec, args.hand_loops if cuda else ["fp32"], args.time_budget)
-                      for spec in specs}
-    record["wall_s"] = round(time.monotonic() - start, 1)
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")[:40]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{record['date'][:10]}-{slug}-gpu-check"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(_markdown(record))
+
+    def save() -> None:  # after every stage: a run cut short by its lease keeps what it measured
+        record["wall_s"] = round(time.monotonic() - start, 1)
+        stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(_markdown(record))
+
+    record["runs"] = {}
+    for spec in specs:
+        record["runs"][str(spec)] = check_spec(spec, args.hand_loops if cuda else ["fp32"], args.time_budget,
+                                               log=stem.with_name(f"{stem.name}-tune-{spec.stem}.log"))
+        save()
+    if not args.skip_doctor:  # last: the figures above are what a lease must not lose
+        record["doctor"] = _run([sys.executable, "-m", "autofit", "doctor", "--json", "--timeout", "60"],
+                                timeout_s=DOCTOR_TIMEOUT_S)
+        save()
     print(stem.with_suffix(".md"))
     return 0
 
 
-def check_spec(spec: Path, hand_loops: list[str], time_budget: str) -> dict:
-    """The hand loops, then the tune, of one spec; the tune's figures over the hand ones."""
+def check_spec(spec: Path, hand_loops: list[str], time_budget: str, log: Path) -> dict:
+    """The hand loops, then the tune, of one spec; the tune's figures over the hand ones. The
+    tune's whole log goes to `log`."""
     run = {"hand": {}}
     for name in hand_loops:
         got = _run([sys.executable, __file__, "--spec", str(spec), "--hand-loop", name], timeout_s=HAND_TIMEOUT_S)
@@ -84,7 +98,9 @@ def check_spec(spec: Path, hand_loops: list[str], time_budget: str) -> dict:
         tune = _run([sys.executable, "-m", "autofit", "tune", str(spec), "--time-budget", str(time_budget),
                      "--state-dir", f"{folder}/state", "--out", f"{folder}/profiles", "--no-report", "--json"],
                     timeout_s=600)
-        run["tune"] = {"rc": tune["rc"], "wall_s": tune["wall_s"], "stderr_tail": tune["stderr"][-6000:]}
+        log.write_text(tune["stderr"])
+        run["tune"] = {"rc": tune["rc"], "wall_s": tune["wall_s"], "stderr_tail": tune["stderr"][-6000:],
+                       "log": log.name}
         summary = _last_json(tune)
         if summary.get("profile_path"):
             run["tune"] |= {"profile": Path(summary["profile_path"]).read_text(), "best": summary.get("best"), "search": summary.get("search"),
@@ -203,7 +219,8 @@ def _markdown(r: dict) -> str:
     lines = [f"# GPU check: {r['device']}, {r['date']}", "",
              f"`python benchmarks/gpu_check.py {' '.join('--spec ' + s for s in r['specs'])} --time-budget "
              f"{r['time_budget']}` at {r['commit']}, torch {r['torch']}; {r['wall_s']} s in all.", "",
-             f"doctor: exit {r['doctor']['rc']} in {r['doctor']['wall_s']} s", ""]
+             f"doctor: exit {r['doctor']['rc']} in {r['doctor']['wall_s']} s" if "doctor" in r else "doctor: not run",
+             ""]
     for spec, run in r["runs"].items():
         lines += [f"## {spec}", "", "| hand loop | micro x accum | samples/s | step s | wall s |", "|---|---|---|---|---|"]
         for name, h in run["hand"].items():

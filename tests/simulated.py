@@ -31,9 +31,10 @@ shape of real hardware, so the exhaustive-grid optimum is known exactly.
 - device time (`clock()`): each measurement costs its start (`start_s`: process, context,
   model), its warm-up and its window at the config's own step time (`window_s` seconds with
   at least `MIN_WINDOW_STEPS` steps; or, as before windows were sized in time,
-  `STEP_WINDOW` steps), an out-of-memory trial its start and one step, a compile error its
-  start twice, an estimate `estimate_s`. A search on a landscape reads this clock, so a time
-  budget is spent as on the device.
+  `STEP_WINDOW` steps), an out-of-memory trial its start and one step, a compiled config
+  its compiling too (`compile_s`), a compile error its start twice, an estimate
+  `estimate_s`. A search on a landscape reads this clock, so a time budget is spent as on
+  the device.
 
 `SHAPED` and `generated(n, seed)` are the landscape suite of benchmarks/landscapes.py (shapes
 made by hand, and a seeded parametric family); `search(landscape, seed)` runs the tuner on one
@@ -88,6 +89,7 @@ class Landscape:
     compile: tuple = (False,)  # (False, True): compiled steps searched
     compile_speedup: float = 1.2  # compiled steps' speed over eager
     compile_fails: bool = False  # every compiled config is a compile_error
+    compile_s: float = 20.0  # a compiled measurement's compiling (inductor, cold cache): device time, reported
     # Shapes added with the landscape suite (defaults: the shapes above were made with).
     freezable_share: float = 0.9  # of the parameters, the share the frozen blocks and embeddings hold
     freeze_speedup: float = 0.25  # speed gained with every block frozen (their weight gradients skipped)
@@ -197,16 +199,17 @@ class Landscape:
         """What one measurement of `c` costs on the device (`reference`: for the losses, its
         warm-up and `REFERENCE_TRIAL_STEPS` steps, no time window)."""
         step_s = self.step_s(c)
-        if status == "oom":
-            return self.start_s + step_s
         if status == "compile_error":
             return 2 * self.start_s
+        start_s = self.start_s + (self.compile_s if c.compile else 0.0)  # the first step compiles
+        if status == "oom":
+            return start_s + step_s
         if reference:
-            return self.start_s + (WARMUP_STEPS + REFERENCE_TRIAL_STEPS) * step_s
+            return start_s + (WARMUP_STEPS + REFERENCE_TRIAL_STEPS) * step_s
         window_s = self.window_s if window_s is None else window_s
         if window_s is None:
-            return self.start_s + STEP_WINDOW * step_s
-        return self.start_s + WARMUP_STEPS * step_s + max(window_s, MIN_WINDOW_STEPS * step_s)
+            return start_s + STEP_WINDOW * step_s
+        return start_s + WARMUP_STEPS * step_s + max(window_s, MIN_WINDOW_STEPS * step_s)
 
     def measure_reference(self, c: TrainConfig) -> Measurement:
         return self.measure(c, reference=True)
@@ -239,7 +242,8 @@ class Landscape:
         return Measurement(status="ok", config=c, peak_memory_bytes=peak - seen_context,
                            overhead_bytes=seen_context, budget_bytes=self.budget_bytes,
                            samples_per_s=sps, step_time_s=self.global_batch_size / sps,
-                           losses=list(HEALTHY_LOSSES if self.healthy(c) else DRIFTING_LOSSES))
+                           losses=list(HEALTHY_LOSSES if self.healthy(c) else DRIFTING_LOSSES),
+                           compile_s=self.compile_s if c.compile else None)
 
     def estimate(self, c: TrainConfig) -> int:
         self.device_s[0] += self.estimate_s

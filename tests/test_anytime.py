@@ -7,6 +7,7 @@ import pytest
 
 from autofit.search import make_study, Tuner
 from autofit.search.deadline import Deadline
+from autofit.search.loop import COMPILE_PRIOR_S
 from autofit.search.seeding import one_liner
 from simulated import (generated, GiB, LANDSCAPES, MIN_WINDOW_STEPS, ONE_LINER_GPU, search, SHAPED, STEP_WINDOW, TIMED,
                        WARMUP_STEPS)
@@ -19,8 +20,8 @@ def _tuner(landscape, budget_s, *, one=ONE_LINER_GPU, seed=0, **hooks):
     landscape.reset(seed)
     landscape.stop_at_s[0] = budget_s
     return Tuner(landscape.space(), study=make_study(study_name="t", storage=None, seed=seed),
-                 budget_bytes=landscape.budget_bytes, measure=landscape.measure,
-                 **{"estimate": landscape.estimate} | hooks,
+                 budget_bytes=landscape.budget_bytes,
+                 **{"estimate": landscape.estimate, "measure": landscape.measure} | hooks,
                  max_trials=40, patience=12, deadline=Deadline(budget_s, clock=landscape.clock), one_liner=one)
 
 
@@ -200,3 +201,24 @@ def test_a_stop_that_comes_while_the_next_config_is_planned_starts_no_trial():
     stop_reason, _, _ = _tuner(land, 240.0, estimate=estimate, should_stop=lambda: bool(stopped)).search()
     assert stopped and stop_reason == "stopped"
     assert len(land.calls) == 1  # the one-liner, and nothing after the stop
+
+
+COMPILED = next(l for l in LANDSCAPES if l.name == "compiled")
+
+
+@pytest.mark.parametrize("budget_s", [60.0, 120.0, 240.0])
+def test_no_compiled_trial_starts_with_less_of_the_searchs_share_left_than_a_compile_costs(budget_s):
+    """A compile twin started late runs past the search's share into validation's time: it
+    needs a compile's cost left (the prior before one is measured, then the longest measured)."""
+    starts = []
+
+    def measure(config):
+        starts.append((COMPILED.clock(), config))
+        return COMPILED.measure(config)
+
+    search_s = Deadline(budget_s).search_s()
+    for seed in range(3):
+        starts.clear()
+        _tuner(COMPILED, budget_s, seed=seed, measure=measure).search()
+        compiled = [(at, c) for at, c in starts if c.compile]
+        assert all(at + min(COMPILE_PRIOR_S, COMPILED.compile_s) <= search_s for at, _ in compiled), (seed, compiled)

@@ -172,3 +172,15 @@ def test_a_validation_run_takes_no_more_steps_than_fit_its_share_of_the_budgets_
     assert steps_within(spec, slow, 12, left_s=math.inf) == 12  # no budget: as asked
     assert steps_within(spec, trial(0.02, 4.0), 50, left_s=48.0) == 50  # a fast step fits as asked
     assert steps_within(spec, None, 12, left_s=10.0) == 12  # nothing measured to go by
+
+
+def test_pairs_spread_wide_but_all_below_one_claim_the_winner_slower_and_blame_no_load(spec):
+    """Seen on the CPU: a bf16 winner at 0.10-0.17x of the 32-true one-liner, on an idle host,
+    was called "too busy to measure"; its direction is clear."""
+    s = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
+                        _runs({WINNER: [10, 17, 13], BASELINE: [100]}, []))
+    assert s.pairs == PAIRS_MIN and s.measurable and not keeps_winner(s)
+    assert s.text().startswith("0.13x (0.10-0.17x, 3 interleaved pairs")
+    wild = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
+                           _runs({WINNER: [50, 300, 90, 250, 60, 280, 100], BASELINE: [100]}, []))
+    assert not wild.busy and wild.why_no_claim() == "the pairs disagreed too much to measure a speed-up"

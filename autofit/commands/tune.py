@@ -24,7 +24,7 @@ from autofit.tuning.tune import tune, TuneOutcome, TuneSetup
 from autofit.commands.args import check_count, check_seconds
 
 
-EXIT_NO_CLAIM = 4  # the profile is written, but the host was too busy for its figures to be a claim
+EXIT_NO_CLAIM = 4  # the profile is written, but no speed-up could be measured (a busy host, wild pairs)
 
 
 def tune_command(spec_path: str | Path, *, device: str | None = None, memory_budget: str | None = None,
@@ -82,8 +82,8 @@ def main(args) -> int:
         print(f"autofit: the profile is written from the best config measured so far: {outcome.incomplete}",
               file=sys.stderr)
         return EXIT_INCOMPLETE
-    if not outcome.claims:  # written, but the host was too busy to measure a speed-up
-        print(f"autofit: the host was too busy to measure a speed-up ({outcome.speedup.text()}); the profile is "
+    if not outcome.claims:  # written, but no speed-up could be measured (a busy host, wild pairs)
+        print(f"autofit: {outcome.speedup.why_no_claim()} ({outcome.speedup.text()}); the profile is "
               f"written, its figures are no claim: tune again on a quiet host", file=sys.stderr)
         return EXIT_NO_CLAIM
     return 0

@@ -39,6 +39,11 @@ TINY_SHARE = 0.25
 # The fewest optimizer steps a trial runs (a warm-up step and the window's minimum): with a
 # predicted step time, the least a trial can cost.
 LEAST_TRIAL_STEPS = 4
+# What a compiled trial's compiling costs before one of this search has compiled (then: the
+# longest it measured). Inductor compiles a transformer's training step from a cold cache in
+# tens of seconds (30-40 s per graph on a 2-core CPU, docs/benchmarks.md); a compile twin
+# started with less left than this runs past the search's share into validation's time.
+COMPILE_PRIOR_S = 30.0
 
 
 @dataclass
@@ -236,7 +241,7 @@ class Tuner:
         """The least a trial of `config` can cost fits in the search's time left:
         `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials of its
         speed class (the fastest of their samples/s, scaled down in proportion where `config`'s micro batch is
-        smaller than theirs). A trial that runs past the search's share eats the time the
+        smaller than theirs), and a compiled config's compiling (`compile_cost_s`). A trial that runs past the search's share eats the time the
         re-measures and validation need; one that runs past the budget gives nothing. Without
         a measured trial, or without a budget, any config is affordable."""
         search_s = self.deadline.search_s()
@@ -251,7 +256,8 @@ class Tuner:
                        or not {r.config.precision, config.precision} & set(REFERENCE_PRECISIONS))]
         if not speeds:
             return True
-        return LEAST_TRIAL_STEPS * self.space.global_batch_size / max(speeds) <= left_s
+        least_s = LEAST_TRIAL_STEPS * self.space.global_batch_size / max(speeds)
+        return least_s + (compile_cost_s(records) if config.compile else 0.0) <= left_s
 
     def finish(self, searched: tuple[str, int, float]) -> SearchResult:
         """After `search()`: a full-precision reference at each contender's freezing depth
@@ -525,3 +531,11 @@ def _best(records: list[TrialRecord], budget_bytes: int) -> TrialRecord | None:
     never stays the best the search refines around."""
     feasible = [r for r in records if r.feasible(budget_bytes) and not r.repeat and health_problem(r, records) is None]
     return max(feasible, key=lambda r: r.samples_per_s, default=None)
+
+
+def compile_cost_s(records: list[TrialRecord]) -> float:
+    """What compiling a config is expected to cost: the longest compile this search measured
+    (a new micro batch is a new graph, mostly compiled afresh), else `COMPILE_PRIOR_S`."""
+    measured = [r.measurement.compile_s for r in records
+                if r.config.compile and r.measurement is not None and r.measurement.compile_s is not None]
+    return max(measured, default=COMPILE_PRIOR_S)

@@ -10,9 +10,10 @@ ratio lies inside with probability 1 - 2^(1-n) for n pairs (75% for 3, 94% for 5
 
 - the interval holds 1.0: there is no measurable speed-up; the winner stays only if its
   median ratio is at least 1 (never worse), else the baseline is the profile;
-- the pairs disagree by more than `UNMEASURABLE` (high / low) even after `PAIRS_MAX` pairs:
-  the host was too busy for any claim. The profile is written (the same rule picks it), its
-  speed-up is left out, and `autofit tune` says so and exits with 4.
+- the pairs disagree by more than `UNMEASURABLE` (high / low) even after `PAIRS_MAX` pairs,
+  and their interval holds 1.0: no claim (the host was too busy, where other work was
+  measured on it). The profile is written (the same rule picks it), its speed-up is left
+  out, and `autofit tune` says so and exits with 4.
 """
 
 import statistics
@@ -56,6 +57,11 @@ class Speedup:
     @property
     def holds_one(self) -> bool:
         return self.measurable and self.low <= 1.0 <= self.high
+
+    def why_no_claim(self) -> str:
+        """Why an unmeasurable speed-up is no claim: load is named only where it was measured."""
+        return ("the host was too busy to measure a speed-up" if self.busy else
+                "the pairs disagreed too much to measure a speed-up")
 
     def text(self) -> str:
         """`2.10x (1.90-2.30x, 3 interleaved pairs)` and the like, for the log and the note."""
@@ -115,7 +121,9 @@ def _speedup(pairs: list[tuple[Measurement, Measurement]]) -> Speedup:
     low, high = min(ratios), max(ratios)
     loads = [m.foreign_cores for pair in pairs for m in pair if m.foreign_cores is not None]
     cores = next((m.cores for pair in pairs for m in pair if m.cores), None)
-    measurable = len(pairs) >= PAIRS_MIN and high / low <= UNMEASURABLE
+    # Ratios spread wide but all on one side of 1.0 still claim a direction (a winner at
+    # 0.10-0.17x of the one-liner is slower, however noisy the slow runs were).
+    measurable = len(pairs) >= PAIRS_MIN and (high / low <= UNMEASURABLE or low > 1.0 or high < 1.0)
     return Speedup(ratio=statistics.median(ratios) if measurable else None, low=low, high=high, pairs=len(pairs),
                    foreign_cores=round(statistics.median(loads), 2) if loads else None, cores=cores,
                    winner_runs=[w for w, _ in pairs], baseline_runs=[b for _, b in pairs])

@@ -365,9 +365,7 @@ class _Tune:
             kept = keeps_winner(speedup)
             if not speedup.measurable:
                 which = "the search's winner" if kept else "the one-liner, not the search's winner"
-                why = ("the host was too busy to measure a speed-up" if speedup.busy else
-                       "the pairs disagreed too much to measure a speed-up")
-                note = (f"{why} ({speedup.text()}); by the median of the pairs the profile is {which}, but its "
+                note = (f"{speedup.why_no_claim()} ({speedup.text()}); by the median of the pairs the profile is {which}, but its "
                         f"figures are no claim: tune again on a quiet host to know it")
             elif not kept:
                 note = (f"the search's winner {winner.config.short()} validated slower than the one-liner "
