@@ -107,6 +107,7 @@ def check_spec(spec: Path, hand_loops: list[str], time_budget: str, log: Path) -
                             "mfu": (summary.get("search") or {}).get("mfu")}
         trials = [t for t in summary.get("trials", []) if t.get("trial_wall_s") is not None]
         run["tune"]["trials_measured"] = len(trials)
+        run["tune"]["trials"] = summary.get("trials", [])
         run["tune"]["compiled_trials"] = [(t["number"], t["status"], t.get("compile_s"), t["config"])
                                           for t in trials if t["config"].get("compile")]
     best = (run["tune"].get("best") or {}).get("samples_per_s")

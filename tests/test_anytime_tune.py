@@ -311,3 +311,23 @@ def test_a_stop_after_the_one_liner_validated_writes_the_faster_winner_without_a
     search = outcome.profile.search
     assert outcome.profile.config.precision == "bf16-mixed" and not search.validated
     assert search.baseline["config"]["precision"] == "32-true" and search.speedup is None
+
+
+def test_on_a_gpu_the_pairs_validate_the_one_liner_and_the_profile_states_its_speedup(tmp_path, simulated):
+    """On the H100 (GPT-2 small, 120 s) the profile said no speed-up at all: the one-liner
+    (bf16-mixed) had no validation run of its own before the pairs were asked for, so none were
+    taken. The pairs validate it; the winner's validation run is the first pair's W."""
+    import dataclasses
+
+    faster = {8: 300.0, 4: 360.0}  # bf16-mixed at micro batch 4 beats the one-liner (8)
+    calls = simulated(validation_blocks=False,
+                      speed=lambda c: faster.get(c.micro_batch_size, 200.0) if c.precision == "bf16-mixed" else 100.0)
+    setup = _setup(tmp_path, time_budget_s=120.0)
+    cuda = dataclasses.replace(setup.device, kind="cuda", index=0, compute_capability=(9, 0), driver_version="580")
+    outcome = tune(dataclasses.replace(setup, device=cuda))
+    search = outcome.profile.search
+    assert search.validated and not outcome.incomplete and outcome.profile.config.micro_batch_size == 4
+    assert search.baseline["config"]["precision"] == "bf16-mixed" and search.baseline["config"]["micro_batch_size"] == 8
+    assert search.speedup == pytest.approx(1.2) and search.speedup_pairs >= 3
+    pair_steps = [steps for c, steps, _ in calls if steps is not None and c == outcome.profile.config]
+    assert len(pair_steps) == search.speedup_pairs  # its validation run stood as the first pair's W

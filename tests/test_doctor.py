@@ -60,6 +60,18 @@ def test_overhead_is_skipped_on_a_cpu_with_its_reason():
 # ---- the command: child processes, exit codes, isolation -------------------------------------
 
 
+def test_the_overhead_checks_trial_request_is_one_a_trial_child_runs(one_thread):
+    """On the H100 the check failed at once ("'dict' object has no attribute 'config'"): its
+    request was a dict where the child reads a TrialRequest. The same request, on the CPU."""
+    from autofit.config.train_config import TrainConfig
+    from autofit.doctor._base import example_spec
+    from autofit.doctor.checks import _request
+    from autofit.measure import child
+
+    spec = example_spec()
+    assert child._Trial(_request(spec, TrainConfig.default_for(spec), torch.device("cpu"))).run()["status"] == "ok"
+
+
 def test_faults_are_read_in_the_check_children_a_crash_stays_in_its_own_and_exit_is_1(capsys, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "probe:crash,memory-cap")
     code, out, _ = run_main(capsys, "doctor", "--device", "cpu", "--check", "probe", "--check", "memory-cap", "--json")

@@ -28,6 +28,7 @@ from autofit.device.oom import is_oom
 from autofit.device.probe import cpu_device, probe_devices
 from autofit.train.recover import release_memory
 from autofit.measure import child, cuda_overhead
+from autofit.measure.messages import TrialRequest
 from autofit.doctor import training
 from autofit.doctor._base import Context, example_spec, MIB
 from autofit.doctor.names import CHECK_NAMES, CPU_SKIPS
@@ -233,11 +234,13 @@ def _nvml_lists_me(before: dict | None) -> bool | None:
     return os.getpid() in pids
 
 
-def _request(spec, config, device: torch.device) -> dict:
-    """A trial child's request, as `autofit.measure.trial.measure` writes it."""
-    return {"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
-            "device": "cpu" if device.type == "cpu" else str(device.index), "budget_bytes": None,
-            "warmup_steps": 1, "measure_steps": 1, "timeout_s": 120}
+def _request(spec, config, device: torch.device) -> TrialRequest:
+    """A trial child's request, as `autofit.measure.trial.measure` writes it (a dict here
+    failed on the H100: the child reads its fields)."""
+    return TrialRequest.from_dict({"spec": spec.to_dict(), "source_dir": str(spec.source_dir),
+                                   "config": config.to_dict(), "budget_bytes": None,
+                                   "device": "cpu" if device.type == "cpu" else str(device.index),
+                                   "warmup_steps": 1, "measure_steps": 1, "timeout_s": 120})
 
 
 # ---- the memory cap ----------------------------------------------------------------------------

@@ -78,17 +78,24 @@ class Speedup:
 
 
 def measure_speedup(spec: ModelSpec, winner: TrialRecord, baseline: TrialRecord, run_long,
-                    should_stop: Callable[[], bool] | None = None) -> Speedup:
+                    should_stop: Callable[[], bool] | None = None, winner_run: Measurement | None = None) -> Speedup:
     """Validation runs of `winner` and `baseline` in interleaved pairs (`run_long` as
-    `validation.run_validation` takes it), until the interval is known (see the module)."""
+    `validation.run_validation` takes it), until the interval is known (see the module). A
+    pair's run times a trial's window (`search.window_s`), not a validation's: its job is a
+    ratio of steady throughputs, not a slow leak, and up to seven pairs must fit what is left
+    of a budget (on the H100, GPT-2 small at 120 s: the search's share ends at 72 s, the
+    winner's 50-step validation takes 11 s). `winner_run`: the winner's validation run taken
+    just before, the first pair's W (one run fewer)."""
     pairs: list[tuple[Measurement, Measurement]] = []
     failed = 0
     stop = should_stop or (lambda: False)
+    given = {winner.config: winner_run} if winner_run is not None else {}
     while len(pairs) < PAIRS_MAX and failed <= MAX_FAILED_PAIRS and not stop():
         if len(pairs) >= PAIRS_MIN and _known(pairs):
             break
         order = (winner, baseline) if len(pairs) % 2 == 0 else (baseline, winner)  # W B, B W, ...
-        runs = {record.config: run_validation(spec, record, run_long) for record in order}
+        runs = {r.config: given.pop(r.config, None) or run_validation(spec, r, run_long, spec.search.window_s)
+                for r in order}
         w, b = runs[winner.config], runs[baseline.config]
         if _ok(w) and _ok(b):
             pairs.append((w, b))

@@ -177,12 +177,16 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
             if run.halted():
                 raise Halted()
             chosen = run.validate(result)
-            frontier = run.frontier(result, chosen)
         except Halted:
-            if not setup.write_on_stop and run.stop_event is not None and run.stop_event.is_set():
-                raise InterruptedError("tune stopped before validation; rerun to resume the study") from None
+            run.raise_for_the_services_stop(setup)
             # Anytime: the best config measured so far, with what validation it had.
             chosen, frontier = run.unvalidated(result)
+            return run.write(result, chosen, frontier, report=setup.report)
+        try:
+            frontier = run.frontier(result, chosen)
+        except Halted:  # during a point's run: the winner, validated, and its speed-up stand
+            run.raise_for_the_services_stop(setup)
+            frontier = run.frontier(result, chosen, runs=False)
         return run.write(result, chosen, frontier, report=setup.report)
 
 
@@ -273,6 +277,12 @@ class _Tune:
         cleanup.callback(watcher.join)
         cleanup.callback(done.set)
 
+    def raise_for_the_services_stop(self, setup: TuneSetup) -> None:
+        """A stop where none writes a profile (the service's tunes): InterruptedError, the
+        study resumes next time."""
+        if not setup.write_on_stop and self.stop_event is not None and self.stop_event.is_set():
+            raise InterruptedError("tune stopped before validation; rerun to resume the study") from None
+
     def halt_reason(self) -> str:
         """Why the tune was halted: a stop, or its time budget."""
         if self.stop_event is not None and self.stop_event.is_set():
@@ -353,13 +363,18 @@ class _Tune:
         # The floor: the one-liner (on the CPU 32-true at the largest micro batch that fits).
         baseline = baseline_record(result, self.demoted)
         self._loss_reference(result, baseline)
-        winner, _ = validate(spec, result, self.run_long, demoted=self.demoted, done=self.validations)
+        winner, winner_m = validate(spec, result, self.run_long, demoted=self.demoted, done=self.validations)
         load = host_load()
-        if baseline is not None and not self._passed(baseline.config):
-            baseline = None  # it did not validate: no speed-up to claim
+        if baseline is not None and self.validations.get(baseline.config) and not self._passed(baseline.config):
+            baseline = None  # it ran and did not validate: no speed-up to claim
         speedup, note = None, ""
         if baseline is not None and baseline.config != winner.config:
-            speedup = measure_speedup(spec, winner, baseline, self.run_long, self.should_stop)
+            # The pairs validate the one-liner too where nothing did before (a GPU: its loss
+            # reference is a short 32-true run, not the one-liner).
+            speedup = measure_speedup(spec, winner, baseline, self.run_long, self.should_stop, winner_run=winner_m)
+            if not self._passed(baseline.config):
+                baseline, speedup = None, None  # none of its runs passed: nothing to claim against
+        if speedup is not None:
             logger.info("speed-up of {} over the one-liner {}: {}", winner.config.short(),
                         baseline.config.short(), speedup.text())
             kept = keeps_winner(speedup)
@@ -439,12 +454,14 @@ class _Tune:
         return [m for m in self.validations.get(config, []) if m.status == "ok" and m.samples_per_s
                 and total_peak(m) <= self.budget_bytes]
 
-    def frontier(self, result: SearchResult, chosen: _Chosen) -> tuple:
+    def frontier(self, result: SearchResult, chosen: _Chosen, *, runs: bool = True) -> tuple:
+        """The validated frontier; `runs` False: of the points validated already (the tune was
+        halted during a point's run: the winner and its speed-up stand)."""
         spec = self.spec
         frontier = build_frontier(result, chosen.winner, chosen.winner_runs, max_points=spec.search.frontier_points,
                                   validate_steps=spec.search.validate_steps, validations=self.validations,
                                   run_validation=lambda record: run_validation(spec, record, self.run_long),
-                                  demoted=self.demoted, should_stop=self.should_stop)
+                                  demoted=self.demoted, should_stop=self.should_stop if runs else lambda: True)
         logger.info("frontier: {}", "; ".join(f"{p.config.short()} peak {format_bytes(p.measured.peak_memory_bytes)} "
                                               f"{p.measured.samples_per_s:.4g} samples/s" for p in frontier))
         measured_quiet = chosen.speedup is not None and chosen.speedup.foreign_cores is not None \

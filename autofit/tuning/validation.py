@@ -71,18 +71,19 @@ def steps_within(spec: ModelSpec, record: TrialRecord | None, steps: int, left_s
     return max(min(MIN_VALIDATE_STEPS, steps), min(steps, fit))
 
 
-def validation_steps(spec: ModelSpec, record: TrialRecord) -> int:
-    """The steps of `record`'s validation window (`VALIDATE_WINDOW_S` at its trial's step time)."""
+def validation_steps(spec: ModelSpec, record: TrialRecord, window_s: float = VALIDATE_WINDOW_S) -> int:
+    """The steps of `record`'s validation window (`window_s` at its trial's step time; at
+    least MIN_VALIDATE_STEPS, at most search.validate_steps)."""
     most = spec.search.validate_steps
     m = record.measurement
     if m is None or not m.step_time_s:
         return most
-    return max(min(MIN_VALIDATE_STEPS, most), min(most, math.ceil(VALIDATE_WINDOW_S / m.step_time_s)))
+    return max(min(MIN_VALIDATE_STEPS, most), min(most, math.ceil(window_s / m.step_time_s)))
 
 
-def run_validation(spec: ModelSpec, record: TrialRecord, run_long) -> Measurement:
+def run_validation(spec: ModelSpec, record: TrialRecord, run_long, window_s: float = VALIDATE_WINDOW_S) -> Measurement:
     """One validation run; a timeout (the machine, not the config) is retried with twice the time."""
-    steps = validation_steps(spec, record)
+    steps = validation_steps(spec, record, window_s)
     limit_s = run_timeout_s(spec, record, steps)
     for attempt in range(VALIDATION_ATTEMPTS):
         m = run_long(record.config, steps, limit_s * 2 ** attempt)
