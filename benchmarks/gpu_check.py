@@ -240,6 +240,8 @@ def _markdown(r: dict) -> str:
 
 
 def _commit() -> str:
+    if os.environ.get("GPU_CHECK_COMMIT"):  # a copied tree whose .git is not the checkout's (a lent machine's)
+        return os.environ["GPU_CHECK_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
