@@ -331,3 +331,32 @@ def test_on_a_gpu_the_pairs_validate_the_one_liner_and_the_profile_states_its_sp
     assert search.speedup == pytest.approx(1.2) and search.speedup_pairs >= 3
     pair_steps = [steps for c, steps, _ in calls if steps is not None and c == outcome.profile.config]
     assert len(pair_steps) == search.speedup_pairs  # its validation run stood as the first pair's W
+
+
+def test_where_32_true_ran_only_checkpointed_its_search_trials_losses_are_the_loss_curve():
+    """On the H100 the profile said "no 32-true baseline validated: loss curves not compared":
+    32-true had run only with 6 blocks checkpointed. That trial's losses (from step 0, over the
+    same batches) are the curve; no run is taken for it."""
+    from autofit.config.train_config import TrainConfig
+    from autofit.search import SearchResult, TrialRecord
+    from autofit.search.health import LossCurveCheck
+    from autofit.tuning.tune import _Tune
+
+    def trial(number, precision, ckpt):
+        config = TrainConfig(precision=precision, micro_batch_size=64, checkpoint_blocks=ckpt)
+        m = Measurement(status="ok", config=config, samples_per_s=100.0, step_time_s=0.64, peak_memory_bytes=1,
+                        losses=[4.0, 3.9, 3.8, 3.7, 3.6])
+        return TrialRecord(number=number, config=config, status="ok", predicted_peak_bytes=1, measurement=m,
+                           budget_bytes=10)
+
+    one_liner, checkpointed, winner = trial(0, "bf16-mixed", 0), trial(1, "32-true", 6), trial(2, "bf16-true", 0)
+    result = SearchResult(records=[one_liner, checkpointed, winner], budget_bytes=10, wall_s=1.0, resumed=0,
+                          stop_reason="done", ranked=[winner, one_liner])
+
+    def no_run(*_, **__):
+        raise AssertionError("no run is needed for the curve")
+
+    tune_run = types.SimpleNamespace(spec=None, demoted=set(), curve=LossCurveCheck(0.01), run_long=no_run)
+    _Tune._loss_reference(tune_run, result, one_liner)
+    assert tune_run.curve.reference is checkpointed.measurement
+    assert tune_run.curve.summary(winner.config)["reference"] == checkpointed.config.short()

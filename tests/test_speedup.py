@@ -2,6 +2,7 @@
 figures are measured again before they decide, and the frontier written is Pareto in its own
 numbers. Measurements are fed through seams (`run_long`, records): no test here times anything."""
 
+import dataclasses
 import math
 import time
 
@@ -184,3 +185,23 @@ def test_pairs_spread_wide_but_all_below_one_claim_the_winner_slower_and_blame_n
     wild = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
                            _runs({WINNER: [50, 300, 90, 250, 60, 280, 100], BASELINE: [100]}, []))
     assert not wild.busy and wild.why_no_claim() == "the pairs disagreed too much to measure a speed-up"
+
+
+def test_the_speedup_over_32_true_stands_where_32_true_ran_only_checkpointed():
+    """On the H100 (GPT-2 small) 32-true ran only with 6 blocks checkpointed, and the profile
+    said nothing over 32-true; the fastest such trial is the reference then."""
+    from autofit.search import SearchResult
+    from autofit.tuning.validation import over_32_true
+
+    def trial(number, precision, ckpt, sps):
+        config = TrainConfig(precision=precision, micro_batch_size=64, checkpoint_blocks=ckpt)
+        m = Measurement(status="ok", config=config, samples_per_s=sps, step_time_s=64 / sps, peak_memory_bytes=1)
+        return TrialRecord(number=number, config=config, status="ok", predicted_peak_bytes=1, measurement=m,
+                           budget_bytes=10)
+
+    winner = trial(0, "bf16-true", 0, 357.5)
+    records = [winner, trial(1, "32-true", 8, 40.0), trial(2, "32-true", 6, 50.0)]
+    result = SearchResult(records=records, budget_bytes=10, wall_s=1.0, resumed=0, stop_reason="done")
+    assert over_32_true(result, winner) == pytest.approx(357.5 / 50.0, rel=1e-3)
+    plain = trial(3, "32-true", 0, 55.0)
+    assert over_32_true(dataclasses.replace(result, records=[*records, plain]), winner) == pytest.approx(6.5)

@@ -171,8 +171,9 @@ class SearchSummary:
     # What the baseline is: "one-liner" (the AMP one-liner on a GPU; on the CPU 32-true at the
     # largest micro batch that fits) or "32-true" (profiles from before the one-liner).
     baseline_kind: str = "32-true"
-    # The winner over the 32-true trial of the search (largest micro batch measured), from the
-    # search trials' figures (no interval): 32-true's throughput is not validated on a GPU.
+    # The winner over the 32-true trial of the search (largest micro batch measured without
+    # checkpointing, else the fastest), from the search trials' figures (no interval): 32-true's
+    # throughput is not validated on a GPU.
     speedup_over_32_true: float | None = None
     # Model FLOPs utilisation of the winner's figure: its training FLOPs per second (6N +
     # attention, workload/flops.py) over the card's dense peak for its precision
