@@ -12,6 +12,7 @@ workers; a dead worker's trial comes back as a WAITING trial that the next ask t
 """
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,6 +95,7 @@ class Tuner:
         # read, not repeated, but their figures do not decide the winner (search/_finish.py).
         self.session_start = time.time()
         self.warned_no_reference: set[int] = set()  # freezing depths said to have no reference (finish.py)
+        self.trial_costs_s: list[float] = []  # each measurement's time on the clock, this session
 
     def records(self) -> list[TrialRecord]:
         return read_records(self.study)
@@ -124,6 +126,7 @@ class Tuner:
                 starts = (*starts, self.one_liner)
         self.plan = Plan(self.space, starts, known=self.known, fits_of=self.fits,
                          estimate=self.memory.predicted_peak, affordable=self._affordable,
+                         last_chance=self._last_chance,
                          peak_share=lambda c, records: self.memory.corrected_peak(c, records) / self.budget_bytes,
                          references=self.references,
                          first=self.one_liner_precisions[:1] if self.one_liner is None else (self.one_liner.precision,),
@@ -237,17 +240,26 @@ class Tuner:
                      if c.micro_batch_size > again.micro_batch_size and self.known(c, records) is None]
         self.plan.queue[:0] = [*first, again]
 
-    def _affordable(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
+    def _last_chance(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
+        """`config` is affordable now, but would not be after one more trial of this
+        session's median cost: the search's last moment to measure it."""
+        if not self.trial_costs_s:
+            return False
+        spare_s = statistics.median(self.trial_costs_s)
+        return self._affordable(config, records) and not self._affordable(config, records, spare_s)
+
+    def _affordable(self, config: TrainConfig, records: list[TrialRecord], spare_s: float = 0.0) -> bool:
         """The least a trial of `config` can cost fits in the search's time left:
         `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials of its
         speed class (the fastest of their samples/s, scaled down in proportion where `config`'s micro batch is
-        smaller than theirs), and a compiled config's compiling (`compile_cost_s`). A trial that runs past the search's share eats the time the
+        smaller than theirs), and a compiled config's compiling (`compile_cost_s`), with
+        `spare_s` more left over. A trial that runs past the search's share eats the time the
         re-measures and validation need; one that runs past the budget gives nothing. Without
         a measured trial, or without a budget, any config is affordable."""
         search_s = self.deadline.search_s()
         if search_s is None or self._searching_since is None:
             return True
-        left_s = search_s - self.deadline.elapsed_s()
+        left_s = search_s - self.deadline.elapsed_s() - spare_s
         # Its own precision's trials; the 16-bit precisions run at about one speed, so their
         # trials predict one another (a full precision's do not: tf32 may be 2x 32-true).
         speeds = [r.samples_per_s * min(1.0, config.micro_batch_size / r.config.micro_batch_size)
@@ -445,8 +457,10 @@ class Tuner:
             self._tell(trial, self._pruned(trial.number, config, records))
 
     def _evaluate(self, trial: optuna.Trial, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord:
+        started = self.clock()
         with heartbeat(self.study, trial):  # so that a worker that dies here leaves the trial to another
             measurement = (self.measure_reference if config in self.references else self.measure)(config)
+        self.trial_costs_s.append(self.clock() - started)
         record = TrialRecord(number=trial.number, config=config, status=measurement.status,
                              predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
                              reason=measurement.reason, budget_bytes=self.budget_bytes, worker=self.worker,

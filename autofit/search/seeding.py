@@ -374,14 +374,22 @@ def leader_twins(space: SearchSpace, fits: Fits, leader: TrainConfig) -> list[Tr
     whose rules refuse the leader's precision or strategy are left out."""
     held = {k.name: getattr(leader, k.name) for k in space.refine_knobs()}
     out = _tightened(space, fits, leader, held) if any(v != KNOBS[n].default for n, v in held.items()) else []
+    for twin in plain_twins(space, leader):
+        changed = {k.name: getattr(twin, k.name) for k in space.refine_knobs() if getattr(twin, k.name) != held[k.name]}
+        out += [twin] + _tightened(space, fits, twin, held | changed)
+    return out
+
+
+def plain_twins(space: SearchSpace, leader: TrainConfig) -> list[TrainConfig]:
+    """The leader with one more refinement knob away from its default, in registry order
+    (knobs whose rules refuse the leader's precision or strategy left out); no estimate."""
+    out = []
     for knob in space.refine_knobs():
-        if held[knob.name] != knob.default:
+        if getattr(leader, knob.name) != knob.default:
             continue
         value = next(v for v in getattr(space, knob.choices) if v != knob.default)
-        if knob.refusal(value, leader.precision, leader.parallelism) is not None:
-            continue
-        twin = leader.replace(**{knob.name: value})
-        out += [twin] + _tightened(space, fits, twin, held | {knob.name: value})
+        if knob.refusal(value, leader.precision, leader.parallelism) is None:
+            out.append(leader.replace(**{knob.name: value}))
     return out
 
 
