@@ -75,8 +75,9 @@ def main() -> int:
 
     record["runs"] = {}
     for spec in specs:
-        record["runs"][str(spec)] = check_spec(spec, args.hand_loops if cuda else ["fp32"], args.time_budget,
-                                               log=stem.with_name(f"{stem.name}-tune-{spec.stem}.log"))
+        record["runs"][str(spec)] = run = {}
+        check_spec(spec, args.hand_loops if cuda else ["fp32"], args.time_budget,
+                   log=stem.with_name(f"{stem.name}-tune-{spec.stem}.log"), run=run, save=save)
         save()
     if not args.skip_doctor:  # last: the figures above are what a lease must not lose
         record["doctor"] = _run([sys.executable, "-m", "autofit", "doctor", "--json", "--timeout", "60"],
@@ -86,14 +87,15 @@ def main() -> int:
     return 0
 
 
-def check_spec(spec: Path, hand_loops: list[str], time_budget: str, log: Path) -> dict:
-    """The hand loops, then the tune, of one spec; the tune's figures over the hand ones. The
-    tune's whole log goes to `log`."""
-    run = {"hand": {}}
+def check_spec(spec: Path, hand_loops: list[str], time_budget: str, log: Path, run: dict, save) -> None:
+    """The hand loops, then the tune, of one spec, into `run`; the tune's figures over the
+    hand ones. The tune's whole log goes to `log`; `save()` after each hand loop."""
+    run["hand"] = {}
     for name in hand_loops:
         got = _run([sys.executable, __file__, "--spec", str(spec), "--hand-loop", name], timeout_s=HAND_TIMEOUT_S)
         run["hand"][name] = _last_json(got) | {"wall_s": got["wall_s"], "rc": got["rc"]}
         print(f"{spec.name} hand {name}: {run['hand'][name]}", file=sys.stderr, flush=True)
+        save()
     with tempfile.TemporaryDirectory(prefix="autofit-gpu-check-") as folder:
         tune = _run([sys.executable, "-m", "autofit", "tune", str(spec), "--time-budget", str(time_budget),
                      "--state-dir", f"{folder}/state", "--out", f"{folder}/profiles", "--no-report", "--json"],
@@ -114,7 +116,6 @@ def check_spec(spec: Path, hand_loops: list[str], time_budget: str, log: Path) -
     for hand in ("one-liner", "one-liner+compile", "fp32"):
         got = run["hand"].get(hand, {}).get("samples_per_s")
         run[f"tune_over_{hand}"] = round(best / got, 3) if best and got else None
-    return run
 
 
 def hand_loop(spec_path: Path, name: str) -> dict:
@@ -229,7 +230,10 @@ def _markdown(r: dict) -> str:
                 else h.get("status")
             lines.append(f"| {name} | {shape} | {h.get('samples_per_s', '-')} | {h.get('step_time_s', '-')} | "
                          f"{h['wall_s']} |")
-        t = run["tune"]
+        t = run.get("tune")
+        if t is None:  # saved after a hand loop, before the tune
+            lines += ["", "autofit tune: not run yet", ""]
+            continue
         best = t.get("best") or {}
         lines += ["", f"autofit tune --time-budget {r['time_budget']}: exit {t['rc']} in {t['wall_s']} s; "
                   f"{best.get('samples_per_s', '-')} samples/s ({(best.get('config') or {})}), MFU {t.get('mfu')}; "

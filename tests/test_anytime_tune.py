@@ -2,6 +2,7 @@
 stop, the best config measured so far, validated if there was time, else marked so. In
 process, with simulated runs in place of trial children (`autofit.tuning.tune.measure`)."""
 
+import dataclasses
 import threading
 import time
 import types
@@ -11,11 +12,14 @@ import pytest
 from autofit.base.errors import EXIT_INCOMPLETE
 from autofit.base.sizes import parse_duration
 from autofit.config.spec import load_spec
+from autofit.config.train_config import TrainConfig
 from autofit.device.budget import Budget
 from autofit.device.probe import cpu_device
 from autofit.measure.measurement import Measurement
 from autofit.profiles.profile import Profile
-from autofit.tuning.tune import tune, TuneSetup
+from autofit.search import SearchResult, TrialRecord
+from autofit.search.health import LossCurveCheck
+from autofit.tuning.tune import _Chosen, _loaded, _Tune, tune, TuneSetup
 from conftest import run_cli, TINY_GPT_ARGS, tiny_gpt_dict, write_spec
 
 SEARCH = {"precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 6, "patience": 6,
@@ -242,6 +246,25 @@ def test_a_speedup_is_called_busy_only_when_other_work_was_measured():
     assert Speedup(ratio=None, low=0.5, high=2.0, pairs=7, foreign_cores=1.4, cores=2).busy
 
 
+def test_the_load_warning_names_other_work_only_where_it_was_measured():
+    """Seen on the CPU: the profile was the one-liner (no pairs), 0.1 of 2 cores busy with other
+    work in its runs, and the tune still warned "the host was loaded (load 0.9 per core) ...
+    to trust the speed-up": the load average counts the tune's own children."""
+    config = TrainConfig(micro_batch_size=8)
+    record = TrialRecord(number=0, config=config, status="ok", predicted_peak_bytes=1, measurement=None)
+
+    def chosen(foreign, host_load):
+        runs = [Measurement(status="ok", config=config, samples_per_s=100.0, foreign_cores=foreign,
+                            cores=None if foreign is None else 2)]
+        return _Chosen(winner=record, winner_runs=runs, baseline=record, baseline_runs=runs, speedup=None, note="",
+                       host_load=host_load)
+
+    assert _loaded(chosen(0.1, 0.9)) == ""
+    assert _loaded(chosen(1.2, 0.9)) == "1.2 of 2 cores busy with other work"
+    assert _loaded(chosen(None, 0.9)) == "load 0.9 per core"  # where other work cannot be told apart
+    assert _loaded(chosen(None, 0.3)) == ""
+
+
 def test_a_validation_window_is_sized_in_seconds_between_its_bounds(tmp_path):
     from autofit.config.train_config import TrainConfig
     from autofit.search import TrialRecord
@@ -317,8 +340,6 @@ def test_on_a_gpu_the_pairs_validate_the_one_liner_and_the_profile_states_its_sp
     """On the H100 (GPT-2 small, 120 s) the profile said no speed-up at all: the one-liner
     (bf16-mixed) had no validation run of its own before the pairs were asked for, so none were
     taken. The pairs validate it; the winner's validation run is the first pair's W."""
-    import dataclasses
-
     faster = {8: 300.0, 4: 360.0}  # bf16-mixed at micro batch 4 beats the one-liner (8)
     calls = simulated(validation_blocks=False,
                       speed=lambda c: faster.get(c.micro_batch_size, 200.0) if c.precision == "bf16-mixed" else 100.0)
@@ -337,11 +358,6 @@ def test_where_32_true_ran_only_checkpointed_its_search_trials_losses_are_the_lo
     """On the H100 the profile said "no 32-true baseline validated: loss curves not compared":
     32-true had run only with 6 blocks checkpointed. That trial's losses (from step 0, over the
     same batches) are the curve; no run is taken for it."""
-    from autofit.config.train_config import TrainConfig
-    from autofit.search import SearchResult, TrialRecord
-    from autofit.search.health import LossCurveCheck
-    from autofit.tuning.tune import _Tune
-
     def trial(number, precision, ckpt):
         config = TrainConfig(precision=precision, micro_batch_size=64, checkpoint_blocks=ckpt)
         m = Measurement(status="ok", config=config, samples_per_s=100.0, step_time_s=0.64, peak_memory_bytes=1,
@@ -360,3 +376,34 @@ def test_where_32_true_ran_only_checkpointed_its_search_trials_losses_are_the_lo
     _Tune._loss_reference(tune_run, result, one_liner)
     assert tune_run.curve.reference is checkpointed.measurement
     assert tune_run.curve.summary(winner.config)["reference"] == checkpointed.config.short()
+
+
+def test_on_a_gpu_a_one_liner_that_wins_the_pairs_gets_a_validation_run_of_its_own(tmp_path, monkeypatch):
+    """Its pair runs time a trial's short window (5 steps of 0.5 s here); where it becomes the
+    profile, it is validated over a validation's window (20 steps) like any winner."""
+    calls = []
+    validating = {8: 16.0, 4: 12.0}  # bf16-mixed: the one-liner (8) and the search's winner (4), in validation
+    searching = {8: 16.0, 4: 20.0}
+    plain = {}
+
+    def speed(config, validation):
+        table = validating if validation else searching
+        return table.get(config.micro_batch_size, 8.0) if config.precision == "bf16-mixed" else 4.0
+
+    def measure(spec, config, *, measure_steps=None, **kwargs):
+        run = plain.setdefault(measure_steps is not None,
+                               _measure(validation_blocks=False, calls=calls,
+                                        speed=lambda c, v=measure_steps is not None: speed(c, v)))
+        return run(spec, config, measure_steps=measure_steps, **kwargs)
+
+    monkeypatch.setattr("autofit.tuning.tune.measure", measure)
+    monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
+                        lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
+    setup = _setup(tmp_path, time_budget_s=120.0)
+    cuda = dataclasses.replace(setup.device, kind="cuda", index=0, compute_capability=(9, 0), driver_version="580")
+    outcome = tune(dataclasses.replace(setup, device=cuda))
+    profile = outcome.profile
+    assert (profile.config.precision, profile.config.micro_batch_size) == ("bf16-mixed", 8)
+    assert "validated slower than the one-liner" in profile.search.note and profile.search.validated
+    steps = [s for c, s, _ in calls if s is not None and c == profile.config]
+    assert 5 in steps and 20 in steps  # its pair runs, then its own validation run

@@ -10,9 +10,11 @@ import torch
 from autofit.doctor.results import FAULT_ENV
 from autofit.doctor.names import CHECK_NAMES
 from autofit.doctor.run import run_doctor
-from autofit.doctor._base import Context
+from autofit.config.train_config import TrainConfig
+from autofit.doctor._base import Context, example_spec
 from autofit.doctor.results import fault_mode, run_check
-from autofit.doctor.checks import CHECKS, compare_inventories
+from autofit.doctor.checks import _request, CHECKS, compare_inventories
+from autofit.measure import child
 from autofit.doctor.training import adamw_step_difference, attention_backend, estimate_errors
 from conftest import run_main
 
@@ -63,11 +65,6 @@ def test_overhead_is_skipped_on_a_cpu_with_its_reason():
 def test_the_overhead_checks_trial_request_is_one_a_trial_child_runs(one_thread):
     """On the H100 the check failed at once ("'dict' object has no attribute 'config'"): its
     request was a dict where the child reads a TrialRequest. The same request, on the CPU."""
-    from autofit.config.train_config import TrainConfig
-    from autofit.doctor._base import example_spec
-    from autofit.doctor.checks import _request
-    from autofit.measure import child
-
     spec = example_spec()
     assert child._Trial(_request(spec, TrainConfig.default_for(spec), torch.device("cpu"))).run()["status"] == "ok"
 

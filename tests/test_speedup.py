@@ -11,10 +11,11 @@ import pytest
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
-from autofit.search import choice, TrialRecord
+from autofit.search import choice, SearchResult, TrialRecord
 from autofit.profiles.profile import FrontierPoint, Measured
 from autofit.tuning.frontier import pareto_in_written_figures
 from autofit.tuning.speedup import keeps_winner, measure_speedup, PAIRS_MAX, PAIRS_MIN
+from autofit.tuning.validation import over_32_true
 from conftest import tiny_gpt_dict, write_spec
 
 SEARCH = {"warmup_steps": 0, "measure_steps": 2, "validate_steps": 4, "trial_timeout_s": 60}
@@ -38,6 +39,8 @@ def _runs(speeds: dict, order: list):
         order.append(config)
         values = fed[config]
         sps = values.pop(0) if len(values) > 1 else values[0]
+        if sps is None:  # a run that failed
+            return Measurement(status="error", config=config, reason="crashed (fed)")
         return Measurement(status="ok", config=config, samples_per_s=sps, step_time_s=1 / sps, peak_memory_bytes=1,
                            foreign_cores=0.1, cores=2)
     return run_long
@@ -185,14 +188,15 @@ def test_pairs_spread_wide_but_all_below_one_claim_the_winner_slower_and_blame_n
     wild = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
                            _runs({WINNER: [50, 300, 90, 250, 60, 280, 100], BASELINE: [100]}, []))
     assert not wild.busy and wild.why_no_claim() == "the pairs disagreed too much to measure a speed-up"
+    few = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
+                          _runs({WINNER: [110, None, None, None, None], BASELINE: [100]}, []))
+    assert few.pairs == 1 and not few.measurable
+    assert few.why_no_claim() == "too few pairs of runs succeeded to measure a speed-up (1 of 3)"
 
 
 def test_the_speedup_over_32_true_stands_where_32_true_ran_only_checkpointed():
     """On the H100 (GPT-2 small) 32-true ran only with 6 blocks checkpointed, and the profile
     said nothing over 32-true; the fastest such trial is the reference then."""
-    from autofit.search import SearchResult
-    from autofit.tuning.validation import over_32_true
-
     def trial(number, precision, ckpt, sps):
         config = TrainConfig(precision=precision, micro_batch_size=64, checkpoint_blocks=ckpt)
         m = Measurement(status="ok", config=config, samples_per_s=sps, step_time_s=64 / sps, peak_memory_bytes=1)

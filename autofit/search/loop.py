@@ -12,7 +12,6 @@ workers; a dead worker's trial comes back as a WAITING trial that the next ask t
 """
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +44,8 @@ LEAST_TRIAL_STEPS = 4
 # tens of seconds (30-40 s per graph on a 2-core CPU, docs/benchmarks.md); a compile twin
 # started with less left than this runs past the search's share into validation's time.
 COMPILE_PRIOR_S = 30.0
+# The trials whose dearest cost sizes a refinement twin's last moment (`Tuner._last_chance`).
+LAST_CHANCE_TRIALS = 3
 
 
 @dataclass
@@ -241,11 +242,12 @@ class Tuner:
         self.plan.queue[:0] = [*first, again]
 
     def _last_chance(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
-        """`config` is affordable now, but would not be after one more trial of this
-        session's median cost: the search's last moment to measure it."""
+        """`config` is affordable now, but would not be after one more trial costing as much
+        as the dearest of the last `LAST_CHANCE_TRIALS` (a median would let a dearer trial
+        started just before the last moment pass it): the search's last moment to measure it."""
         if not self.trial_costs_s:
             return False
-        spare_s = statistics.median(self.trial_costs_s)
+        spare_s = max(self.trial_costs_s[-LAST_CHANCE_TRIALS:])
         return self._affordable(config, records) and not self._affordable(config, records, spare_s)
 
     def _affordable(self, config: TrainConfig, records: list[TrialRecord], spare_s: float = 0.0) -> bool:

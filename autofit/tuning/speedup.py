@@ -60,6 +60,8 @@ class Speedup:
 
     def why_no_claim(self) -> str:
         """Why an unmeasurable speed-up is no claim: load is named only where it was measured."""
+        if self.pairs < PAIRS_MIN:
+            return f"too few pairs of runs succeeded to measure a speed-up ({self.pairs} of {PAIRS_MIN})"
         return ("the host was too busy to measure a speed-up" if self.busy else
                 "the pairs disagreed too much to measure a speed-up")
 

@@ -15,6 +15,7 @@ so tests can put simulated devices in their place.
 import contextlib
 import dataclasses
 import socket
+import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from autofit.tuning.ablation import knob_shares
 from autofit.tuning.frontier import build_frontier, median_run, total_peak
 from autofit.tuning.report import format_trial_line, trials_table, write_html_report
 from autofit.tuning.space import device_for_ranks, search_space, study_name
-from autofit.tuning.speedup import keeps_winner, measure_speedup, Speedup
+from autofit.tuning.speedup import BUSY_CORES, keeps_winner, measure_speedup, Speedup
 from autofit.tuning.validation import (baseline_record, Halted, host_load, LOADED_HOST, over_32_true,
                                        reference_record, REFERENCE_STEPS, run_timeout_s, run_validation,
                                        steps_within, validate)
@@ -84,7 +85,7 @@ class TuneOutcome:
 
     @property
     def claims(self) -> bool:
-        """Its figures are a claim: not a speed-up the host was too busy to measure."""
+        """Its figures are a claim: not a speed-up that could not be measured."""
         return self.speedup is None or self.speedup.measurable
 
     def summary(self) -> dict:
@@ -95,6 +96,22 @@ class TuneOutcome:
             "search": dataclasses.asdict(self.profile.search),
             "trials": [_record_dict(r) for r in self.result.records],
         }
+
+
+def _loaded(chosen: "_Chosen") -> str:
+    """Other work on the host while validating, as measured: the validation runs' foreign
+    cores (the pairs', else the winner's), else the load average, which counts this tune's own
+    children too; "" when quiet. Seen on the CPU: "load 0.9 per core" was blamed on a host
+    whose only work was the tune."""
+    runs = chosen.speedup.winner_runs + chosen.speedup.baseline_runs if chosen.speedup is not None else []
+    foreign = [m.foreign_cores for m in runs or chosen.winner_runs if m.foreign_cores is not None]
+    if foreign:
+        busy = statistics.median(foreign)
+        cores = next((m.cores for m in runs or chosen.winner_runs if m.cores), None)
+        return f"{busy:.1f} of {cores} cores busy with other work" if busy >= BUSY_CORES else ""
+    if chosen.host_load is not None and chosen.host_load > LOADED_HOST:
+        return f"load {chosen.host_load:.1f} per core"
+    return ""
 
 
 def _record_dict(r: TrialRecord) -> dict:
@@ -178,14 +195,14 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
                 raise Halted()
             chosen = run.validate(result)
         except Halted:
-            run.raise_for_the_services_stop(setup)
+            run.raise_for_the_services_stop(setup, "before validation")
             # Anytime: the best config measured so far, with what validation it had.
             chosen, frontier = run.unvalidated(result)
             return run.write(result, chosen, frontier, report=setup.report)
         try:
             frontier = run.frontier(result, chosen)
-        except Halted:  # during a point's run: the winner, validated, and its speed-up stand
-            run.raise_for_the_services_stop(setup)
+        except Halted:  # during a point's run: the winner, validated, and its speed-up stand (a stop writes)
+            run.raise_for_the_services_stop(setup, "while validating the frontier")
             frontier = run.frontier(result, chosen, runs=False)
         return run.write(result, chosen, frontier, report=setup.report)
 
@@ -277,11 +294,11 @@ class _Tune:
         cleanup.callback(watcher.join)
         cleanup.callback(done.set)
 
-    def raise_for_the_services_stop(self, setup: TuneSetup) -> None:
+    def raise_for_the_services_stop(self, setup: TuneSetup, stage: str) -> None:
         """A stop where none writes a profile (the service's tunes): InterruptedError, the
         study resumes next time."""
         if not setup.write_on_stop and self.stop_event is not None and self.stop_event.is_set():
-            raise InterruptedError("tune stopped before validation; rerun to resume the study") from None
+            raise InterruptedError(f"tune stopped {stage}; rerun to resume the study") from None
 
     def halt_reason(self) -> str:
         """Why the tune was halted: a stop, or its time budget."""
@@ -369,24 +386,7 @@ class _Tune:
             baseline = None  # it ran and did not validate: no speed-up to claim
         speedup, note = None, ""
         if baseline is not None and baseline.config != winner.config:
-            # The pairs validate the one-liner too where nothing did before (a GPU: its loss
-            # reference is a short 32-true run, not the one-liner).
-            speedup = measure_speedup(spec, winner, baseline, self.run_long, self.should_stop, winner_run=winner_m)
-            if not self._passed(baseline.config):
-                baseline, speedup = None, None  # none of its runs passed: nothing to claim against
-        if speedup is not None:
-            logger.info("speed-up of {} over the one-liner {}: {}", winner.config.short(),
-                        baseline.config.short(), speedup.text())
-            kept = keeps_winner(speedup)
-            if not speedup.measurable:
-                which = "the search's winner" if kept else "the one-liner, not the search's winner"
-                note = (f"{speedup.why_no_claim()} ({speedup.text()}); by the median of the pairs the profile is {which}, but its "
-                        f"figures are no claim: tune again on a quiet host to know it")
-            elif not kept:
-                note = (f"the search's winner {winner.config.short()} validated slower than the one-liner "
-                        f"({speedup.text()}): the profile is the one-liner")
-            if not kept:
-                winner = baseline
+            winner, baseline, speedup, note = self._against_the_one_liner(winner, winner_m, baseline)
         if winner.config == getattr(baseline, "config", None) and not note:
             note = (f"nothing measured beat the one-liner {winner.config.short()} (search stopped: "
                     f"{result.stop_reason}; {result.count('ok')} configs measured): the profile is the one-liner")
@@ -396,12 +396,39 @@ class _Tune:
         return _Chosen(winner=winner, winner_runs=self._passed(winner.config), baseline=baseline,
                        baseline_runs=baseline_runs, speedup=speedup, note=note, host_load=load)
 
+    def _against_the_one_liner(self, winner: TrialRecord, winner_m: Measurement, baseline: TrialRecord) -> tuple:
+        """The winner and the one-liner in interleaved pairs: (the profile's config, the
+        baseline or None where none of its runs passed, the speed-up, the note). The pairs
+        validate the one-liner too where nothing did before (a GPU: its loss reference is a
+        short 32-true run, not the one-liner)."""
+        spec = self.spec
+        validated_before = bool(self._passed(baseline.config))
+        speedup = measure_speedup(spec, winner, baseline, self.run_long, self.should_stop, winner_run=winner_m)
+        if not self._passed(baseline.config):
+            return winner, None, None, ""  # none of its runs passed: nothing to claim against
+        logger.info("speed-up of {} over the one-liner {}: {}", winner.config.short(), baseline.config.short(),
+                    speedup.text())
+        kept, note = keeps_winner(speedup), ""
+        if not speedup.measurable:
+            which = "the search's winner" if kept else "the one-liner, not the search's winner"
+            note = (f"{speedup.why_no_claim()} ({speedup.text()}); by the median of the pairs the profile is "
+                    f"{which}, but its figures are no claim: tune again on a quiet host to know it")
+        elif not kept:
+            note = (f"the search's winner {winner.config.short()} validated slower than the one-liner "
+                    f"({speedup.text()}): the profile is the one-liner")
+        if kept:
+            return winner, baseline, speedup, note
+        if not validated_before:  # its runs were the pairs' short windows: now a validation's
+            run_validation(spec, baseline, self.run_long)
+        return baseline, baseline, speedup, note
+
     def _loss_reference(self, result: SearchResult, baseline: TrialRecord | None) -> None:
         """The 32-true loss curve the validation runs are held to, over the same batches. Where
         the one-liner is 32-true (the CPU) its validation run is it; else a short 32-true run
         of the search's reference config (its losses are needed, not its throughput, so a slow
         precision's long run never decides the wall time), or where 32-true ran only
-        checkpointed, that search trial's own losses."""
+        checkpointed, the losses of a full-numerics search trial (`health.reference_for`,
+        the winner's freezing depth first)."""
         if baseline is not None and baseline.config.precision == "32-true":
             self.curve.set_reference(run_validation(self.spec, baseline, self.run_long))
             return
@@ -416,7 +443,7 @@ class _Tune:
         # curve, at no cost. Its freezing depth as the winner's where one has it.
         best = result.ranked[0].config if result.ranked else None
         searched = ((best is not None and reference_for(best, result.records, same_freeze=True))
-                    or reference_for(None, result.records, same_freeze=False))
+                    or reference_for(None, result.records, same_freeze=False))  # full numerics: 32-true or tf32
         if searched:
             self.curve.set_reference(searched.measurement)
 
@@ -474,11 +501,10 @@ class _Tune:
                                   demoted=self.demoted, should_stop=self.should_stop if runs else lambda: True)
         logger.info("frontier: {}", "; ".join(f"{p.config.short()} peak {format_bytes(p.measured.peak_memory_bytes)} "
                                               f"{p.measured.samples_per_s:.4g} samples/s" for p in frontier))
-        measured_quiet = chosen.speedup is not None and chosen.speedup.foreign_cores is not None \
-            and not chosen.speedup.busy
-        if chosen.host_load is not None and chosen.host_load > LOADED_HOST and not measured_quiet:
-            logger.warning("the host was loaded while validating (load {:.1f} per core): throughput figures are "
-                           "noisy; re-run on a quiet machine to trust the speed-up", chosen.host_load)
+        loaded = _loaded(chosen)
+        if loaded:
+            logger.warning("the host was loaded while validating ({}): throughput figures are noisy; re-run on a "
+                           "quiet machine to trust them", loaded)
         return frontier
 
     def write(self, result: SearchResult, chosen: _Chosen, frontier: tuple, *, report: bool) -> TuneOutcome:

@@ -185,8 +185,7 @@ def over_32_true(result: SearchResult, winner: TrialRecord, demoted: set = froze
     the fastest such trial): a ratio of trial figures, no interval. None without a 32-true
     trial that ran."""
     reference = reference_record(result, demoted) or max(
-        (r for r in result.records if r.config.precision == "32-true" and r.feasible(result.budget_bytes)
-         and r.config not in demoted), key=lambda r: r.samples_per_s, default=None)
+        _plain_32_true(result, demoted, checkpointed=True), key=lambda r: r.samples_per_s, default=None)
     if reference is None or not reference.samples_per_s or not winner.samples_per_s:
         return None
     return round(winner.samples_per_s / reference.samples_per_s, 3)
@@ -195,7 +194,14 @@ def over_32_true(result: SearchResult, winner: TrialRecord, demoted: set = froze
 def reference_record(result: SearchResult, demoted: set = frozenset()) -> TrialRecord | None:
     """32-true, no checkpointing or freezing, the largest micro batch that fits (and did not
     run out of memory in training)."""
-    plain = [r for r in result.records if r.config.precision == "32-true" and r.config.checkpoint_blocks == 0
-             and r.config.freeze_blocks == 0 and r.config.optimizer_bits == 32 and not r.config.chunked_loss
-             and r.feasible(result.budget_bytes) and r.config not in demoted]
-    return max(plain, key=lambda r: r.config.micro_batch_size, default=None)
+    return max(_plain_32_true(result, demoted, checkpointed=False), key=lambda r: r.config.micro_batch_size,
+               default=None)
+
+
+def _plain_32_true(result: SearchResult, demoted: set, *, checkpointed: bool) -> list[TrialRecord]:
+    """32-true trials that fit, with no freezing, 8-bit state or chunked loss: with blocks
+    checkpointed, or without."""
+    return [r for r in result.records if r.config.precision == "32-true"
+            and (r.config.checkpoint_blocks > 0) == checkpointed and r.config.freeze_blocks == 0
+            and r.config.optimizer_bits == 32 and not r.config.chunked_loss
+            and r.feasible(result.budget_bytes) and r.config not in demoted]
