@@ -5,6 +5,7 @@ numbers. Measurements are fed through seams (`run_long`, records): no test here 
 import dataclasses
 import math
 import time
+import types
 
 import pytest
 
@@ -15,6 +16,7 @@ from autofit.search import choice, SearchResult, TrialRecord
 from autofit.profiles.profile import FrontierPoint, Measured
 from autofit.tuning.frontier import pareto_in_written_figures
 from autofit.tuning.speedup import keeps_winner, measure_speedup, PAIRS_MAX, PAIRS_MIN
+from autofit.tuning.tune import TuneOutcome
 from autofit.tuning.validation import over_32_true
 from conftest import tiny_gpt_dict, write_spec
 
@@ -209,3 +211,17 @@ def test_the_speedup_over_32_true_stands_where_32_true_ran_only_checkpointed():
     assert over_32_true(result, winner) == pytest.approx(357.5 / 50.0, rel=1e-3)
     plain = trial(3, "32-true", 0, 55.0)
     assert over_32_true(dataclasses.replace(result, records=[*records, plain]), winner) == pytest.approx(6.5)
+
+
+def test_a_one_liner_kept_on_unmeasurable_pairs_claims_its_own_figures(spec):
+    """The README's quick start on an idle CPU: pairs of 0.76-1.21x over 7 left the one-liner
+    as the profile, and the tune exited 4, "its figures are no claim". Nothing beat the
+    one-liner: its own figures are the claim. A winner kept on such pairs still is no claim."""
+    lost = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
+                           _runs({WINNER: [50, 130, 60, 140, 55, 120, 70], BASELINE: [100]}, []))
+    assert not lost.measurable and not keeps_winner(lost)
+    assert TuneOutcome.claims.fget(types.SimpleNamespace(speedup=lost))
+    kept = measure_speedup(spec, _record(WINNER), _record(BASELINE, 1),
+                           _runs({WINNER: [50, 300, 90, 250, 60, 280, 100], BASELINE: [100]}, []))
+    assert not kept.measurable and keeps_winner(kept)
+    assert not TuneOutcome.claims.fget(types.SimpleNamespace(speedup=kept))

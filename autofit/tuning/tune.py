@@ -85,8 +85,9 @@ class TuneOutcome:
 
     @property
     def claims(self) -> bool:
-        """Its figures are a claim: not a speed-up that could not be measured."""
-        return self.speedup is None or self.speedup.measurable
+        """Its figures are a claim: not a winner kept on a speed-up that could not be measured
+        (a one-liner kept on such pairs claims only its own figures: nothing beat it)."""
+        return self.speedup is None or self.speedup.measurable or not keeps_winner(self.speedup)
 
     def summary(self) -> dict:
         return {
@@ -409,10 +410,12 @@ class _Tune:
         logger.info("speed-up of {} over the one-liner {}: {}", winner.config.short(), baseline.config.short(),
                     speedup.text())
         kept, note = keeps_winner(speedup), ""
-        if not speedup.measurable:
-            which = "the search's winner" if kept else "the one-liner, not the search's winner"
+        if not speedup.measurable and kept:
             note = (f"{speedup.why_no_claim()} ({speedup.text()}); by the median of the pairs the profile is "
-                    f"{which}, but its figures are no claim: tune again on a quiet host to know it")
+                    f"the search's winner, but its figures are no claim: tune again on a quiet host to know it")
+        elif not speedup.measurable:
+            note = (f"the search's winner {winner.config.short()} was not measurably faster than the one-liner "
+                    f"({speedup.text()}): the profile is the one-liner")
         elif not kept:
             note = (f"the search's winner {winner.config.short()} validated slower than the one-liner "
                     f"({speedup.text()}): the profile is the one-liner")
