@@ -67,6 +67,13 @@ def _setup(tmp_path, *, time_budget_s: float, write_on_stop: bool = True) -> Tun
                      out_dir=tmp_path / "profiles", storage=None, report=False, write_on_stop=write_on_stop)
 
 
+def _on_cuda(setup: TuneSetup) -> TuneSetup:
+    """`setup` on a fed H100 (kind, index, compute capability): the GPU's one-liner and pairs;
+    the trials stay the simulated ones."""
+    cuda = dataclasses.replace(setup.device, kind="cuda", index=0, compute_capability=(9, 0), driver_version="580")
+    return dataclasses.replace(setup, device=cuda)
+
+
 def _stop_at_first_validation(calls: list) -> tuple[threading.Event, list]:
     """A stop set once the first validation run (20 steps) has started, and when it was set."""
     stop, stopped_at = threading.Event(), []
@@ -343,9 +350,7 @@ def test_on_a_gpu_the_pairs_validate_the_one_liner_and_the_profile_states_its_sp
     faster = {8: 300.0, 4: 360.0}  # bf16-mixed at micro batch 4 beats the one-liner (8)
     calls = simulated(validation_blocks=False,
                       speed=lambda c: faster.get(c.micro_batch_size, 200.0) if c.precision == "bf16-mixed" else 100.0)
-    setup = _setup(tmp_path, time_budget_s=120.0)
-    cuda = dataclasses.replace(setup.device, kind="cuda", index=0, compute_capability=(9, 0), driver_version="580")
-    outcome = tune(dataclasses.replace(setup, device=cuda))
+    outcome = tune(_on_cuda(_setup(tmp_path, time_budget_s=120.0)))
     search = outcome.profile.search
     assert search.validated and not outcome.incomplete and outcome.profile.config.micro_batch_size == 4
     assert search.baseline["config"]["precision"] == "bf16-mixed" and search.baseline["config"]["micro_batch_size"] == 8
@@ -399,9 +404,7 @@ def test_on_a_gpu_a_one_liner_that_wins_the_pairs_gets_a_validation_run_of_its_o
     monkeypatch.setattr("autofit.tuning.tune.measure", measure)
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
                         lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
-    setup = _setup(tmp_path, time_budget_s=120.0)
-    cuda = dataclasses.replace(setup.device, kind="cuda", index=0, compute_capability=(9, 0), driver_version="580")
-    outcome = tune(dataclasses.replace(setup, device=cuda))
+    outcome = tune(_on_cuda(_setup(tmp_path, time_budget_s=120.0)))
     profile = outcome.profile
     assert (profile.config.precision, profile.config.micro_batch_size) == ("bf16-mixed", 8)
     assert "validated slower than the one-liner" in profile.search.note and profile.search.validated

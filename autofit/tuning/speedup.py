@@ -128,14 +128,21 @@ def _speedup(pairs: list[tuple[Measurement, Measurement]]) -> Speedup:
         return Speedup(ratio=None, low=None, high=None, pairs=0)
     ratios = _ratios(pairs)
     low, high = min(ratios), max(ratios)
-    loads = [m.foreign_cores for pair in pairs for m in pair if m.foreign_cores is not None]
-    cores = next((m.cores for pair in pairs for m in pair if m.cores), None)
+    foreign_cores, cores = foreign_load([m for pair in pairs for m in pair])
     # Ratios spread wide but all on one side of 1.0 still claim a direction (a winner at
     # 0.10-0.17x of the one-liner is slower, however noisy the slow runs were).
     measurable = len(pairs) >= PAIRS_MIN and (high / low <= UNMEASURABLE or low > 1.0 or high < 1.0)
     return Speedup(ratio=statistics.median(ratios) if measurable else None, low=low, high=high, pairs=len(pairs),
-                   foreign_cores=round(statistics.median(loads), 2) if loads else None, cores=cores,
+                   foreign_cores=foreign_cores, cores=cores,
                    winner_runs=[w for w, _ in pairs], baseline_runs=[b for _, b in pairs])
+
+
+def foreign_load(runs: list[Measurement]) -> tuple[float | None, int | None]:
+    """Other work's cores busy while `runs` ran (their median; None where none measured it),
+    and the host's cores."""
+    loads = [m.foreign_cores for m in runs if m.foreign_cores is not None]
+    cores = next((m.cores for m in runs if m.cores), None)
+    return (round(statistics.median(loads), 2) if loads else None), cores
 
 
 def keeps_winner(speedup: Speedup) -> bool:

@@ -15,7 +15,6 @@ so tests can put simulated devices in their place.
 import contextlib
 import dataclasses
 import socket
-import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from autofit.tuning.ablation import knob_shares
 from autofit.tuning.frontier import build_frontier, median_run, total_peak
 from autofit.tuning.report import format_trial_line, trials_table, write_html_report
 from autofit.tuning.space import device_for_ranks, search_space, study_name
-from autofit.tuning.speedup import BUSY_CORES, keeps_winner, measure_speedup, Speedup
+from autofit.tuning.speedup import BUSY_CORES, foreign_load, keeps_winner, measure_speedup, Speedup
 from autofit.tuning.validation import (baseline_record, Halted, host_load, LOADED_HOST, over_32_true,
                                        reference_record, REFERENCE_STEPS, run_timeout_s, run_validation,
                                        steps_within, validate)
@@ -104,11 +103,9 @@ def _loaded(chosen: "_Chosen") -> str:
     cores (the pairs', else the winner's), else the load average, which counts this tune's own
     children too; "" when quiet. Seen on the CPU: "load 0.9 per core" was blamed on a host
     whose only work was the tune."""
-    runs = chosen.speedup.winner_runs + chosen.speedup.baseline_runs if chosen.speedup is not None else []
-    foreign = [m.foreign_cores for m in runs or chosen.winner_runs if m.foreign_cores is not None]
-    if foreign:
-        busy = statistics.median(foreign)
-        cores = next((m.cores for m in runs or chosen.winner_runs if m.cores), None)
+    pairs = chosen.speedup.winner_runs + chosen.speedup.baseline_runs if chosen.speedup is not None else []
+    busy, cores = foreign_load(pairs or chosen.winner_runs)
+    if busy is not None:
         return f"{busy:.1f} of {cores} cores busy with other work" if busy >= BUSY_CORES else ""
     if chosen.host_load is not None and chosen.host_load > LOADED_HOST:
         return f"load {chosen.host_load:.1f} per core"
