@@ -101,11 +101,14 @@ class Workers:
         out, err = self.procs[i].communicate(timeout=180)
         return self.procs[i].returncode, out, err
 
-    def kill_all(self) -> None:
+    def kill_all(self) -> list[str]:
+        """Kill those still running; each one's stderr (what was not read yet)."""
+        errs = []
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
-            p.communicate()
+            errs.append(p.communicate()[1] or "")
+        return errs
 
 
 def search_records(url: str) -> list[dict]:
@@ -115,6 +118,17 @@ def search_records(url: str) -> list[dict]:
     records = [t.user_attrs["autofit"] for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
                if "autofit" in t.user_attrs]
     return [r for r in records if r["measurement"] is not None and not r["repeat"]]
+
+
+def _story(url: str, config: dict, stderrs: list[str]) -> str:
+    """For a failure's message: the trials of `config` (number, state, start, end, system
+    attrs) and the workers' warnings of a live trial given up as stale."""
+    (name,) = optuna.get_all_study_names(url)
+    trials = [(t.number, t.state.name, t.datetime_start, t.datetime_complete, t.system_attrs)
+              for t in optuna.load_study(study_name=name, storage=url).get_trials()
+              if t.user_attrs.get("autofit", {}).get("config") == config]
+    stale = [line for err in stderrs for line in err.splitlines() if "given up as stale" in line]
+    return f"trials {trials}; stale {stale}"
 
 
 def _key(config: dict) -> str:
@@ -139,7 +153,7 @@ def test_tune_workers_share_one_study_and_take_over_a_killed_workers_trial(postg
         victim.kill()
         results = [workers.finish(i) for i in (1, 2)]
     finally:
-        workers.kill_all()
+        victim_err = workers.kill_all()[0]
     assert [rc for rc, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
     events = workers.events()
     done = {p.pid: {_key(e["config"]) for e in events if e["pid"] == p.pid and e["event"] == "done"
@@ -149,7 +163,7 @@ def test_tune_workers_share_one_study_and_take_over_a_killed_workers_trial(postg
     records = search_records(postgres_url)
     configs = [_key(r["config"]) for r in records]
     twice = [(r["worker"], r["status"], r["config"]) for r in records if configs.count(_key(r["config"])) > 1]
-    assert not twice, f"a config was measured twice: {twice}"
+    assert not twice, f"a config was measured twice: {twice}; {_story(postgres_url, twice[0][2], [victim_err, *(e for _, _, e in results)])}"
     assert done[victim.pid] <= set(configs)  # the dead worker's finished trial counts
     assert len(configs) >= 18  # one trial budget for all of them
     assert hung in configs and hung in done[survivors[0].pid] | done[survivors[1].pid]

@@ -804,3 +804,59 @@ def test_seeds_twins_and_the_reference_are_eager_and_the_leader_gets_its_compile
     # After the cheap moves around the leader: its twins in the other seed groups first.
     twins = list(seeding.twins(space, fits, eager))
     assert twins and all(refined.index(t) < refined.index(best) for t in twins)
+
+
+def test_a_sampled_trial_another_worker_runs_is_busy_though_its_raw_params_differ():
+    """The sampler may propose checkpointing beyond the trainable blocks (read as all of them)
+    or a policy with none checkpointed (read as none): the config another worker is
+    measuring is the one its params read as, not its raw params (seen on PostgreSQL: two
+    workers measured bf16-mixed 4 x 2 with 1 block checkpointed one after the other)."""
+    landscape = _landscape("selective+freeze")
+    space = landscape.space()
+    study = make_study(study_name="busy", storage=None, seed=0)
+    tuner = Tuner(space, study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
+                  estimate=landscape.estimate, max_trials=DEFAULTS.trials, patience=DEFAULTS.patience)
+    deep = space.config("bf16-mixed", space.micro_batch_sizes[1], space.checkpointable(4), 4, checkpoint_policy="selective")
+    plain = space.config("bf16-mixed", space.micro_batch_sizes[2], 0, 0)
+    for config, raw in [(deep, {"checkpoint_blocks": space.max_checkpoint_blocks}),
+                        (plain, {"checkpoint_policy": "selective"})]:
+        params = {**space.params(config), **raw}
+        assert params != space.params(config) and space.config_of(params) == config
+        study.enqueue_trial(params)
+        running = study.ask()
+        assert space.suggest(running, params) == config  # what that worker measures
+    assert tuner._busy(deep) and tuner._busy(plain)
+    assert not tuner._busy(plain.replace(freeze_blocks=1))
+    assert tuner._running() == {deep, plain}  # what the plan skips
+
+
+def test_a_trial_another_worker_ends_while_this_one_plans_is_not_measured_again():
+    """A trial is told outside the claim lock: one running when this worker read the study's
+    records may end before it checks what is running. Its config is then neither in those
+    records nor running, and was measured twice (seen on PostgreSQL with three workers)."""
+    from autofit.search.loop import _Progress
+
+    landscape = _landscape("selective+freeze")
+    space = landscape.space()
+    study = make_study(study_name="ended", storage=None, seed=0)
+    tuner = Tuner(space, study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
+                  estimate=landscape.estimate, max_trials=DEFAULTS.trials, patience=DEFAULTS.patience)
+    config = space.config("bf16-mixed", space.micro_batch_sizes[2], 0, 0)
+    study.enqueue_trial(space.params(config))
+    theirs = study.ask()  # another worker's trial, running when this worker reads the records
+    measured = tuner._evaluate(theirs, space.suggest(theirs, space.params(config)), [])
+
+    class Plan:  # the other worker tells its trial while this one plans, and this one plans the same config
+        def next(self, records, best, running):
+            assert not records  # theirs was running
+            tuner._tell(theirs, measured)
+            return config
+
+        def neighbours_first(self, config):
+            pass
+
+    tuner.plan = Plan()
+    progress = _Progress(best=None, since_best=0, start=time.monotonic())
+    claimed, stop_reason = tuner._claim_next(progress)
+    assert claimed is None and stop_reason is None and progress.skipped["known"] == 1
+    assert len(landscape.calls) == 1  # measured once, by the other worker

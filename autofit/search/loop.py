@@ -165,8 +165,13 @@ class Tuner:
                 fixed = self._fixed(trial)
                 queued = fixed is not None
                 config = self.space.suggest(trial, fixed)
+                busy = self._busy(config, trial)  # another worker measures it
+                if not busy:
+                    # Read again after the RUNNING trials: one that was running when `records` were
+                    # read may have ended since (a trial is told outside the claim lock).
+                    records = self.records()
                 known = self.known(config, records)
-                busy = known is None and self._busy(config, trial)  # another worker measures it
+                busy = busy and known is None
                 late = known is None and not busy and not self._affordable(config, records)
                 if known is not None or busy or late or not self.memory.fits(config, records):
                     progress.skipped["known" if known is not None or busy else "late" if late else "pruned"] += 1
@@ -412,9 +417,10 @@ class Tuner:
     def measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False,
                      unless_busy: bool = False) -> TrialRecord | None:
         """Measure one config outside the sampler's choice, as a trial of the study. With
-        `unless_busy`, None (and nothing measured) while another worker is measuring it."""
+        `unless_busy`, None (and nothing measured) while another worker is measuring it, or
+        once one has (since `records` were read)."""
         with self.locks.claim():
-            if unless_busy and self._busy(config):
+            if unless_busy and (self._busy(config) or self.known(config, self.records()) is not None):
                 return None
             # The search is over: a trial still waiting (a dead worker's, queued again) is
             # dropped, so the ask below takes this one.
@@ -503,13 +509,21 @@ class Tuner:
     def _busy(self, config: TrainConfig, trial: optuna.Trial | None = None) -> bool:
         """`config` is being measured in another trial than `trial`: another worker's, or a
         dead worker's until its heartbeat is overdue and the trial is queued again."""
-        params = self.space.params(config)
-        return any((trial is None or t.number != trial.number) and t.params == params
-                   for t in self.study.get_trials(deepcopy=False, states=RUNNING))
+        return config in self._running(trial)
 
-    def _running(self) -> set:
-        """The params (sorted tuples) of the trials being measured now, by any worker."""
-        return {tuple(sorted(t.params.items())) for t in self.study.get_trials(deepcopy=False, states=RUNNING)}
+    def _running(self, trial: optuna.Trial | None = None) -> set[TrainConfig]:
+        """The configs of the trials being measured now by any worker (but `trial`). Read
+        from each trial's params as `suggest` reads them: a sampled trial's raw params are
+        not always those of `space.params` for the same config."""
+        out = set()
+        for t in self.study.get_trials(deepcopy=False, states=RUNNING):
+            if trial is not None and t.number == trial.number:
+                continue
+            try:
+                out.add(self.space.config_of(t.params))
+            except (ValueError, KeyError, IndexError):  # a worker killed while it chose the params
+                continue
+        return out
 
     def _fixed(self, trial: optuna.Trial) -> dict | None:
         """The params the queue set for `trial` (a seed, refinement or neighbour); None for a

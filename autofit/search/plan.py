@@ -68,9 +68,9 @@ class Plan:
 
     def next(self, records: list[TrialRecord], best: TrialRecord | None, running: set) -> TrainConfig | None:
         """The next config to measure, re-checked now: not known, predicted to fit, numerics
-        not seen to drift, not being measured by another worker (`running`: their params as
-        sorted tuples), its trial can end in the time left. In order: the smallest config while only OOMs were seen, the best's
-        reference, the queue (seeds, retries, contenders' twins), the best's refinements
+        not seen to drift, not being measured by another worker (`running`: their configs),
+        its trial can end in the time left. In order: the smallest config while only OOMs
+        were seen, the best's reference, the queue (seeds, retries, contenders' twins), the best's refinements
         (planned under the fit as it is now, not as it was when the best was found), then
         the next wave of seeds. None: let the sampler propose."""
         allowed, fits = allowed_of(records), self.fits_of(records)
@@ -80,7 +80,7 @@ class Plan:
             # A seed queued before its precision was seen slow is dropped (`_seed_lists`).
             return (self.known(config, records) is None and fits(config) and allowed(config)
                     and not (config in self.seeds and config.precision in slow)
-                    and tuple(sorted(self.space.params(config).items())) not in running
+                    and config not in running
                     and self.affordable(config, records))
 
         probe = self._probe(records, allowed)

@@ -190,6 +190,12 @@ class SearchSpace:
                 values[k.name] = k.default
         return self._from_values(values)
 
+    def config_of(self, params: dict) -> TrainConfig:
+        """The config a trial with these Optuna params measures (`suggest`'s reading of them:
+        a sampled trial's raw params may differ from `params(config)`, e.g. checkpointing
+        beyond the trainable blocks, or a policy with no block checkpointed)."""
+        return self.suggest(optuna.trial.FixedTrial(params), fixed=params)
+
     def params(self, config: TrainConfig) -> dict:
         """Optuna parameters of `config` (for enqueueing). A refinement knob at its default is
         left out, as a sampled trial leaves it (the same config, the same params)."""
