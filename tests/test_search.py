@@ -1,6 +1,7 @@
 """Search quality on simulated devices at the spec's default budget, the memory model, and
 resume from a stored study."""
 
+import itertools
 import time
 
 import optuna
@@ -828,6 +829,32 @@ def test_a_sampled_trial_another_worker_runs_is_busy_though_its_raw_params_diffe
     assert tuner._busy(deep) and tuner._busy(plain)
     assert not tuner._busy(plain.replace(freeze_blocks=1))
     assert tuner._running() == {deep, plain}  # what the plan skips
+
+
+def test_a_move_along_the_micro_batches_that_paid_is_followed_twice_as_far():
+    """A pattern search's expanding step: the leader reached from a slower micro batch next
+    tries the same way twice as far, then the adjacent size; with no such move (or the way
+    back), the adjacent sizes as before."""
+    space = SearchSpace(global_batch_size=96, precisions=("32-true", "bf16-mixed"),
+                        micro_batch_sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96),
+                        max_checkpoint_blocks=0, max_freeze_blocks=2)
+    fits = lambda c: True  # noqa: E731
+    at = lambda m, freeze=0: space.config("bf16-mixed", m, 0, freeze)  # noqa: E731
+    def first(best, records, count=3):
+        return [c.micro_batch_size for c in itertools.islice(seeding.refinements(space, fits, best, records=records),
+                                                             count)]
+
+    climbed = [_ok(0, at(8), 100.0), _ok(1, at(12), 120.0)]
+    assert first(at(12), climbed) == [24, 16, 8]  # 8 -> 12 paid: 24 next (two sizes on), then the adjacent ones
+    descended = [_ok(0, at(48), 50.0), _ok(1, at(16), 90.0)]
+    assert first(at(16), descended) == [2, 24, 12]  # 48 -> 16 (three sizes down) paid: six sizes down
+    assert first(at(12), [], 2) == [16, 8]  # nothing measured around it: the adjacent sizes
+    slower_elsewhere = [_ok(0, at(8, freeze=1), 100.0), _ok(1, at(12), 120.0)]  # another freezing depth
+    assert first(at(12), slower_elsewhere, 2) == [16, 8]
+    within_noise = [_ok(0, at(8), 118.0), _ok(1, at(12), 120.0)]  # 2% slower: no move that paid
+    assert first(at(12), within_noise, 2) == [16, 8]
+    # Climbed to the largest size: nothing further that way; the adjacent ones as before.
+    assert first(at(96), [_ok(0, at(48), 50.0), _ok(1, at(96), 90.0)], 2) == [48, 32]
 
 
 def test_a_trial_another_worker_ends_while_this_one_plans_is_not_measured_again():

@@ -8,12 +8,14 @@ leanest that the group's numerics allow): each has its own memory frontier, and 
 is fastest is measured, not assumed.
 """
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
+from autofit.search.choice import NOISE_PRIOR
 from autofit.search.health import REFERENCE_PRECISIONS
 from autofit.search.space import SearchSpace
 from autofit.search.study import TrialRecord
@@ -351,10 +353,11 @@ def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allo
     sizes = space.micro_batch_sizes
     here = sizes.index(best.micro_batch_size)
     by_distance = sorted(sizes, key=lambda m: (abs(sizes.index(m) - here), -m))  # the larger first on a tie
-    near = (c for m in by_distance if m != best.micro_batch_size
+    stride = _stride(sizes, here, _came_from(best, records))
+    near = (c for m in dict.fromkeys([*stride, *by_distance]) if m != best.micro_batch_size
             for c in [fewest_checkpointed(space, fits, best.precision, m, best.freeze_blocks, strategy,
                                           best.checkpoint_policy)] if c is not None and c != eager)
-    yield from itertools.islice(near, 2)
+    yield from itertools.islice(near, 2 + len(stride))
     yield from twins(space, fits, eager, allowed, records)
     yield from leader_twins(space, fits, best)
     # The other policy at the best's micro batch, and at its own largest one.
@@ -365,6 +368,34 @@ def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allo
     yield from others
     yield from (c for c in space.neighbours(eager) if c.precision == best.precision)
     yield from near
+
+
+def _came_from(best: TrainConfig, records: Sequence[TrialRecord]) -> int | None:
+    """The micro batch of the best's line (its precision, freezing depth, strategy and
+    refinement knobs) measured slower than it, by more than noise (`NOISE_PRIOR` twice), and
+    nearest to it; None where there is none."""
+    def line(config: TrainConfig) -> dict:
+        shape = ("micro_batch_size", "grad_accum_steps", "checkpoint_blocks", "checkpoint_policy")
+        return {k: v for k, v in dataclasses.asdict(config).items() if k not in shape}
+
+    best_sps = max((r.samples_per_s for r in records if r.config == best and r.status == "ok"), default=None)
+    slower = [r.config.micro_batch_size for r in records
+              if r.status == "ok" and not r.repeat and r.config.micro_batch_size != best.micro_batch_size
+              and best_sps is not None and r.samples_per_s < (1 - 2 * NOISE_PRIOR) * best_sps
+              and line(r.config) == line(best)]
+    return min(slower, key=lambda m: abs(m - best.micro_batch_size), default=None)
+
+
+def _stride(sizes: Sequence[int], here: int, came_from: int | None) -> list[int]:
+    """Where the best was reached by a move along the micro batches that paid (from
+    `came_from`), the next move goes on the same way twice as far (a pattern search's
+    expanding step): a climb from 8 to 12 tries 24 next, then the adjacent sizes as
+    without it (`refinements`). Empty without such a move, or past the end of the sizes."""
+    if came_from is None or came_from not in sizes:
+        return []
+    gap = here - sizes.index(came_from)
+    ahead = here + 2 * gap
+    return [sizes[ahead]] if 0 <= ahead < len(sizes) and abs(gap) >= 1 else []
 
 
 def leader_twins(space: SearchSpace, fits: Fits, leader: TrainConfig) -> list[TrainConfig]:
