@@ -807,17 +807,25 @@ def test_seeds_twins_and_the_reference_are_eager_and_the_leader_gets_its_compile
     assert twins and all(refined.index(t) < refined.index(best) for t in twins)
 
 
+def _worker(study_name: str):
+    """(landscape, space, study, tuner): one worker of an in-memory study on selective+freeze,
+    whose other workers' trials a test makes by hand."""
+    landscape = _landscape("selective+freeze")
+    space = landscape.space()
+    study = make_study(study_name=study_name, storage=None, seed=0)
+    tuner = Tuner(space, study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
+                  estimate=landscape.estimate, max_trials=DEFAULTS.trials, patience=DEFAULTS.patience)
+    return landscape, space, study, tuner
+
+
 def test_a_sampled_trial_another_worker_runs_is_busy_though_its_raw_params_differ():
     """The sampler may propose checkpointing beyond the trainable blocks (read as all of them)
     or a policy with none checkpointed (read as none): the config another worker is
     measuring is the one its params read as, not its raw params (seen on PostgreSQL: two
     workers measured bf16-mixed 4 x 2 with 1 block checkpointed one after the other)."""
-    landscape = _landscape("selective+freeze")
-    space = landscape.space()
-    study = make_study(study_name="busy", storage=None, seed=0)
-    tuner = Tuner(space, study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
-                  estimate=landscape.estimate, max_trials=DEFAULTS.trials, patience=DEFAULTS.patience)
-    deep = space.config("bf16-mixed", space.micro_batch_sizes[1], space.checkpointable(4), 4, checkpoint_policy="selective")
+    landscape, space, study, tuner = _worker("busy")
+    deep = space.config("bf16-mixed", space.micro_batch_sizes[1], space.checkpointable(4), 4,
+                        checkpoint_policy="selective")
     plain = space.config("bf16-mixed", space.micro_batch_sizes[2], 0, 0)
     for config, raw in [(deep, {"checkpoint_blocks": space.max_checkpoint_blocks}),
                         (plain, {"checkpoint_policy": "selective"})]:
@@ -826,9 +834,11 @@ def test_a_sampled_trial_another_worker_runs_is_busy_though_its_raw_params_diffe
         study.enqueue_trial(params)
         running = study.ask()
         assert space.suggest(running, params) == config  # what that worker measures
-    assert tuner._busy(deep) and tuner._busy(plain)
-    assert not tuner._busy(plain.replace(freeze_blocks=1))
-    assert tuner._running() == {deep, plain}  # what the plan skips
+    assert tuner._running() == {deep, plain}  # what the plan and the claim skip
+    # A worker killed while it set a trial's params leaves it running with some: no config.
+    partial = study.ask()
+    partial.suggest_categorical("precision", list(space.precisions))
+    assert tuner._running() == {deep, plain}
 
 
 def test_a_move_along_the_micro_batches_that_paid_is_followed_twice_as_far():
@@ -863,11 +873,7 @@ def test_a_trial_another_worker_ends_while_this_one_plans_is_not_measured_again(
     records nor running, and was measured twice (seen on PostgreSQL with three workers)."""
     from autofit.search.loop import _Progress
 
-    landscape = _landscape("selective+freeze")
-    space = landscape.space()
-    study = make_study(study_name="ended", storage=None, seed=0)
-    tuner = Tuner(space, study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
-                  estimate=landscape.estimate, max_trials=DEFAULTS.trials, patience=DEFAULTS.patience)
+    landscape, space, study, tuner = _worker("ended")
     config = space.config("bf16-mixed", space.micro_batch_sizes[2], 0, 0)
     study.enqueue_trial(space.params(config))
     theirs = study.ask()  # another worker's trial, running when this worker reads the records
@@ -887,3 +893,17 @@ def test_a_trial_another_worker_ends_while_this_one_plans_is_not_measured_again(
     claimed, stop_reason = tuner._claim_next(progress)
     assert claimed is None and stop_reason is None and progress.skipped["known"] == 1
     assert len(landscape.calls) == 1  # measured once, by the other worker
+
+
+def test_a_reference_another_worker_measured_since_the_records_were_read_is_not_measured_again():
+    """`measure_now(unless_busy=True)` (the finisher's reference) reads what is running and
+    measured under the claim lock, not from the caller's older records."""
+    landscape, space, study, tuner = _worker("reference")
+    config = space.config("32-true", space.micro_batch_sizes[2], 0, 0)
+    study.enqueue_trial(space.params(config))
+    theirs = study.ask()
+    space.suggest(theirs, space.params(config))  # claimed: its params set
+    assert tuner.measure_now(config, [], unless_busy=True) is None  # running in another worker's trial
+    tuner._tell(theirs, tuner._evaluate(theirs, config, []))
+    assert tuner.measure_now(config, [], unless_busy=True) is None  # measured since `[]` was read
+    assert len(landscape.calls) == 1

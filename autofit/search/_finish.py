@@ -49,8 +49,9 @@ def ensure_reference(tuner: "Tuner") -> None:
             break
         tuner.references.add(reference)  # measured for its losses: a few steps
         if tuner.measure_now(reference, records, unless_busy=True) is None:
-            # Another worker sharing the study is measuring it: its result is the reference
-            # (or, if that worker dies, the trial comes back to be measured here).
+            # Another worker sharing the study is measuring it (its result is the reference;
+            # if that worker dies, the trial comes back to be measured here), or has just
+            # measured it: the loop reads the records again.
             if tuner.halted():
                 return
             time.sleep(BUSY_WAIT_S)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import optuna
 from loguru import logger
 
+from autofit.base.errors import SpecError
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
 from autofit.search import _finish, choice, seeding
@@ -153,11 +154,15 @@ class Tuner:
         reason or None)."""
         with self.locks.claim():
             fail_stale_trials(self.study)
+            # The running trials before the records: a trial is told outside the claim lock, so
+            # one running now may end before the records are read (then it is in them) or after
+            # (then it is in `running`); no trial starts while the lock is held.
+            running = self._running()
             records = self.records()  # other workers' trials too
             stop_reason = self._stop_reason(records, progress.since_best, progress.skipped, progress.start)
             if stop_reason is not None:
                 return None, stop_reason
-            planned = self.plan.next(records, progress.best, self._running())
+            planned = self.plan.next(records, progress.best, running)
             if planned is not None:
                 self.study.enqueue_trial(self.space.params(planned))
             trial = ask(self.study)
@@ -165,13 +170,8 @@ class Tuner:
                 fixed = self._fixed(trial)
                 queued = fixed is not None
                 config = self.space.suggest(trial, fixed)
-                busy = self._busy(config, trial)  # another worker measures it
-                if not busy:
-                    # Read again after the RUNNING trials: one that was running when `records` were
-                    # read may have ended since (a trial is told outside the claim lock).
-                    records = self.records()
                 known = self.known(config, records)
-                busy = busy and known is None
+                busy = known is None and config in running  # another worker measures it (or just did)
                 late = known is None and not busy and not self._affordable(config, records)
                 if known is not None or busy or late or not self.memory.fits(config, records):
                     progress.skipped["known" if known is not None or busy else "late" if late else "pruned"] += 1
@@ -191,17 +191,20 @@ class Tuner:
     def _measure_claimed(self, trial: optuna.Trial, config: TrainConfig, records: list[TrialRecord],
                          progress: "_Progress") -> str | None:
         """Measure a claimed trial and tell the study; a stop reason when a stop cut it short."""
-        try:
-            record = self._evaluate(trial, config, records)
-        except BaseException:  # the user's code failed the trial (exit 2), or a signal stops the tune
-            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING in the study
-            raise
-        if self.halted() and record.status not in ("ok", "oom"):
-            # Cut short by a stop request or the time budget's end: not a result. Failing the trial leaves the config
-            # unmeasured, so a resumed study measures it.
-            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            return self._stop_text()
-        self._tell(trial, record)
+        # Beating until the trial is told: a trial whose beat stops before it ends may be
+        # given up as stale and measured again by another worker.
+        with heartbeat(self.study, trial):
+            try:
+                record = self._evaluate(trial, config, records)
+            except BaseException:  # the user's code failed the trial (exit 2), or a signal stops the tune
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING in the study
+                raise
+            if self.halted() and record.status not in ("ok", "oom"):
+                # Cut short by a stop request or the time budget's end: not a result. Failing the trial leaves
+                # the config unmeasured, so a resumed study measures it.
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                return self._stop_text()
+            self._tell(trial, record)
         records = self.records()  # other workers sharing the study may have finished trials too
         best, new_best = progress.best, _best(records, self.budget_bytes)
         # A best found unhealthy once its reference is measured gives way to a slower one:
@@ -417,19 +420,23 @@ class Tuner:
     def measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False,
                      unless_busy: bool = False) -> TrialRecord | None:
         """Measure one config outside the sampler's choice, as a trial of the study. With
-        `unless_busy`, None (and nothing measured) while another worker is measuring it, or
-        once one has (since `records` were read)."""
+        `unless_busy`, None (and nothing measured) where another worker is measuring it or
+        has measured it since `records` were read."""
         with self.locks.claim():
-            if unless_busy and (self._busy(config) or self.known(config, self.records()) is not None):
-                return None
+            if unless_busy:
+                fail_stale_trials(self.study)  # a dead worker's trial of it comes back to be measured here
+                running = self._running()  # before the records, as in `_claim_next`
+                if config in running or self.known(config, self.records()) is not None:
+                    return None
             # The search is over: a trial still waiting (a dead worker's, queued again) is
             # dropped, so the ask below takes this one.
             self._drop_queue()
             self.study.enqueue_trial(self.space.params(config))
             trial = ask(self.study)
             config = self.space.suggest(trial, self._fixed(trial))  # its params, set while claimed
-        record = self._evaluate(trial, config, records).replace(repeat=repeat)
-        self._tell(trial, record)
+        with heartbeat(self.study, trial):  # until told, as in `_measure_claimed`
+            record = self._evaluate(trial, config, records).replace(repeat=repeat)
+            self._tell(trial, record)
         return record
 
     def _drop_queue(self) -> None:
@@ -466,8 +473,7 @@ class Tuner:
 
     def _evaluate(self, trial: optuna.Trial, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord:
         started = self.clock()
-        with heartbeat(self.study, trial):  # so that a worker that dies here leaves the trial to another
-            measurement = (self.measure_reference if config in self.references else self.measure)(config)
+        measurement = (self.measure_reference if config in self.references else self.measure)(config)
         self.trial_costs_s.append(self.clock() - started)
         record = TrialRecord(number=trial.number, config=config, status=measurement.status,
                              predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
@@ -506,22 +512,19 @@ class Tuner:
                     params=trial.params, distributions=trial.distributions, value=value,
                     user_attrs={RECORD_ATTR: record.to_attr()}, constraints={"memory": float(violation)}))
 
-    def _busy(self, config: TrainConfig, trial: optuna.Trial | None = None) -> bool:
-        """`config` is being measured in another trial than `trial`: another worker's, or a
-        dead worker's until its heartbeat is overdue and the trial is queued again."""
-        return config in self._running(trial)
-
-    def _running(self, trial: optuna.Trial | None = None) -> set[TrainConfig]:
-        """The configs of the trials being measured now by any worker (but `trial`). Read
-        from each trial's params as `suggest` reads them: a sampled trial's raw params are
-        not always those of `space.params` for the same config."""
+    def _running(self) -> set[TrainConfig]:
+        """The configs of the trials being measured now, by any worker. Read from each trial's
+        params as `suggest` reads them: a sampled trial's raw params are not always those of
+        `space.params` for the same config. A trial without all the space's params (a worker
+        killed while it set them) is no config."""
+        params = {k.param for k in self.space.knobs() if k.field not in {r.name for r in self.space.refine_knobs()}}
         out = set()
         for t in self.study.get_trials(deepcopy=False, states=RUNNING):
-            if trial is not None and t.number == trial.number:
+            if not params <= t.params.keys():
                 continue
             try:
                 out.add(self.space.config_of(t.params))
-            except (ValueError, KeyError, IndexError):  # a worker killed while it chose the params
+            except (ValueError, IndexError, SpecError):  # params out of this space's range
                 continue
         return out
 

@@ -66,7 +66,8 @@ class Plan:
         self.seeds: set[TrainConfig] = set(starts)
         self.offered: set = set()  # the seed groups `_unseeded` has queued since the last new best
 
-    def next(self, records: list[TrialRecord], best: TrialRecord | None, running: set) -> TrainConfig | None:
+    def next(self, records: list[TrialRecord], best: TrialRecord | None,
+             running: set[TrainConfig]) -> TrainConfig | None:
         """The next config to measure, re-checked now: not known, predicted to fit, numerics
         not seen to drift, not being measured by another worker (`running`: their configs),
         its trial can end in the time left. In order: the smallest config while only OOMs
