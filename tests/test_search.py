@@ -848,8 +848,12 @@ def test_a_move_along_the_micro_batches_that_paid_is_followed_twice_as_far():
     space = SearchSpace(global_batch_size=96, precisions=("32-true", "bf16-mixed"),
                         micro_batch_sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96),
                         max_checkpoint_blocks=0, max_freeze_blocks=2)
-    fits = lambda c: True  # noqa: E731
-    at = lambda m, freeze=0: space.config("bf16-mixed", m, 0, freeze)  # noqa: E731
+    def fits(config):
+        return True
+
+    def at(micro, freeze=0):
+        return space.config("bf16-mixed", micro, 0, freeze)
+
     def first(best, records, count=3):
         return [c.micro_batch_size for c in itertools.islice(seeding.refinements(space, fits, best, records=records),
                                                              count)]
@@ -857,7 +861,11 @@ def test_a_move_along_the_micro_batches_that_paid_is_followed_twice_as_far():
     climbed = [_ok(0, at(8), 100.0), _ok(1, at(12), 120.0)]
     assert first(at(12), climbed) == [24, 16, 8]  # 8 -> 12 paid: 24 next (two sizes on), then the adjacent ones
     descended = [_ok(0, at(48), 50.0), _ok(1, at(16), 90.0)]
-    assert first(at(16), descended) == [2, 24, 12]  # 48 -> 16 (three sizes down) paid: six sizes down
+    assert first(at(16), descended) == [4, 24, 12]  # 48 -> 16 (three sizes down) paid: on, at most four sizes
+    # Which way it came is what was measured before the best: a slower size measured after it
+    # (its own refinement) turns nothing, and a size on the way measured slower stops the step.
+    assert first(at(12), [_ok(0, at(12), 120.0), _ok(1, at(8), 100.0)], 2) == [16, 8]
+    assert first(at(12), [*climbed, _ok(2, at(16), 110.0)], 2) == [16, 8]  # 16, on the way to 24, was slower
     assert first(at(12), [], 2) == [16, 8]  # nothing measured around it: the adjacent sizes
     slower_elsewhere = [_ok(0, at(8, freeze=1), 100.0), _ok(1, at(12), 120.0)]  # another freezing depth
     assert first(at(12), slower_elsewhere, 2) == [16, 8]

@@ -25,6 +25,8 @@ Allowed = Callable[[TrainConfig], bool]
 # A group measured below this fraction of the best's group at a matched micro batch gets no
 # twin: its precision or memory knobs cost more than a shape can win back.
 TWIN_FLOOR = 0.8
+# An expanding step along the micro batches (`_stride`) goes at most this many sizes past the best.
+MAX_STRIDE_SIZES = 4
 
 
 def _anything(config: TrainConfig) -> bool:
@@ -340,7 +342,9 @@ def smallest(space: SearchSpace, estimate: Callable[[TrainConfig], int], allowed
 def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = _anything,
                 records: Sequence[TrialRecord] = ()) -> Iterator[TrainConfig]:
     """After a new best: its precision's frontier under the now-calibrated model at the micro
-    batches next to the best's (under its checkpoint policy and memory knobs), its twins in the
+    batches next to the best's (under its checkpoint policy and memory knobs; first, where the
+    best was reached by a move along them that paid, the next one that way twice as far:
+    `_stride`), its twins in the
     other seed groups, then its refinement twins (`leader_twins`: compiled, expandable segments,
     ...), its other-policy twin, then its neighbours at its precision (cheap local steps), then
     the rest of the frontier. All but the refinement twins are planned eager with the refinement
@@ -353,11 +357,18 @@ def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allo
     sizes = space.micro_batch_sizes
     here = sizes.index(best.micro_batch_size)
     by_distance = sorted(sizes, key=lambda m: (abs(sizes.index(m) - here), -m))  # the larger first on a tie
-    stride = _stride(sizes, here, _came_from(best, records))
-    near = (c for m in dict.fromkeys([*stride, *by_distance]) if m != best.micro_batch_size
-            for c in [fewest_checkpointed(space, fits, best.precision, m, best.freeze_blocks, strategy,
-                                          best.checkpoint_policy)] if c is not None and c != eager)
-    yield from itertools.islice(near, 2 + len(stride))
+
+    def at(micro: int) -> TrainConfig | None:
+        return fewest_checkpointed(space, fits, best.precision, micro, best.freeze_blocks, strategy,
+                                   best.checkpoint_policy)
+
+    ahead = _stride(sizes, best, records)
+    far = at(ahead) if ahead is not None else None
+    if far is not None and far != eager:
+        yield far
+    near = (c for m in by_distance if m not in (best.micro_batch_size, ahead)
+            for c in [at(m)] if c is not None and c != eager)
+    yield from itertools.islice(near, 2)
     yield from twins(space, fits, eager, allowed, records)
     yield from leader_twins(space, fits, best)
     # The other policy at the best's micro batch, and at its own largest one.
@@ -370,32 +381,47 @@ def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allo
     yield from near
 
 
-def _came_from(best: TrainConfig, records: Sequence[TrialRecord]) -> int | None:
-    """The micro batch of the best's line (its precision, freezing depth, strategy and
-    refinement knobs) measured slower than it, by more than noise (`NOISE_PRIOR` twice), and
-    nearest to it; None where there is none."""
-    def line(config: TrainConfig) -> dict:
-        shape = ("micro_batch_size", "grad_accum_steps", "checkpoint_blocks", "checkpoint_policy")
-        return {k: v for k, v in dataclasses.asdict(config).items() if k not in shape}
-
-    best_sps = max((r.samples_per_s for r in records if r.config == best and r.status == "ok"), default=None)
-    slower = [r.config.micro_batch_size for r in records
-              if r.status == "ok" and not r.repeat and r.config.micro_batch_size != best.micro_batch_size
-              and best_sps is not None and r.samples_per_s < (1 - 2 * NOISE_PRIOR) * best_sps
-              and line(r.config) == line(best)]
-    return min(slower, key=lambda m: abs(m - best.micro_batch_size), default=None)
-
-
-def _stride(sizes: Sequence[int], here: int, came_from: int | None) -> list[int]:
-    """Where the best was reached by a move along the micro batches that paid (from
-    `came_from`), the next move goes on the same way twice as far (a pattern search's
-    expanding step): a climb from 8 to 12 tries 24 next, then the adjacent sizes as
-    without it (`refinements`). Empty without such a move, or past the end of the sizes."""
-    if came_from is None or came_from not in sizes:
-        return []
+def _stride(sizes: Sequence[int], best: TrainConfig, records: Sequence[TrialRecord]) -> int | None:
+    """A pattern search's expanding step: where the best was reached by a move along the
+    micro batches that paid (`_moved_from`), the size that many places on the same way again
+    (twice as far from where it came; at most `MAX_STRIDE_SIZES` places from the best). None
+    without such a move, past the end of the sizes, or where a size on the way was measured
+    slower than the best already (the peak is behind it)."""
+    line = _line(best)
+    came_from, slower = _moved_from(sizes, best, [r for r in records if _line(r.config) == line])
+    if came_from is None:
+        return None
+    here = sizes.index(best.micro_batch_size)
     gap = here - sizes.index(came_from)
-    ahead = here + 2 * gap
-    return [sizes[ahead]] if 0 <= ahead < len(sizes) and abs(gap) >= 1 else []
+    ahead = here + max(-MAX_STRIDE_SIZES, min(MAX_STRIDE_SIZES, 2 * gap))
+    if not 0 <= ahead < len(sizes):
+        return None
+    on_the_way = sizes[min(here, ahead) + 1:max(here, ahead)]
+    return None if any(m in slower for m in on_the_way) else sizes[ahead]
+
+
+def _line(config: TrainConfig) -> dict:
+    """Everything of `config` but its shape along the micro batches (micro batch,
+    accumulation, checkpointing): the configs a move along them compares."""
+    shape = ("micro_batch_size", "grad_accum_steps", "checkpoint_blocks", "checkpoint_policy")
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in shape}
+
+
+def _moved_from(sizes: Sequence[int], best: TrainConfig, line: Sequence[TrialRecord]) -> tuple[int | None, set[int]]:
+    """(the micro batch the best was reached from: of the best's line measured before it and
+    slower by more than noise, `NOISE_PRIOR` twice, the nearest in the sizes' order, the
+    larger on a tie; every micro batch of the line measured slower than the best)."""
+    mine = [r for r in line if r.config == best and r.status == "ok"]
+    if not mine:
+        return None, set()
+    best_samples_per_s, first = max(r.samples_per_s for r in mine), min(r.number for r in mine)
+    slower = [r for r in line if r.status == "ok" and not r.repeat
+              and r.config.micro_batch_size != best.micro_batch_size
+              and r.samples_per_s < (1 - 2 * NOISE_PRIOR) * best_samples_per_s]
+    before = [r.config.micro_batch_size for r in slower if r.number < first]
+    here = sizes.index(best.micro_batch_size)
+    came_from = min(before, key=lambda m: (abs(sizes.index(m) - here), -m), default=None)
+    return came_from, {r.config.micro_batch_size for r in slower}
 
 
 def leader_twins(space: SearchSpace, fits: Fits, leader: TrainConfig) -> list[TrainConfig]:
