@@ -16,6 +16,10 @@ from autofit.measure.resident import Resident
 from autofit.measure.worker import TaskOutcome, Worker
 
 ESTIMATE_TASK, ANALYZE_TASK, PROBE_TASK = task("estimate"), task("analyze"), task("probe")
+# The model's analysis reads the loaded model (its parameters, blocks, layers) in a forked
+# child: a trial timeout set below what that takes (a test's 0.001 s on a busy host) limits
+# the trials, not it. The worker's own start keeps the trial timeout.
+ANALYSIS_LEAST_TIMEOUT_S = 30.0
 _SKIP_PROBE = "declare model.batch_dim to skip the probe (0: forward takes the batch in dim 0)"
 
 
@@ -41,8 +45,9 @@ def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kin
 
 def analyze(worker: Worker, spec: ModelSpec, nproc: int = 1, *, stop_event=None) -> Analysis:
     """The model's facts for the search space (`autofit.measure.tasks.analysis`)."""
-    outcome = worker.run(ANALYZE_TASK, {"nproc": nproc}, timeout_s=spec.search.trial_timeout_s,
-                         stop_event=stop_event)
+    outcome = worker.run(ANALYZE_TASK, {"nproc": nproc},
+                         timeout_s=max(spec.search.trial_timeout_s, ANALYSIS_LEAST_TIMEOUT_S),
+                         start_timeout_s=spec.search.trial_timeout_s, stop_event=stop_event)
     result = _answer(outcome, spec)
     if result.get("status") == "ok":
         return Analysis.from_dict(result)
