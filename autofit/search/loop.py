@@ -515,16 +515,13 @@ class Tuner:
     def _running(self) -> set[TrainConfig]:
         """The configs of the trials being measured now, by any worker. Read from each trial's
         params as `suggest` reads them: a sampled trial's raw params are not always those of
-        `space.params` for the same config. A trial without all the space's params (a worker
-        killed while it set them) is no config."""
-        params = {k.param for k in self.space.knobs() if k.field not in {r.name for r in self.space.refine_knobs()}}
+        `space.params` for the same config."""
         out = set()
         for t in self.study.get_trials(deepcopy=False, states=RUNNING):
-            if not params <= t.params.keys():
-                continue
             try:
                 out.add(self.space.config_of(t.params))
-            except (ValueError, IndexError, SpecError):  # params out of this space's range
+            except (ValueError, IndexError, SpecError):
+                # A param missing (a worker killed while it set them) or out of this space's range: no config.
                 continue
         return out
 

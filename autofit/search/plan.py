@@ -71,9 +71,9 @@ class Plan:
         """The next config to measure, re-checked now: not known, predicted to fit, numerics
         not seen to drift, not being measured by another worker (`running`: their configs),
         its trial can end in the time left. In order: the smallest config while only OOMs
-        were seen, the best's reference, the queue (seeds, retries, contenders' twins), the best's refinements
-        (planned under the fit as it is now, not as it was when the best was found), then
-        the next wave of seeds. None: let the sampler propose."""
+        were seen, the best's reference, the queue (seeds, retries, contenders' twins), the
+        best's refinements (planned under the fit as it is now, not as it was when the best
+        was found), then the next wave of seeds. None: let the sampler propose."""
         allowed, fits = allowed_of(records), self.fits_of(records)
         slow = self._slow(records, best)
 
