@@ -68,14 +68,17 @@ def tiny_spec_path(tmp_path) -> Path:
 TEST_TIME_BUDGET = "6h"
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None):
-    """Run `python -m autofit ARGS` as a user would; returns the CompletedProcess."""
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None,
+            script: Path | None = None):
+    """Run `python -m autofit ARGS` as a user would (or `python SCRIPT ARGS`, a fixture that
+    runs autofit with a seam set); returns the CompletedProcess."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if args and args[0] == "tune" and "--time-budget" not in args and "--help" not in args:
         # A tune's default time budget (5 min) is a wall clock that a loaded test host can
         # spend before validating: the tests of the budget give their own.
         args = (*args, "--time-budget", TEST_TIME_BUDGET)
-    return subprocess.run([sys.executable, "-m", "autofit", *map(str, args)], cwd=cwd or REPO,
+    program = [str(script)] if script else ["-m", "autofit"]
+    return subprocess.run([sys.executable, *program, *map(str, args)], cwd=cwd or REPO,
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
