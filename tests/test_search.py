@@ -1,6 +1,7 @@
 """Search quality on simulated devices at the spec's default budget, the memory model, and
 resume from a stored study."""
 
+import dataclasses
 import itertools
 import time
 
@@ -481,13 +482,13 @@ def _ok(number, config, samples_per_s=100.0, *, losses=(4.0, 3.9, 3.8, 3.7), rep
                        measurement=m, budget_bytes=budget, repeat=repeat)
 
 
-def _plan(space, records=(), estimate=lambda config: 1):
+def _plan(space, records=(), estimate=lambda config: 1, **kwargs):
     from autofit.search.plan import Plan
 
     def known(config, records):
         return next((r for r in records if r.config == config and not r.repeat), None)
 
-    return Plan(space, (), known=known, fits_of=lambda records: lambda config: True, estimate=estimate)
+    return Plan(space, (), known=known, fits_of=lambda records: lambda config: True, estimate=estimate, **kwargs)
 
 
 FREEZABLE = SearchSpace(global_batch_size=8, precisions=("32-true", "bf16-mixed"), micro_batch_sizes=(1, 2, 4, 8),
@@ -915,3 +916,60 @@ def test_a_reference_another_worker_measured_since_the_records_were_read_is_not_
     tuner._tell(theirs, tuner._evaluate(theirs, config, []))
     assert tuner.measure_now(config, [], unless_busy=True) is None  # measured since `[]` was read
     assert len(landscape.calls) == 1
+
+
+SIZES_96 = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96)
+
+
+def _stepped(number, config, samples_per_s, step_time_s):
+    record = _ok(number, config, samples_per_s)
+    return dataclasses.replace(record, measurement=dataclasses.replace(record.measurement, step_time_s=step_time_s))
+
+
+def test_a_slow_first_step_at_a_large_micro_batch_looks_down_to_an_eighth_of_it_next():
+    """Past the throughput's peak (a CPU's caches) the largest micro batch is the slowest and
+    dearest, and every seed wave measures there. A first trial whose step is slow (longer than
+    `SLOW_STEP_S`) at micro batch 8 or more with nothing checkpointed is looked at from below
+    once, where the time budget holds few trials at that step: its line at an eighth of its
+    micro batch, next, before its reference and the seeds."""
+    from autofit.search.plan import LOOK_DOWN_TRIALS, SLOW_STEP_S
+
+    space = SearchSpace(global_batch_size=96, precisions=("32-true", "bf16-mixed"), micro_batch_sizes=SIZES_96,
+                        max_checkpoint_blocks=2, max_freeze_blocks=0)
+
+    def at(micro, blocks=0):
+        return space.config("bf16-mixed", micro, blocks, 0)
+
+    def after(*records, trials=LOOK_DOWN_TRIALS / 2):
+        best = max(records, key=lambda r: r.samples_per_s)
+        return _plan(space, trials_within=lambda step_s: trials).next(list(records), best, set())
+
+    slow = _stepped(0, at(48), 40.0, 2 * SLOW_STEP_S)
+    assert after(slow) == at(6)
+    assert after(slow, trials=LOOK_DOWN_TRIALS) != at(6)  # time for many trials: the refinements walk down
+    assert after(_stepped(0, at(48), 40.0, SLOW_STEP_S / 2)) != at(6)  # a quick step: the GPU's way up
+    assert after(_stepped(0, at(48, 1), 40.0, 2 * SLOW_STEP_S)) != at(6)  # checkpointed: not the micro batch's cost
+    assert after(_stepped(0, at(6), 40.0, 2 * SLOW_STEP_S)) != at(1)  # too small to look down from
+    assert after(slow, _stepped(1, at(24), 30.0, 3.0)) != at(6)  # its line was measured below it already
+
+
+def test_once_a_smaller_micro_batch_paid_no_seed_is_above_the_bests():
+    """Where a move down the micro batches paid (beyond noise), each seed group's largest
+    micro batch is its slowest and dearest trial: the seeds planned from then on, and those
+    planned before, are capped at the best's micro batch."""
+    space = SearchSpace(global_batch_size=96, precisions=("32-true", "bf16-mixed", "bf16-true"),
+                        micro_batch_sizes=SIZES_96, max_checkpoint_blocks=0, max_freeze_blocks=0)
+    reference = _ok(2, space.config("32-true", 6, 0, 0), 60.0)
+
+    def next_seed(*records):
+        best = max((r for r in records if r.config.precision != "32-true"), key=lambda r: r.samples_per_s)
+        plan = _plan(space)
+        plan.new_best(best.config, list(records))  # the seed groups with nothing measured come next
+        return plan.next(list(records), best, set())
+
+    down = [_ok(0, space.config("bf16-mixed", 48, 0, 0), 40.0), _ok(1, space.config("bf16-mixed", 6, 0, 0), 170.0)]
+    assert next_seed(*down, reference) == space.config("bf16-true", 6, 0, 0)
+    up = [_ok(0, space.config("bf16-mixed", 6, 0, 0), 40.0), _ok(1, space.config("bf16-mixed", 48, 0, 0), 170.0)]
+    assert next_seed(*up, reference) == space.config("bf16-true", 96, 0, 0)
+    within_noise = [down[0], _ok(1, space.config("bf16-mixed", 6, 0, 0), 41.0)]
+    assert next_seed(*within_noise, reference) == space.config("bf16-true", 96, 0, 0)

@@ -98,6 +98,7 @@ class Tuner:
         self.session_start = time.time()
         self.warned_no_reference: set[int] = set()  # freezing depths said to have no reference (finish.py)
         self.trial_costs_s: list[float] = []  # each measurement's time on the clock, this session
+        self.plan: Plan | None = None  # the search's own plan, while it runs
 
     def records(self) -> list[TrialRecord]:
         return read_records(self.study)
@@ -128,7 +129,7 @@ class Tuner:
                 starts = (*starts, self.one_liner)
         self.plan = Plan(self.space, starts, known=self.known, fits_of=self.fits,
                          estimate=self.memory.predicted_peak, affordable=self._affordable,
-                         last_chance=self._last_chance,
+                         last_chance=self._last_chance, trials_within=self._trials_within,
                          peak_share=lambda c, records: self.memory.corrected_peak(c, records) / self.budget_bytes,
                          references=self.references,
                          first=self.one_liner_precisions[:1] if self.one_liner is None else (self.one_liner.precision,),
@@ -258,11 +259,17 @@ class Tuner:
         spare_s = max(self.trial_costs_s[-LAST_CHANCE_TRIALS:])
         return self._affordable(config, records) and not self._affordable(config, records, spare_s)
 
+    def _trials_within(self, step_s: float) -> float:
+        """How many trials of the least cost (`LEAST_TRIAL_STEPS` steps of `step_s`) the search's
+        share of the time budget holds; infinite without a budget."""
+        search_s = self.deadline.search_s()
+        return math.inf if search_s is None else search_s / (LEAST_TRIAL_STEPS * step_s)
+
     def _affordable(self, config: TrainConfig, records: list[TrialRecord], spare_s: float = 0.0) -> bool:
         """The least a trial of `config` can cost fits in the search's time left:
         `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials of its
-        speed class (the fastest of their samples/s, scaled down in proportion where `config`'s micro batch is
-        smaller than theirs), and a compiled config's compiling (`compile_cost_s`), with
+        speed class (the fastest of their samples/s, scaled down in proportion where `config`'s
+        micro batch is smaller than theirs, unless it is a look from below), and a compiled config's compiling (`compile_cost_s`), with
         `spare_s` more left over. A trial that runs past the search's share eats the time the
         re-measures and validation need; one that runs past the budget gives nothing. Without
         a measured trial, or without a budget, any config is affordable."""
@@ -272,7 +279,14 @@ class Tuner:
         left_s = search_s - self.deadline.elapsed_s() - spare_s
         # Its own precision's trials; the 16-bit precisions run at about one speed, so their
         # trials predict one another (a full precision's do not: tf32 may be 2x 32-true).
-        speeds = [r.samples_per_s * min(1.0, config.micro_batch_size / r.config.micro_batch_size)
+        # A smaller micro batch is predicted slower in proportion (a GPU's way), but for a look
+        # from below a slow step (`Plan._look_down`): that step may be slow for its size.
+        looks_down = self.plan is not None and config in self.plan.looks_down
+
+        def scale(r: TrialRecord) -> float:
+            return 1.0 if looks_down else min(1.0, config.micro_batch_size / r.config.micro_batch_size)
+
+        speeds = [r.samples_per_s * scale(r)
                   for r in records if r.status == "ok" and r.samples_per_s > 0
                   and (r.config.precision == config.precision
                        or not {r.config.precision, config.precision} & set(REFERENCE_PRECISIONS))]

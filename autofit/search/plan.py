@@ -29,6 +29,14 @@ PROBE_AFTER_OOMS = 2
 # at most this share of the budget: a fit that was low twice is not trusted near the budget,
 # but the smallest micro batch's step can be slower than the whole time budget.
 PROBE_SHARE = 0.75
+# A first trial whose optimizer step takes longer than this (a trial's default window): its
+# cost is its steps, and its micro batch may be past the throughput's peak (a CPU's caches);
+# its line at `LOOK_DOWN_SHARE` of the micro batch is measured next (`Plan._look_down`).
+SLOW_STEP_S = 2.0
+LOOK_DOWN_SHARE = 1 / 8
+# ... where the search's share of the time budget affords fewer trials than this at its step
+# (half the default trial count): with time for many, the refinements walk down anyway.
+LOOK_DOWN_TRIALS = 20
 # In the queue after a new best: "the next seed group with nothing measured goes here", found
 # when it is reached (each costs estimates: fake steps), under the fit as it is then.
 UNSEEDED = object()
@@ -46,12 +54,17 @@ class Plan:
                  affordable: Callable[[TrainConfig, list[TrialRecord]], bool] = lambda config, records: True,
                  peak_share: Callable[[TrainConfig, list[TrialRecord]], float] | None = None,
                  references: set | None = None,
-                 last_chance: Callable[[TrainConfig, list[TrialRecord]], bool] = lambda config, records: False):
+                 last_chance: Callable[[TrainConfig, list[TrialRecord]], bool] = lambda config, records: False,
+                 trials_within: Callable[[float], float] = lambda step_s: float("inf")):
         self.space, self.known, self.fits_of, self.estimate = space, known, fits_of, estimate
         # False for a config whose trial cannot end in the time left (the tuner's time budget).
         self.affordable = affordable
         # True for a config that fits the time left now but would not after one more trial.
         self.last_chance = last_chance
+        # How many trials at a given step time the search's share of the time budget holds.
+        self.trials_within = trials_within
+        # The looks from below (`_look_down`): affordable at their line's own speed per sample.
+        self.looks_down: set[TrainConfig] = set()
         # A config's corrected peak as a share of the budget (the probe's choice); None: the probe is the smallest.
         self.peak_share = peak_share
         # On a GPU the 16-bit groups' seeds come before full precision's in each wave: a slow
@@ -71,11 +84,14 @@ class Plan:
         """The next config to measure, re-checked now: not known, predicted to fit, numerics
         not seen to drift, not being measured by another worker (`running`: their configs),
         its trial can end in the time left. In order: the smallest config while only OOMs
-        were seen, the best's reference, the queue (seeds, retries, contenders' twins), the
-        best's refinements (planned under the fit as it is now, not as it was when the best
-        was found), then the next wave of seeds. None: let the sampler propose."""
+        were seen, a slow first step's look from below (`_look_down`), the best's reference,
+        the queue (seeds, retries, contenders' twins), the best's refinements (planned under
+        the fit as it is now, not as it was when the best was found), then the next wave of
+        seeds (capped at the best's micro batch once a smaller one paid: `_seed_fits`). None:
+        let the sampler propose."""
         allowed, fits = allowed_of(records), self.fits_of(records)
         slow = self._slow(records, best)
+        seed_fits = self._seed_fits(fits, records, best)
 
         def ready(config: TrainConfig) -> bool:
             # A seed queued before its precision was seen slow is dropped (`_seed_lists`).
@@ -87,6 +103,9 @@ class Plan:
         probe = self._probe(records, allowed)
         if probe is not None:
             return probe
+        down = self._look_down(records, fits)
+        if down is not None and ready(down):
+            return down
         for config in self._reference(best.config, records) if best is not None else []:
             if ready(config):
                 return config
@@ -100,14 +119,17 @@ class Plan:
             while self.queue:
                 config = self.queue.pop(0)
                 if config is UNSEEDED:
-                    found = self._unseeded(records)  # none: every group was offered since the last new best
+                    found = self._unseeded(records, seed_fits)  # none: every group was offered since the last new best
                     if found:
                         self.queue[:0] = [*found, UNSEEDED]
+                    continue
+                if config in self.seeds and not seed_fits(config) and fits(config):
+                    self._replace_seed(config, records, seed_fits)  # planned before small micro batches paid
                     continue
                 if ready(config):
                     return config
                 if config in self.seeds and self.known(config, records) is None and allowed(config):
-                    self._replace_seed(config, records)
+                    self._replace_seed(config, records, seed_fits)
             if best is not None:
                 config = next((c for c in seeding.refinements(self.space, fits, best.config, allowed, records)
                                if ready(c)),
@@ -117,7 +139,7 @@ class Plan:
             if refill == 0:
                 # One wave: each seed group's next seed, found only now (the seed lists are
                 # lazy: a group's later seeds cost estimates when a later wave reads them).
-                lists = self._seed_lists(fits, allowed, records, best)
+                lists = self._seed_lists(seed_fits, allowed, records, best)
                 self.queue = [c for seeds in lists
                               for c in [next((c for c in seeds if self.known(c, records) is None), None)]
                               if c is not None]
@@ -170,6 +192,44 @@ class Plan:
                 probe = smallest
         return probe if self.known(probe, records) is None and fits(probe) else None
 
+    def _seed_fits(self, fits, records: list[TrialRecord], best: TrialRecord | None):
+        """`fits` for seeds: once a move down the micro batches paid on any line (a smaller
+        micro batch measured faster, beyond noise, than a larger one measured before it:
+        `seeding.moved_from`), no seed above the best's micro batch. Past the throughput's
+        peak every group's largest micro batch is its slowest and dearest trial."""
+        if best is None or not seeding.paid_down(self.space.micro_batch_sizes, records):
+            return fits
+        cap = best.config.micro_batch_size
+        return lambda config: config.micro_batch_size <= cap and fits(config)
+
+    def _look_down(self, records: list[TrialRecord], fits) -> TrainConfig | None:
+        """The first trial that ran, where its step was slow (`SLOW_STEP_S`) at a micro batch of
+        8 or more with nothing checkpointed, and the time budget holds few trials as dear
+        (`LOOK_DOWN_TRIALS`): its line at `LOOK_DOWN_SHARE` of that micro batch, while nothing
+        smaller of its line was measured. A GPU's throughput rises with the micro batch, a
+        CPU's often peaks at a few samples; each seed wave measures its groups at their
+        largest, so without this one look a slow step's landscape is never seen the other way.
+        It is judged affordable at its line's speed per sample (`looks_down`)."""
+        ran = [r for r in records if r.status == "ok" and not r.repeat]
+        if not ran:
+            return None
+        first = min(ran, key=lambda r: r.number)
+        config = first.config
+        step_s = first.measurement.step_time_s if first.measurement is not None else None
+        if (step_s is None or step_s <= SLOW_STEP_S or config.checkpoint_blocks
+                or config.micro_batch_size < 1 / LOOK_DOWN_SHARE or self.trials_within(step_s) >= LOOK_DOWN_TRIALS):
+            return None
+        line = seeding.line_of(config)
+        if any(seeding.line_of(r.config) == line and r.config.micro_batch_size < config.micro_batch_size
+               for r in records):
+            return None
+        size = max(m for m in self.space.micro_batch_sizes if m <= LOOK_DOWN_SHARE * config.micro_batch_size)
+        down = seeding.fewest_checkpointed(self.space, fits, config.precision, size, config.freeze_blocks,
+                                           self.space.kept(config), config.checkpoint_policy)
+        if down is not None:
+            self.looks_down.add(down)
+        return down
+
     def contender(self, config: TrainConfig, records: list[TrialRecord]) -> None:
         """A checkpointed config measured close to the best: its other-policy twin next
         after the seeds under way (the policy it ran is not the one its micro batch is
@@ -180,10 +240,10 @@ class Plan:
         seeds = [c for c in self.queue if c in self.seeds or c is UNSEEDED]
         self.queue = seeds + [twin] + [c for c in self.queue if c not in seeds]
 
-    def _replace_seed(self, seed: TrainConfig, records: list[TrialRecord]) -> None:
-        """A seed that no longer fits (the fit moved since it was planned): its precision and
-        strategy's largest config that fits now, in its place."""
-        instead = seeding.replacement(self.space, self.fits_of(records), seed)
+    def _replace_seed(self, seed: TrainConfig, records: list[TrialRecord], fits) -> None:
+        """A seed that no longer fits (the fit moved since it was planned, or `_seed_fits` caps
+        its micro batch now): its precision and strategy's largest config that fits now, in its place."""
+        instead = seeding.replacement(self.space, fits, seed)
         if instead is not None and instead != seed and self.known(instead, records) is None:
             self.queue.insert(0, instead)
             self.seeds.add(instead)
@@ -234,13 +294,12 @@ class Plan:
         """A proposal that was measured already: look next door to `config` instead."""
         self.queue[:0] = self.space.neighbours(config)
 
-    def _unseeded(self, records: list[TrialRecord]) -> list[TrainConfig]:
+    def _unseeded(self, records: list[TrialRecord], fits) -> list[TrainConfig]:
         """The next seed group (in wave order) with nothing measured yet at its seeds' freezing
         depth (its seed ran out of memory, or was dropped as no longer fitting), not offered
         since the last new best: its largest config predicted to fit now, to be measured
         before refining around another's best. [] when none is left. Groups measured, queued
         or offered are passed over before their seeds are read (reading one costs estimates)."""
-        fits = self.fits_of(records)
         # At the seed's freezing depth: the one-liner (nothing frozen) does not stand for its
         # group's seed at the deepest freeze, which may be the fastest point.
         def key(config: TrainConfig) -> tuple:

@@ -383,12 +383,12 @@ def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allo
 
 def _stride(sizes: Sequence[int], best: TrainConfig, records: Sequence[TrialRecord]) -> int | None:
     """A pattern search's expanding step: where the best was reached by a move along the
-    micro batches that paid (`_moved_from`), the size that many places on the same way again
+    micro batches that paid (`moved_from`), the size that many places on the same way again
     (twice as far from where it came; at most `MAX_STRIDE_SIZES` places from the best). None
     without such a move, past the end of the sizes, or where a size on the way was measured
     slower than the best already (the peak is behind it)."""
-    line = _line(best)
-    came_from, slower = _moved_from(sizes, best, [r for r in records if _line(r.config) == line])
+    line = line_of(best)
+    came_from, slower = moved_from(sizes, best, [r for r in records if line_of(r.config) == line])
     if came_from is None:
         return None
     here = sizes.index(best.micro_batch_size)
@@ -400,14 +400,14 @@ def _stride(sizes: Sequence[int], best: TrainConfig, records: Sequence[TrialReco
     return None if any(m in slower for m in on_the_way) else sizes[ahead]
 
 
-def _line(config: TrainConfig) -> dict:
+def line_of(config: TrainConfig) -> dict:
     """Everything of `config` but its shape along the micro batches (micro batch,
     accumulation, checkpointing): the configs a move along them compares."""
     shape = ("micro_batch_size", "grad_accum_steps", "checkpoint_blocks", "checkpoint_policy")
     return {k: v for k, v in dataclasses.asdict(config).items() if k not in shape}
 
 
-def _moved_from(sizes: Sequence[int], best: TrainConfig, line: Sequence[TrialRecord]) -> tuple[int | None, set[int]]:
+def moved_from(sizes: Sequence[int], best: TrainConfig, line: Sequence[TrialRecord]) -> tuple[int | None, set[int]]:
     """(the micro batch the best was reached from: of the best's line measured before it and
     slower by more than noise, `NOISE_PRIOR` twice, the nearest in the sizes' order, the
     larger on a tie; every micro batch of the line measured slower than the best)."""
@@ -422,6 +422,20 @@ def _moved_from(sizes: Sequence[int], best: TrainConfig, line: Sequence[TrialRec
     here = sizes.index(best.micro_batch_size)
     came_from = min(before, key=lambda m: (abs(sizes.index(m) - here), -m), default=None)
     return came_from, {r.config.micro_batch_size for r in slower}
+
+
+def paid_down(sizes: Sequence[int], records: Sequence[TrialRecord]) -> bool:
+    """Some config was reached by a move down the micro batches that paid (`moved_from`)."""
+    lines: dict = {}
+    for r in records:
+        lines.setdefault(repr(line_of(r.config)), []).append(r)
+    for line in lines.values():
+        for r in line:
+            if r.status == "ok" and not r.repeat:
+                came_from, _ = moved_from(sizes, r.config, line)
+                if came_from is not None and came_from > r.config.micro_batch_size:
+                    return True
+    return False
 
 
 def leader_twins(space: SearchSpace, fits: Fits, leader: TrainConfig) -> list[TrainConfig]:
