@@ -928,11 +928,11 @@ def _stepped(number, config, samples_per_s, step_time_s):
 
 def test_a_slow_first_step_at_a_large_micro_batch_looks_down_to_an_eighth_of_it_next():
     """Past the throughput's peak (a CPU's caches) the largest micro batch is the slowest and
-    dearest, and every seed wave measures there. A first trial whose step is slow (longer than
-    `SLOW_STEP_S`) at micro batch 8 or more with nothing checkpointed is looked at from below
-    once, where the time budget holds few trials at that step: its line at an eighth of its
-    micro batch, next, before its reference and the seeds."""
-    from autofit.search.plan import LOOK_DOWN_TRIALS, SLOW_STEP_S
+    dearest, and every seed wave measures there. A first trial whose micro steps are slow
+    (longer than `SLOW_MICRO_STEP_S`) at micro batch 8 or more with nothing checkpointed is
+    looked at from below once, where the time budget holds few trials at its step: its line
+    at an eighth of its micro batch, next, before its reference and the seeds."""
+    from autofit.search.plan import LOOK_DOWN_TRIALS, SLOW_MICRO_STEP_S
 
     space = SearchSpace(global_batch_size=96, precisions=("32-true", "bf16-mixed"), micro_batch_sizes=SIZES_96,
                         max_checkpoint_blocks=2, max_freeze_blocks=0)
@@ -940,36 +940,66 @@ def test_a_slow_first_step_at_a_large_micro_batch_looks_down_to_an_eighth_of_it_
     def at(micro, blocks=0):
         return space.config("bf16-mixed", micro, blocks, 0)
 
-    def after(*records, trials=LOOK_DOWN_TRIALS / 2):
-        best = max(records, key=lambda r: r.samples_per_s)
-        return _plan(space, trials_within=lambda step_s: trials).next(list(records), best, set())
+    def first(config, share=2.0):  # micro steps `share` times SLOW_MICRO_STEP_S
+        return _stepped(0, config, 40.0, share * SLOW_MICRO_STEP_S * config.grad_accum_steps)
 
-    slow = _stepped(0, at(48), 40.0, 2 * SLOW_STEP_S)
-    assert after(slow) == at(6)
-    assert after(slow, trials=LOOK_DOWN_TRIALS) != at(6)  # time for many trials: the refinements walk down
-    assert after(_stepped(0, at(48), 40.0, SLOW_STEP_S / 2)) != at(6)  # a quick step: the GPU's way up
-    assert after(_stepped(0, at(48, 1), 40.0, 2 * SLOW_STEP_S)) != at(6)  # checkpointed: not the micro batch's cost
-    assert after(_stepped(0, at(6), 40.0, 2 * SLOW_STEP_S)) != at(1)  # too small to look down from
-    assert after(slow, _stepped(1, at(24), 30.0, 3.0)) != at(6)  # its line was measured below it already
+    def after(*records, trials=LOOK_DOWN_TRIALS / 2, plan=None, running=frozenset()):
+        best = max(records, key=lambda r: r.samples_per_s)
+        plan = plan or _plan(space, trials_within=lambda step_s: trials)
+        return plan.next(list(records), best, set(running))
+
+    assert after(first(at(48))) == at(6)
+    assert after(first(at(48)), trials=LOOK_DOWN_TRIALS) != at(6)  # time for many trials: the refinements walk down
+    assert after(first(at(48), share=0.5)) != at(6)  # quick micro steps: the GPU's way up
+    assert after(first(at(48, 1))) != at(6)  # checkpointed: not the micro batch's cost
+    assert after(first(at(6))) != at(1)  # too small to look down from
+    # Once, at the first trial: not in a study with more (resumed, or other workers'), and a
+    # look that cannot start when it comes (another worker runs it) is dropped, not retried.
+    assert after(first(at(48)), _stepped(1, at(24), 30.0, 3.0)) != at(6)
+    plan = _plan(space, trials_within=lambda step_s: LOOK_DOWN_TRIALS / 2)
+    assert after(first(at(48)), plan=plan, running={at(6)}) != at(6)
+    assert after(first(at(48)), plan=plan) != at(6)
+    # A slow step for its accumulation (a GPU's micro batch of 8 limited by memory, 12 of
+    # them) is not a slow micro step.
+    gpu = _stepped(0, at(8), 40.0, 12 * 0.5 * SLOW_MICRO_STEP_S)
+    assert gpu.measurement.step_time_s > 2.0 and after(gpu) != at(1)
+    # Sizes that do not reach an eighth (a micro-batch floor): no look.
+    floored = SearchSpace(global_batch_size=64, precisions=("32-true", "bf16-mixed"), micro_batch_sizes=(4, 8, 16),
+                          max_checkpoint_blocks=0, max_freeze_blocks=0)
+    config = floored.config("bf16-mixed", 16, 0, 0)
+    record = _stepped(0, config, 40.0, 4 * SLOW_MICRO_STEP_S * config.grad_accum_steps)
+    assert _plan(floored, trials_within=lambda step_s: 1).next([record], record, set()) != floored.config(
+        "bf16-mixed", 4, 0, 0)
 
 
 def test_once_a_smaller_micro_batch_paid_no_seed_is_above_the_bests():
-    """Where a move down the micro batches paid (beyond noise), each seed group's largest
-    micro batch is its slowest and dearest trial: the seeds planned from then on, and those
-    planned before, are capped at the best's micro batch."""
+    """Where a move down the micro batches paid (beyond noise, checkpointed alike), each seed
+    group's largest micro batch is its slowest and dearest trial: the seeds planned from then
+    on, and those planned before, are capped at the best's micro batch."""
     space = SearchSpace(global_batch_size=96, precisions=("32-true", "bf16-mixed", "bf16-true"),
-                        micro_batch_sizes=SIZES_96, max_checkpoint_blocks=0, max_freeze_blocks=0)
+                        micro_batch_sizes=SIZES_96, max_checkpoint_blocks=2, max_freeze_blocks=0)
     reference = _ok(2, space.config("32-true", 6, 0, 0), 60.0)
 
-    def next_seed(*records):
+    def mixed(micro, blocks=0):
+        return space.config("bf16-mixed", micro, blocks, 0)
+
+    def next_seed(*records, queued=None):
         best = max((r for r in records if r.config.precision != "32-true"), key=lambda r: r.samples_per_s)
         plan = _plan(space)
-        plan.new_best(best.config, list(records))  # the seed groups with nothing measured come next
+        if queued is None:
+            plan.new_best(best.config, list(records))  # the seed groups with nothing measured come next
+        else:  # a seed planned before the move down paid
+            plan.queue, plan.seeds = [queued], {queued}
         return plan.next(list(records), best, set())
 
-    down = [_ok(0, space.config("bf16-mixed", 48, 0, 0), 40.0), _ok(1, space.config("bf16-mixed", 6, 0, 0), 170.0)]
+    down = [_ok(0, mixed(48), 40.0), _ok(1, mixed(6), 170.0)]
     assert next_seed(*down, reference) == space.config("bf16-true", 6, 0, 0)
-    up = [_ok(0, space.config("bf16-mixed", 6, 0, 0), 40.0), _ok(1, space.config("bf16-mixed", 48, 0, 0), 170.0)]
+    assert next_seed(*down, reference, queued=space.config("bf16-true", 96, 0, 0)) == space.config(
+        "bf16-true", 6, 0, 0)
+    up = [_ok(0, mixed(6), 40.0), _ok(1, mixed(48), 170.0)]
     assert next_seed(*up, reference) == space.config("bf16-true", 96, 0, 0)
-    within_noise = [down[0], _ok(1, space.config("bf16-mixed", 6, 0, 0), 41.0)]
+    within_noise = [down[0], _ok(1, mixed(6), 41.0)]
     assert next_seed(*within_noise, reference) == space.config("bf16-true", 96, 0, 0)
+    # Faster for checkpointing less, not for a smaller micro batch: no cap.
+    less_checkpointed = [_ok(0, mixed(48, 2), 40.0), _ok(1, mixed(6), 170.0)]
+    assert next_seed(*less_checkpointed, reference) == space.config("bf16-true", 96, 0, 0)

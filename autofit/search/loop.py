@@ -269,18 +269,19 @@ class Tuner:
         """The least a trial of `config` can cost fits in the search's time left:
         `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials of its
         speed class (the fastest of their samples/s, scaled down in proportion where `config`'s
-        micro batch is smaller than theirs, unless it is a look from below), and a compiled config's compiling (`compile_cost_s`), with
-        `spare_s` more left over. A trial that runs past the search's share eats the time the
-        re-measures and validation need; one that runs past the budget gives nothing. Without
-        a measured trial, or without a budget, any config is affordable."""
+        micro batch is smaller than theirs, unless it is the look from below), and a compiled
+        config's compiling (`compile_cost_s`), with `spare_s` more left over. A trial that runs
+        past the search's share eats the time the re-measures and validation need; one that
+        runs past the budget gives nothing. Without a measured trial, or without a budget, any
+        config is affordable."""
         search_s = self.deadline.search_s()
         if search_s is None or self._searching_since is None:
             return True
         left_s = search_s - self.deadline.elapsed_s() - spare_s
         # Its own precision's trials; the 16-bit precisions run at about one speed, so their
         # trials predict one another (a full precision's do not: tf32 may be 2x 32-true).
-        # A smaller micro batch is predicted slower in proportion (a GPU's way), but for a look
-        # from below a slow step (`Plan._look_down`): that step may be slow for its size.
+        # A smaller micro batch is predicted slower in proportion (a GPU's way), but for the look
+        # from below a slow micro step (`Plan._look_down`): that step may be slow for its size.
         looks_down = self.plan is not None and config in self.plan.looks_down
 
         def scale(r: TrialRecord) -> float:

@@ -29,10 +29,11 @@ PROBE_AFTER_OOMS = 2
 # at most this share of the budget: a fit that was low twice is not trusted near the budget,
 # but the smallest micro batch's step can be slower than the whole time budget.
 PROBE_SHARE = 0.75
-# A first trial whose optimizer step takes longer than this (a trial's default window): its
-# cost is its steps, and its micro batch may be past the throughput's peak (a CPU's caches);
-# its line at `LOOK_DOWN_SHARE` of the micro batch is measured next (`Plan._look_down`).
-SLOW_STEP_S = 2.0
+# A first trial one of whose micro steps (forward and backward over one micro batch) takes
+# longer than this: its micro batch may be past the throughput's peak (a CPU's caches), and
+# its line at `LOOK_DOWN_SHARE` of the micro batch is measured next (`Plan._look_down`). A
+# step that is slow for its accumulation (a GPU's small micro batch, many of them) is not.
+SLOW_MICRO_STEP_S = 0.5
 LOOK_DOWN_SHARE = 1 / 8
 # ... where the search's share of the time budget affords fewer trials than this at its step
 # (half the default trial count): with time for many, the refinements walk down anyway.
@@ -63,8 +64,10 @@ class Plan:
         self.last_chance = last_chance
         # How many trials at a given step time the search's share of the time budget holds.
         self.trials_within = trials_within
-        # The looks from below (`_look_down`): affordable at their line's own speed per sample.
+        # The look from below (`_look_down`), judged affordable at the speed measured; it is
+        # decided once, at the first trial that ran.
         self.looks_down: set[TrainConfig] = set()
+        self.look_decided = False
         # A config's corrected peak as a share of the budget (the probe's choice); None: the probe is the smallest.
         self.peak_share = peak_share
         # On a GPU the 16-bit groups' seeds come before full precision's in each wave: a slow
@@ -192,39 +195,42 @@ class Plan:
                 probe = smallest
         return probe if self.known(probe, records) is None and fits(probe) else None
 
-    def _seed_fits(self, fits, records: list[TrialRecord], best: TrialRecord | None):
+    def _seed_fits(self, fits: seeding.Fits, records: list[TrialRecord], best: TrialRecord | None) -> seeding.Fits:
         """`fits` for seeds: once a move down the micro batches paid on any line (a smaller
-        micro batch measured faster, beyond noise, than a larger one measured before it:
-        `seeding.moved_from`), no seed above the best's micro batch. Past the throughput's
-        peak every group's largest micro batch is its slowest and dearest trial."""
+        micro batch measured faster, beyond noise, than a larger one checkpointed alike and
+        measured before it: `seeding.paid_down`), no seed above the best's micro batch. Past
+        the throughput's peak every group's largest micro batch is its slowest and dearest
+        trial."""
         if best is None or not seeding.paid_down(self.space.micro_batch_sizes, records):
             return fits
         cap = best.config.micro_batch_size
         return lambda config: config.micro_batch_size <= cap and fits(config)
 
-    def _look_down(self, records: list[TrialRecord], fits) -> TrainConfig | None:
-        """The first trial that ran, where its step was slow (`SLOW_STEP_S`) at a micro batch of
-        8 or more with nothing checkpointed, and the time budget holds few trials as dear
-        (`LOOK_DOWN_TRIALS`): its line at `LOOK_DOWN_SHARE` of that micro batch, while nothing
-        smaller of its line was measured. A GPU's throughput rises with the micro batch, a
-        CPU's often peaks at a few samples; each seed wave measures its groups at their
-        largest, so without this one look a slow step's landscape is never seen the other way.
-        It is judged affordable at its line's speed per sample (`looks_down`)."""
+    def _look_down(self, records: list[TrialRecord], fits: seeding.Fits) -> TrainConfig | None:
+        """Once, right after the first trial that ran (the only one so far): where one of its
+        micro steps (its optimizer step over its accumulation) took longer than
+        `SLOW_MICRO_STEP_S` at a micro batch of 8 or more with nothing checkpointed, and the
+        time budget holds few trials as dear (`LOOK_DOWN_TRIALS`), its line at the largest
+        micro batch at most `LOOK_DOWN_SHARE` of its own. A GPU's throughput rises with the
+        micro batch; a CPU's often peaks at a few samples, and each seed wave measures its
+        groups at their largest, so without this one look such a landscape is never seen the
+        other way. The look is judged affordable at the speed measured, not at a speed scaled
+        down with the micro batch (`looks_down`); where it is not, or another worker runs it,
+        it is dropped."""
+        if self.look_decided:
+            return None
         ran = [r for r in records if r.status == "ok" and not r.repeat]
         if not ran:
             return None
-        first = min(ran, key=lambda r: r.number)
-        config = first.config
-        step_s = first.measurement.step_time_s if first.measurement is not None else None
-        if (step_s is None or step_s <= SLOW_STEP_S or config.checkpoint_blocks
-                or config.micro_batch_size < 1 / LOOK_DOWN_SHARE or self.trials_within(step_s) >= LOOK_DOWN_TRIALS):
+        self.look_decided = True
+        config = ran[0].config
+        step_s = ran[0].measurement.step_time_s if ran[0].measurement is not None else None
+        sizes = [m for m in self.space.micro_batch_sizes if m <= LOOK_DOWN_SHARE * config.micro_batch_size]
+        if (len(ran) > 1 or step_s is None or not sizes or config.checkpoint_blocks
+                or step_s / config.grad_accum_steps <= SLOW_MICRO_STEP_S
+                or self.trials_within(step_s) >= LOOK_DOWN_TRIALS):
             return None
-        line = seeding.line_of(config)
-        if any(seeding.line_of(r.config) == line and r.config.micro_batch_size < config.micro_batch_size
-               for r in records):
-            return None
-        size = max(m for m in self.space.micro_batch_sizes if m <= LOOK_DOWN_SHARE * config.micro_batch_size)
-        down = seeding.fewest_checkpointed(self.space, fits, config.precision, size, config.freeze_blocks,
+        down = seeding.fewest_checkpointed(self.space, fits, config.precision, sizes[-1], config.freeze_blocks,
                                            self.space.kept(config), config.checkpoint_policy)
         if down is not None:
             self.looks_down.add(down)
@@ -240,7 +246,7 @@ class Plan:
         seeds = [c for c in self.queue if c in self.seeds or c is UNSEEDED]
         self.queue = seeds + [twin] + [c for c in self.queue if c not in seeds]
 
-    def _replace_seed(self, seed: TrainConfig, records: list[TrialRecord], fits) -> None:
+    def _replace_seed(self, seed: TrainConfig, records: list[TrialRecord], fits: seeding.Fits) -> None:
         """A seed that no longer fits (the fit moved since it was planned, or `_seed_fits` caps
         its micro batch now): its precision and strategy's largest config that fits now, in its place."""
         instead = seeding.replacement(self.space, fits, seed)
@@ -294,7 +300,7 @@ class Plan:
         """A proposal that was measured already: look next door to `config` instead."""
         self.queue[:0] = self.space.neighbours(config)
 
-    def _unseeded(self, records: list[TrialRecord], fits) -> list[TrainConfig]:
+    def _unseeded(self, records: list[TrialRecord], fits: seeding.Fits) -> list[TrainConfig]:
         """The next seed group (in wave order) with nothing measured yet at its seeds' freezing
         depth (its seed ran out of memory, or was dropped as no longer fitting), not offered
         since the last new best: its largest config predicted to fit now, to be measured

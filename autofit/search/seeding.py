@@ -425,10 +425,13 @@ def moved_from(sizes: Sequence[int], best: TrainConfig, line: Sequence[TrialReco
 
 
 def paid_down(sizes: Sequence[int], records: Sequence[TrialRecord]) -> bool:
-    """Some config was reached by a move down the micro batches that paid (`moved_from`)."""
+    """Some config was reached by a move down the micro batches that paid (`moved_from`),
+    checkpointed alike: a smaller micro batch that is faster for checkpointing less says
+    nothing of where the throughput peaks."""
     lines: dict = {}
     for r in records:
-        lines.setdefault(repr(line_of(r.config)), []).append(r)
+        shape = (r.config.checkpoint_blocks, r.config.checkpoint_policy)
+        lines.setdefault((repr(line_of(r.config)), shape), []).append(r)
     for line in lines.values():
         for r in line:
             if r.status == "ok" and not r.repeat:
