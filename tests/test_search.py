@@ -953,6 +953,11 @@ def test_a_slow_first_step_at_a_large_micro_batch_looks_down_to_an_eighth_of_it_
     assert after(first(at(48), share=0.5)) != at(6)  # quick micro steps: the GPU's way up
     assert after(first(at(48, 1))) != at(6)  # checkpointed: not the micro batch's cost
     assert after(first(at(6))) != at(1)  # too small to look down from
+    # Measured while other work held the host: the slow step is the host's (seen on this CPU:
+    # the look at 1 x 16 then cost 95 s of a 180 s share, at 0.9 samples/s).
+    busy = first(at(48))
+    busy = dataclasses.replace(busy, measurement=dataclasses.replace(busy.measurement, foreign_cores=1.0, cores=2))
+    assert busy.loaded and after(busy) != at(6)
     # Once, at the first trial: not in a study with more (resumed, or other workers'), and a
     # look that cannot start when it comes (another worker runs it) is dropped, not retried.
     assert after(first(at(48)), _stepped(1, at(24), 30.0, 3.0)) != at(6)

@@ -210,7 +210,8 @@ class Plan:
         """Once, right after the first trial that ran (the only one so far): where one of its
         micro steps (its optimizer step over its accumulation) took longer than
         `SLOW_MICRO_STEP_S` at a micro batch of 8 or more with nothing checkpointed, and the
-        time budget holds few trials as dear (`LOOK_DOWN_TRIALS`), its line at the largest
+        time budget holds few trials as dear (`LOOK_DOWN_TRIALS`), and no other work held the
+        host while it ran (a loaded host's slow step is the host's), its line at the largest
         micro batch at most `LOOK_DOWN_SHARE` of its own. A GPU's throughput rises with the
         micro batch; a CPU's often peaks at a few samples, and each seed wave measures its
         groups at their largest, so without this one look such a landscape is never seen the
@@ -226,7 +227,7 @@ class Plan:
         config = ran[0].config
         step_s = ran[0].measurement.step_time_s if ran[0].measurement is not None else None
         sizes = [m for m in self.space.micro_batch_sizes if m <= LOOK_DOWN_SHARE * config.micro_batch_size]
-        if (len(ran) > 1 or step_s is None or not sizes or config.checkpoint_blocks
+        if (len(ran) > 1 or step_s is None or not sizes or config.checkpoint_blocks or ran[0].loaded
                 or step_s / config.grad_accum_steps <= SLOW_MICRO_STEP_S
                 or self.trials_within(step_s) >= LOOK_DOWN_TRIALS):
             return None
