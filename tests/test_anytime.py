@@ -238,11 +238,11 @@ def test_a_leaders_compile_twin_is_measured_at_its_last_moment_while_the_leader_
 def test_a_slow_one_liner_past_the_throughputs_peak_is_looked_at_from_below():
     """small-peak+freeze: throughput peaks at micro batch 4 and falls 5x by 48, where the
     one-liner runs (a 2.2 s step of two micro steps); every seed wave measured its groups at
-    48-96, 14-42 s a trial, and the pick stayed the one-liner, 0.195 of the optimum at 240 s. The slow first
-    step is now looked at from below (an eighth of its micro batch), and once that paid the
-    seeds go no larger than the best's micro batch. At 120 s the look is affordable only at
-    its line's own speed per sample (a smaller micro batch predicted slower in proportion,
-    a GPU's way, would cost 70 s of a 72 s share)."""
+    48-96, 14-42 s a trial, and the pick stayed the one-liner, 0.195 of the optimum at 240 s.
+    The slow first step is now looked at from below (an eighth of its micro batch), and once
+    that paid the seeds go no larger than the best's micro batch. At 120 s the look is
+    affordable only at the speed measured (a smaller micro batch predicted slower in
+    proportion, a GPU's way, would cost 70 s of a 72 s share)."""
     peak = next(l for l in SHAPED if l.name == "small-peak+freeze")
     for seed in range(2):
         run = search(peak, seed, budget_s=240.0, anytime=True)

@@ -282,7 +282,7 @@ class Tuner:
         # trials predict one another (a full precision's do not: tf32 may be 2x 32-true).
         # A smaller micro batch is predicted slower in proportion (a GPU's way), but for the look
         # from below a slow micro step (`Plan._look_down`): that step may be slow for its size.
-        looks_down = self.plan is not None and config in self.plan.looks_down
+        looks_down = self.plan is not None and config == self.plan.look_down
 
         def scale(r: TrialRecord) -> float:
             return 1.0 if looks_down else min(1.0, config.micro_batch_size / r.config.micro_batch_size)

@@ -66,7 +66,7 @@ class Plan:
         self.trials_within = trials_within
         # The look from below (`_look_down`), judged affordable at the speed measured; it is
         # decided once, at the first trial that ran.
-        self.looks_down: set[TrainConfig] = set()
+        self.look_down: TrainConfig | None = None
         self.look_decided = False
         # A config's corrected peak as a share of the budget (the probe's choice); None: the probe is the smallest.
         self.peak_share = peak_share
@@ -216,7 +216,7 @@ class Plan:
         micro batch; a CPU's often peaks at a few samples, and each seed wave measures its
         groups at their largest, so without this one look such a landscape is never seen the
         other way. The look is judged affordable at the speed measured, not at a speed scaled
-        down with the micro batch (`looks_down`); where it is not, or another worker runs it,
+        down with the micro batch (`look_down`); where it is not, or another worker runs it,
         it is dropped."""
         if self.look_decided:
             return None
@@ -231,11 +231,10 @@ class Plan:
                 or step_s / config.grad_accum_steps <= SLOW_MICRO_STEP_S
                 or self.trials_within(step_s) >= LOOK_DOWN_TRIALS):
             return None
-        down = seeding.fewest_checkpointed(self.space, fits, config.precision, sizes[-1], config.freeze_blocks,
-                                           self.space.kept(config), config.checkpoint_policy)
-        if down is not None:
-            self.looks_down.add(down)
-        return down
+        self.look_down = seeding.fewest_checkpointed(self.space, fits, config.precision, sizes[-1],
+                                                     config.freeze_blocks, self.space.kept(config),
+                                                     config.checkpoint_policy)
+        return self.look_down
 
     def contender(self, config: TrainConfig, records: list[TrialRecord]) -> None:
         """A checkpointed config measured close to the best: its other-policy twin next
