@@ -58,7 +58,7 @@ GiB = 2**30
 ONE_LINER_GPU = ("bf16-mixed", "16-mixed")  # the one-liner's precision on a GPU, first found first
 STEP_WINDOW = 10  # steps per trial before windows were sized in time: 5 of warm-up, 5 timed
 WARMUP_STEPS = 2  # warm-up steps until steady, with time-sized windows
-MIN_WINDOW_STEPS = 3  # a window holds at least this many steps
+MIN_WINDOW_STEPS = SearchSpec.__dataclass_fields__["measure_steps"].default  # a window's fewest steps, as the tool's
 HALF = ("16-mixed", "bf16-mixed", "bf16-true")
 HEALTHY_LOSSES = [4.0, 3.9, 3.8, 3.7]
 DRIFTING_LOSSES = [4.0, 4.3, 4.7, 5.2]  # same start, mean 14% above: caught by the mean check
@@ -99,6 +99,7 @@ class Landscape:
     start_s: float = 3.0  # a trial's start on the device: child, CUDA context, model build
     estimate_s: float = 0.3  # one memory estimate (a fake step)
     window_s: float | None = 2.0  # a measurement's timed window; None: STEP_WINDOW steps (today's trials)
+    cap_s: float | None = None  # the most one trial's steps may take (`Deadline.trial_cap_s`); None: no cap
     calls: list = field(default_factory=list)
     device_s: list = field(default_factory=lambda: [0.0])  # device time spent so far (a list: the class is frozen)
     # The device time at which the tune's budget ends: a measurement still running then is
@@ -196,8 +197,8 @@ class Landscape:
         return self.global_batch_size / self.samples_per_s(c)
 
     def measure_s(self, c: TrainConfig, status: str, window_s: float | None = None, *, reference: bool = False) -> float:
-        """What one measurement of `c` costs on the device (`reference`: for the losses, its
-        warm-up and `REFERENCE_TRIAL_STEPS` steps, no time window)."""
+        """What one measurement of `c` costs on the device (`reference`: for the losses,
+        `REFERENCE_TRIAL_STEPS` steps, no warm-up and no time window)."""
         step_s = self.step_s(c)
         if status == "compile_error":
             return 2 * self.start_s
@@ -205,11 +206,11 @@ class Landscape:
         if status == "oom":
             return start_s + step_s
         if reference:
-            return start_s + (WARMUP_STEPS + REFERENCE_TRIAL_STEPS) * step_s
+            return start_s + _steps_s(step_s, 0, REFERENCE_TRIAL_STEPS, 0.0, self.cap_s)
         window_s = self.window_s if window_s is None else window_s
         if window_s is None:
             return start_s + STEP_WINDOW * step_s
-        return start_s + WARMUP_STEPS * step_s + max(window_s, MIN_WINDOW_STEPS * step_s)
+        return start_s + _steps_s(step_s, WARMUP_STEPS, MIN_WINDOW_STEPS, window_s, self.cap_s)
 
     def measure_reference(self, c: TrainConfig) -> Measurement:
         return self.measure(c, reference=True)
@@ -303,6 +304,7 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
     timed = dataclasses.replace(landscape, window_s=landscape.window_s if anytime else None)
     study = make_study(study_name=f"{landscape.name}-{seed}", storage=None, seed=seed)
     deadline = Deadline(budget_s, clock=landscape.clock, search_share=SEARCH_SHARE if anytime else 1.0)
+    timed = dataclasses.replace(timed, cap_s=deadline.trial_cap_s() if anytime else None)
     tuner = Tuner(timed.space(), study=study, budget_bytes=landscape.budget_bytes, measure=timed.measure,
                   estimate=timed.estimate, max_trials=trials, patience=patience, deadline=deadline,
                   one_liner=ONE_LINER_GPU if anytime else (), measure_reference=timed.measure_reference if anytime else None)
@@ -484,6 +486,20 @@ TIMED = [
               rate={"32-true": 50.0, "tf32": 150.0, "16-mixed": 290.0, "bf16-mixed": 300.0, "bf16-true": 330.0},
               context_bytes=1.0 * GiB, fragmentation=0.05, start_s=4.0, estimate_s=0.5),
 ]
+
+
+def _steps_s(step_s: float, warmup: int, least: int, window_s: float, cap_s: float | None) -> float:
+    """The device time of a trial's warm-up and window, as `measure.steps.Steps` takes them:
+    `warmup` steps, then `least` steps or `window_s` (as a time, not whole steps), whichever is
+    longer. Under a cap: warm-up ends with the step that reaches half of it (one at least), the
+    window with the step that reaches all of it (one at least)."""
+    if cap_s is None:
+        return warmup * step_s + max(window_s, least * step_s)
+    warm = min(warmup, max(1, math.ceil(0.5 * cap_s / step_s))) if warmup else 0
+    window = max(window_s, least * step_s)
+    if warm * step_s + window > cap_s:
+        window = min(window, max(1, math.ceil((cap_s - warm * step_s) / step_s)) * step_s)
+    return warm * step_s + window
 
 
 def generated(count: int, seed: int = 2026) -> list[Landscape]:

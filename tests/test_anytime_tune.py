@@ -410,3 +410,28 @@ def test_on_a_gpu_a_one_liner_that_wins_the_pairs_gets_a_validation_run_of_its_o
     assert "validated slower than the one-liner" in profile.search.note and profile.search.validated
     steps = [s for c, s, _ in calls if s is not None and c == profile.config]
     assert 5 in steps and 20 in steps  # its pair runs, then its own validation run
+
+
+def test_search_trials_are_capped_at_a_share_of_the_search_and_references_skip_the_warm_up(tmp_path, monkeypatch):
+    """A search trial's steps may take `TRIAL_SHARE` of the search's share of the budget (its
+    child cuts warm-up and window past it: `measure.steps`); a reference planned for its losses
+    runs `REFERENCE_TRIAL_STEPS` steps with no warm-up; a validation run has no cap."""
+    from autofit.search.deadline import SEARCH_SHARE, TRIAL_SHARE
+    from autofit.search.health import REFERENCE_TRIAL_STEPS
+
+    asked, simulated = [], _measure(validation_blocks=False, calls=[])
+
+    def measure(spec, config, **kwargs):
+        asked.append((config, kwargs))
+        return simulated(spec, config, **kwargs)
+
+    monkeypatch.setattr("autofit.tuning.tune.measure", measure)
+    monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
+                        lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
+    tune(_on_cuda(_setup(tmp_path, time_budget_s=60.0)))  # bf16-mixed first: its reference is planned
+    caps = {kwargs.get("cap_s") for _, kwargs in asked if kwargs.get("measure_steps") in (None, REFERENCE_TRIAL_STEPS)}
+    assert len(caps) == 1 and caps.pop() == pytest.approx(TRIAL_SHARE * SEARCH_SHARE * 60.0)
+    references = [kwargs for config, kwargs in asked if kwargs.get("measure_steps") == REFERENCE_TRIAL_STEPS]
+    assert references and all(kwargs["warmup_steps"] == 0 for kwargs in references)
+    validations = [kwargs for _, kwargs in asked if kwargs.get("measure_steps") not in (None, REFERENCE_TRIAL_STEPS)]
+    assert validations and all(kwargs.get("cap_s") is None for kwargs in validations)

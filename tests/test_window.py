@@ -60,3 +60,46 @@ def test_a_trial_asked_for_steps_gets_them_and_one_of_the_specs_steps_gets_the_s
     assert trial_request(spec, config).window_s == 3.0
     assert trial_request(spec, config, measure_steps=7).window_s == 0.0
     assert trial_request(spec, config, measure_steps=7, window_s=1.0).window_s == 1.0
+
+
+class WarmingRunner(FakeRunner):
+    """Steps whose times are fed one by one (a cold start that never settles within 10%)."""
+
+    config = SimpleNamespace(compile=False)
+    varying_lengths = False
+    scaler = SimpleNamespace(is_enabled=lambda: False)
+
+    def __init__(self, clock: list, steps_s: list[float]):
+        super().__init__(clock, 0.0)
+        self.steps_s = list(steps_s)
+
+    def peak_batch(self, step: int) -> list:
+        return []
+
+    def step(self, batch) -> SimpleNamespace:
+        self.step_s = self.steps_s.pop(0) if self.steps_s else self.step_s
+        return super().step(batch)
+
+
+def _trial(steps_s: list[float], cap_s: float | None) -> Steps:
+    clock = [0.0]
+    steps = Steps(WarmingRunner(clock, steps_s), tracker=None, budget_bytes=None, warmup_steps=5, measure_steps=3,
+                  window_s=2.0, cap_s=cap_s, clock=lambda: clock[0])
+    steps.warm_up()
+    steps.timed()
+    return steps
+
+
+def test_a_step_dearer_than_the_trials_cap_is_timed_once_after_one_warm_up_step():
+    """gen-2026-00's first trial: a 21.7 s step, 5 of them 112 s of a 144 s search. Under a
+    36 s cap (a quarter of that share) the trial takes one warm-up step and one timed step."""
+    slow = [21.7 * (1 - 0.2 * i) for i in range(5)] + [21.7] * 5  # never within 10%: 5 warm-up steps uncapped
+    capped, free = _trial(slow, cap_s=36.0), _trial(slow, cap_s=None)
+    assert (len(capped.log.warmup_times_s), len(capped.log.step_times_s)) == (1, 1)
+    assert (len(free.log.warmup_times_s), len(free.log.step_times_s)) == (5, 3)
+    assert len(capped.log.losses) == 2  # the losses of both steps still count (health)
+
+
+def test_a_cap_a_trial_does_not_reach_changes_nothing():
+    fast = _trial([0.1] * 50, cap_s=36.0)
+    assert len(fast.log.warmup_times_s) == 2 and len(fast.log.step_times_s) == 20  # steady after 2; 2 s of 0.1 s steps

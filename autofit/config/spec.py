@@ -151,7 +151,9 @@ class SearchSpec:
     trials: int = 40  # most configurations measured (pruned proposals and repeats do not count)
     patience: int = 12  # stop after this many measured trials without a better one
     warmup_steps: int = 5  # most warm-up steps before timing, per trial: they stop once a step takes what the one before took
-    measure_steps: int = 5  # the fewest timed optimizer steps per trial (the window runs on to `window_s`)
+    # The fewest timed optimizer steps per trial (the window runs on to `window_s`): a median of
+    # 3 outvotes one odd step, and a fast step's window holds many more anyway.
+    measure_steps: int = 3
     # A trial's timed window in seconds: after warm-up it times steps until they took this
     # long, at least `measure_steps` of them, so a slow step's trial costs about what a fast
     # one's does. 0: exactly `measure_steps` steps.
@@ -531,7 +533,7 @@ def _search(r: "Reader") -> SearchSpec:
         trials=r.positive_int("trials", default=40, maximum=MAX_TRIALS),
         patience=r.positive_int("patience", default=12, maximum=MAX_TRIALS),
         warmup_steps=r.nonnegative_int("warmup_steps", default=5, maximum=MAX_TRIAL_STEPS),
-        measure_steps=r.positive_int("measure_steps", default=5, maximum=MAX_TRIAL_STEPS),
+        measure_steps=r.positive_int("measure_steps", default=3, maximum=MAX_TRIAL_STEPS),
         window_s=r.number("window_s", default=2.0, minimum=0.0, maximum=MAX_TIMEOUT_S),
         validate_steps=r.positive_int("validate_steps", default=50, maximum=MAX_TRIAL_STEPS),
         frontier_points=r.positive_int("frontier_points", default=4, maximum=MAX_TRIALS),

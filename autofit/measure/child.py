@@ -53,7 +53,7 @@ class _Trial:
         self.workload = workload  # built by the worker before the fork; else here
         self.budget_bytes = request.budget_bytes
         self.warmup_steps, self.measure_steps = request.warmup_steps, request.measure_steps
-        self.window_s = request.window_s
+        self.window_s, self.cap_s = request.window_s, request.cap_s
         device = request.device
         self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(device.split(",")[0]))
         world = distributed.launched_world()
@@ -94,7 +94,7 @@ class _Trial:
             runner = Runner(self.spec, workload, self.config, device=self.device)
         self.steps = steps = Steps(runner, tracker=self.tracker, budget_bytes=self.budget_bytes,
                                    warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
-                                   window_s=self.window_s)
+                                   window_s=self.window_s, cap_s=self.cap_s)
         steps.warm_up()
         with steps.heap.excluding():  # the probe's snapshot is ours, not the model's growth
             probe = UpdateProbe(runner.model, runner.optimizer)  # before the timed steps: their updates are judged

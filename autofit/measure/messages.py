@@ -68,6 +68,7 @@ class TrialRequest(_Message):
     measure_steps: int  # the fewest timed steps
     timeout_s: float = 600.0
     window_s: float = 0.0  # the timed window in seconds (steps until they took this long); 0: measure_steps steps
+    cap_s: float | None = None  # the most its untracked steps may take (`measure.steps`); None: no cap
     claim: bool = False  # the service's guard watches: claim the CUDA context in the trial folder
     claim_dir: str | None = None  # that folder, once the child knows it
     schema: int = SCHEMA

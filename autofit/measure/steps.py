@@ -14,6 +14,10 @@ warm-up (until steps are steady), then the timed steps (speed).
   up to `window_s`, at least `measure_steps` of them and at most `MAX_WINDOW_STEPS` (a window
   of 0 s: exactly `measure_steps`). A 1.2 s step and a 0.02 s step then cost about the same
   wall time, and a fast step's figure is a median over many.
+- **A cap** (`cap_s`, the tune's `Deadline.trial_cap_s`): once the untracked warm-up and the
+  timed steps have taken half of it, warm-up stops (after one step); once they have taken all
+  of it, so does the window (after one timed step). A step slower than the time budget can
+  afford five of is measured from one, not from five.
 """
 
 import statistics
@@ -67,11 +71,13 @@ class StepLog:
 
 class Steps:
     def __init__(self, runner: Runner, *, tracker: LiveBytesTracker | None, budget_bytes: int | None,
-                 warmup_steps: int, measure_steps: int, window_s: float = 0.0,
+                 warmup_steps: int, measure_steps: int, window_s: float = 0.0, cap_s: float | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.runner, self.tracker, self.budget_bytes = runner, tracker, budget_bytes
         self.warmup_steps, self.measure_steps, self.window_s = warmup_steps, measure_steps, window_s
+        self.cap_s = cap_s
         self.clock = clock  # a seam: tests feed the step times
+        self.capped_since: float | None = None  # the clock at the first untracked step
         self.heap = HeapMeter()
         self.log = StepLog()
         self.step = 0
@@ -98,11 +104,13 @@ class Steps:
         most = max(least, self.warmup_steps)
         while len(self.log.warmup_times_s) < most:
             logger.info("warm-up step {}", self.step)
-            started = self.clock()
+            started = self._mark()
             self._warm_step(runner.peak_batch(self.step))
             runner.synchronize()
             self.log.warmup_times_s.append(self.clock() - started)
             if len(self.log.warmup_times_s) >= least and _steady(self.log.warmup_times_s):
+                break
+            if self._past_cap(0.5):
                 break
 
     def timed(self) -> None:
@@ -116,7 +124,7 @@ class Steps:
             batch = runner.global_batch(self.step)  # built (and copied to the device) before the clock
             log.tokens.append(runner.tokens_in(batch))
             runner.synchronize()
-            started = self.clock()
+            started = self._mark()
             result = runner.step(batch)
             runner.synchronize()
             log.step_times_s.append(self.clock() - started)
@@ -127,11 +135,28 @@ class Steps:
 
     def _window_full(self) -> bool:
         """At least `measure_steps` timed, and their times add up to `window_s` (or
-        MAX_WINDOW_STEPS are timed)."""
+        MAX_WINDOW_STEPS are timed); or one timed, past the cap."""
         times = self.log.step_times_s
-        if len(times) < self.measure_steps:
-            return False
-        return sum(times) >= self.window_s or len(times) >= max(MAX_WINDOW_STEPS, self.measure_steps)
+        if len(times) >= self.measure_steps and (sum(times) >= self.window_s
+                                                 or len(times) >= max(MAX_WINDOW_STEPS, self.measure_steps)):
+            return True
+        if times and self._past_cap(1.0):
+            logger.info("window ends after {} timed step(s): the trial's steps reached its cap ({:.1f} s)",
+                        len(times), self.cap_s)
+            return True
+        return False
+
+    def _mark(self) -> float:
+        """The clock now; the first untracked step starts the cap's clock."""
+        now = self.clock()
+        if self.capped_since is None:
+            self.capped_since = now
+        return now
+
+    def _past_cap(self, share: float) -> bool:
+        """The untracked steps have taken `share` of the cap."""
+        return (self.cap_s is not None and self.capped_since is not None
+                and self.clock() - self.capped_since >= share * self.cap_s)
 
     def _warm_step(self, batch: list) -> None:
         """A warm-up step. fp16's GradScaler starts at a scale that usually overflows and halves

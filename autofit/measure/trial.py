@@ -34,7 +34,8 @@ SETUP_TASK, OBJECTS_SETUP_TASK, TRIAL_TASK = task("setup"), task("setup_objects"
 
 def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
             warmup_steps: int | None = None, measure_steps: int | None = None, timeout_s: float | None = None,
-            stop_event=None, guard=None, worker: Worker | None = None, window_s: float | None = None) -> Measurement:
+            stop_event=None, guard=None, worker: Worker | None = None, window_s: float | None = None,
+            cap_s: float | None = None) -> Measurement:
     """Measure `config` in a child process; never raises for what happens inside it.
 
     `device` is "cpu" or a CUDA index. `budget_bytes` is the device memory the trial may
@@ -47,6 +48,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     (default: one started for this trial alone); several ranks run under torchrun instead.
     `window_s`: the timed window in seconds, at least `measure_steps` steps; by default
     `search.window_s` where `measure_steps` is the spec's, else 0 (exactly the steps asked).
+    `cap_s`: the most the warm-up and timed steps may take (`autofit.measure.steps`).
     """
     check_global_batch(config, spec.train.global_batch_size)
     device = _device_arg(device)
@@ -55,7 +57,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
     request = trial_request(spec, config, device=device, budget_bytes=budget_bytes, warmup_steps=warmup_steps,
                             measure_steps=measure_steps, timeout_s=timeout_s, claim=guard is not None,
-                            window_s=window_s)
+                            window_s=window_s, cap_s=cap_s)
     if config.world_size > 1:
         return _measure_ranks(request, config, device=device, timeout_s=timeout_s, stop_event=stop_event, guard=guard)
     children = []
@@ -145,7 +147,7 @@ def _measure_ranks(request: TrialRequest, config: TrainConfig, *, device: str, t
 def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
                   warmup_steps: int | None = None, measure_steps: int | None = None,
                   timeout_s: float | None = None, claim: bool = False,
-                  window_s: float | None = None) -> TrialRequest:
+                  window_s: float | None = None, cap_s: float | None = None) -> TrialRequest:
     """What the child is asked to measure (request.json). The window in seconds is the
     spec's where the steps are (a caller that asks for a number of steps gets them)."""
     if window_s is None:
@@ -156,6 +158,7 @@ def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", 
         warmup_steps=spec.search.warmup_steps if warmup_steps is None else warmup_steps,
         measure_steps=spec.search.measure_steps if measure_steps is None else measure_steps,
         timeout_s=spec.search.trial_timeout_s if timeout_s is None else timeout_s, claim=claim, window_s=window_s,
+        cap_s=cap_s,
     )
 
 

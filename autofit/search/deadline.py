@@ -14,6 +14,11 @@ from dataclasses import dataclass
 # The share of the budget the search's own loop may take: the rest re-measures the leaders,
 # validates the winner against the one-liner and writes the profile.
 SEARCH_SHARE = 0.6
+# The most of the search's share one trial's steps (warm-up and window) may take: past it the
+# trial ends after one warm-up and one timed step, however few its window wanted. A first
+# trial at a micro batch far past the throughput's peak (a 21.7 s step) otherwise spends the
+# whole share on 5 steps, and nothing is left to look anywhere else.
+TRIAL_SHARE = 0.25
 
 
 @dataclass
@@ -42,3 +47,8 @@ class Deadline:
     def search_s(self) -> float | None:
         """How long the search loop may run: its share of the budget."""
         return None if self.budget_s is None else self.search_share * self.budget_s
+
+    def trial_cap_s(self) -> float | None:
+        """The most one trial's steps may take (`TRIAL_SHARE` of the search's share)."""
+        search_s = self.search_s()
+        return None if search_s is None else TRIAL_SHARE * search_s
