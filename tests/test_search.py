@@ -1008,3 +1008,42 @@ def test_once_a_smaller_micro_batch_paid_no_seed_is_above_the_bests():
     # Faster for checkpointing less, not for a smaller micro batch: no cap.
     less_checkpointed = [_ok(0, mixed(48, 2), 40.0), _ok(1, mixed(6), 170.0)]
     assert next_seed(*less_checkpointed, reference) == space.config("bf16-true", 96, 0, 0)
+
+
+def test_a_full_precision_far_below_a_healthy_16_bit_best_leaves_tf32_unseeded_too():
+    """gen-2026-08: 32-true ran at 0.28 of the bf16-true best, and tf32's seed (4 x 64, a
+    9.8 s step) then took 52 s of the 55 s left. Such a gap says the step is bound by its
+    matmuls, where tf32 (half 16-bit's tensor-core rate) cannot come near either: neither full
+    precision gets a seed. Where 32-true ran close to the best, tf32 still does."""
+    space = SearchSpace(global_batch_size=64, precisions=("32-true", "tf32", "bf16-true"),
+                        micro_batch_sizes=(1, 2, 4, 8, 16, 32, 64), max_checkpoint_blocks=2, max_freeze_blocks=0)
+    best = _ok(0, space.config("bf16-true", 8, 0, 0), 120.0)
+
+    def seeded(reference_samples_per_s):
+        records = [best, _ok(1, space.config("32-true", 8, 0, 0), reference_samples_per_s)]
+        plan = _plan(space, fast_first=True, first=("bf16-true",))
+        plan.new_best(best.config, records)  # the seed groups with nothing measured come next
+        return plan.next(records, best, set())
+
+    assert seeded(0.9 * 120.0).precision == "tf32"
+    assert seeded(0.28 * 120.0).precision == "bf16-true"  # its refinements instead
+
+
+def test_a_probe_does_not_stand_for_its_seed_groups_seed():
+    """After two OOMs the probe (the smallest config, or its shape well inside the budget)
+    anchors the memory fit; it is not its group's seed, which is the group's largest config
+    that fits. gen-2026-01: bf16-true measured only at its probe (8 x 24 at 75% of the budget)
+    was never measured at 16 x 12, the optimum, 1.14x the 16-mixed pick."""
+    space = SearchSpace(global_batch_size=8, precisions=("32-true", "bf16-true"), micro_batch_sizes=(1, 2, 4, 8),
+                        max_checkpoint_blocks=2, max_freeze_blocks=0)
+    ooms = [_oom(0, space.config("bf16-true", 8, 0, 0), predicted=GiB // 2, budget=GiB),
+            _oom(1, space.config("bf16-true", 4, 0, 0), predicted=GiB // 2, budget=GiB)]
+    plan = _plan(space, estimate=lambda c: c.micro_batch_size * (2 if c.precision == "32-true" else 1))
+    probe = plan.next(ooms, None, set())
+    assert probe == space.config("bf16-true", 1, 2, 0)  # the smallest config
+    records = [*ooms, _ok(2, probe, 50.0)]
+    plan.new_best(probe, records)
+    offered = []
+    while found := plan._unseeded(records, lambda config: config.micro_batch_size <= 2 or config.checkpoint_blocks):
+        offered += found
+    assert [c for c in offered if c.precision == "bf16-true"] == [space.config("bf16-true", 2, 0, 0)]  # its seed

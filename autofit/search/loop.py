@@ -45,8 +45,11 @@ LEAST_TRIAL_STEPS = 4
 # tens of seconds (30-40 s per graph on a 2-core CPU, docs/benchmarks.md); a compile twin
 # started with less left than this runs past the search's share into validation's time.
 COMPILE_PRIOR_S = 30.0
-# The trials whose dearest cost sizes a refinement twin's last moment (`Tuner._last_chance`).
+# The trials whose dearest round sizes a refinement twin's last moment (`Tuner._last_chance`),
+# and the margin on it: the next round may cost more than any of the last (its plan's estimates;
+# on the compiled landscape 11.4 s after rounds of 7.4-8.0 s let the last moment pass).
 LAST_CHANCE_TRIALS = 3
+LAST_CHANCE_MARGIN = 1.5
 
 
 @dataclass
@@ -97,7 +100,10 @@ class Tuner:
         # read, not repeated, but their figures do not decide the winner (search/_finish.py).
         self.session_start = time.time()
         self.warned_no_reference: set[int] = set()  # freezing depths said to have no reference (finish.py)
-        self.trial_costs_s: list[float] = []  # each measurement's time on the clock, this session
+        # Each measurement's round on the clock, this session: from the end of the one before
+        # (the planning and estimates between count: they too come before the next trial).
+        self.trial_costs_s: list[float] = []
+        self._measured_until: float | None = None
         self.plan: Plan | None = None  # the search's own plan, while it runs
 
     def records(self) -> list[TrialRecord]:
@@ -251,12 +257,13 @@ class Tuner:
         self.plan.queue[:0] = [*first, again]
 
     def _last_chance(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
-        """`config` is affordable now, but would not be after one more trial costing as much
-        as the dearest of the last `LAST_CHANCE_TRIALS` (a median would let a dearer trial
-        started just before the last moment pass it): the search's last moment to measure it."""
+        """`config` is affordable now, but would not be after one more round (its planning, its
+        estimates and its trial) costing `LAST_CHANCE_MARGIN` times the dearest of the last
+        `LAST_CHANCE_TRIALS` (a median would let a dearer trial started just before the last
+        moment pass it): the search's last moment to measure it."""
         if not self.trial_costs_s:
             return False
-        spare_s = max(self.trial_costs_s[-LAST_CHANCE_TRIALS:])
+        spare_s = LAST_CHANCE_MARGIN * max(self.trial_costs_s[-LAST_CHANCE_TRIALS:])
         return self._affordable(config, records) and not self._affordable(config, records, spare_s)
 
     def _trials_within(self, step_s: float) -> float:
@@ -489,7 +496,8 @@ class Tuner:
     def _evaluate(self, trial: optuna.Trial, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord:
         started = self.clock()
         measurement = (self.measure_reference if config in self.references else self.measure)(config)
-        self.trial_costs_s.append(self.clock() - started)
+        self.trial_costs_s.append(self.clock() - (started if self._measured_until is None else self._measured_until))
+        self._measured_until = self.clock()
         record = TrialRecord(number=trial.number, config=config, status=measurement.status,
                              predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
                              reason=measurement.reason, budget_bytes=self.budget_bytes, worker=self.worker,

@@ -78,6 +78,9 @@ class Plan:
         self.first = first
         # The references planned (`_reference`), which the tuner measures for their losses.
         self.references: set[TrainConfig] = set() if references is None else references
+        # The probes measured (`_probe`): each anchors the fit, well inside the budget, so it
+        # does not stand for its seed group's seed (its largest config that fits).
+        self.probes: set[TrainConfig] = set()
         self.queue: list[TrainConfig] = list(starts)
         self.seeds: set[TrainConfig] = set(starts)
         self.offered: set = set()  # the seed groups `_unseeded` has queued since the last new best
@@ -105,6 +108,7 @@ class Plan:
 
         probe = self._probe(records, allowed)
         if probe is not None:
+            self.probes.add(probe)
             return probe
         down = self._look_down(records, fits)
         if down is not None and ready(down):
@@ -163,12 +167,16 @@ class Plan:
         return found if groups else [g.seeds for g in found]
 
     def _slow(self, records: list[TrialRecord], best: TrialRecord | None) -> set[str]:
-        """With `fast_first` and a 16-bit best: the full precisions one of whose trials ran
-        below `seeding.TWIN_FLOOR` of it."""
+        """With `fast_first` and a 16-bit best: both full precisions, once one of their trials
+        ran below `seeding.TWIN_FLOOR` of it. Such a gap says the step is bound by its matmuls,
+        and there tf32 (fp32's memory, half 16-bit's tensor-core rate on every card that has
+        it) cannot come near 16-bit either: its seed, unmeasured, is the dearest trial left."""
         if not self.fast_first or best is None or best.config.precision in REFERENCE_PRECISIONS:
             return set()
-        return {r.config.precision for r in records if r.status == "ok" and r.config.precision in REFERENCE_PRECISIONS
-                and r.samples_per_s < seeding.TWIN_FLOOR * best.samples_per_s}
+        if any(r.status == "ok" and r.config.precision in REFERENCE_PRECISIONS
+               and r.samples_per_s < seeding.TWIN_FLOOR * best.samples_per_s for r in records):
+            return set(REFERENCE_PRECISIONS)
+        return set()
 
     def _probe(self, records: list[TrialRecord], allowed: Callable[[TrainConfig], bool]) -> TrainConfig | None:
         """After PROBE_AFTER_OOMS out-of-memory trials and none that ran: the smallest config
@@ -302,7 +310,7 @@ class Plan:
 
     def _unseeded(self, records: list[TrialRecord], fits: seeding.Fits) -> list[TrainConfig]:
         """The next seed group (in wave order) with nothing measured yet at its seeds' freezing
-        depth (its seed ran out of memory, or was dropped as no longer fitting), not offered
+        depth but a probe (its seed ran out of memory, or was dropped as no longer fitting), not offered
         since the last new best: its largest config predicted to fit now, to be measured
         before refining around another's best. [] when none is left. Groups measured, queued
         or offered are passed over before their seeds are read (reading one costs estimates)."""
@@ -311,7 +319,8 @@ class Plan:
         def key(config: TrainConfig) -> tuple:
             return self.space.seed_group(config), config.freeze_blocks
 
-        measured = {key(r.config) for r in records if r.measurement is not None and r.status != "oom"}
+        measured = {key(r.config) for r in records
+                    if r.measurement is not None and r.status != "oom" and r.config not in self.probes}
         queued = {key(c) for c in self.queue if c in self.seeds}
         for group in self._seed_lists(fits, allowed_of(records), groups=True):
             if group.key in measured | queued | self.offered:
