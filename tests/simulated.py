@@ -206,7 +206,7 @@ class Landscape:
         if status == "oom":
             return start_s + step_s
         if reference:
-            return start_s + _steps_s(step_s, 0, REFERENCE_TRIAL_STEPS, 0.0, self.cap_s)
+            return start_s + _steps_s(step_s, 0, REFERENCE_TRIAL_STEPS, 0.0, None)  # all its steps, uncapped
         window_s = self.window_s if window_s is None else window_s
         if window_s is None:
             return start_s + STEP_WINDOW * step_s

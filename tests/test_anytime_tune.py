@@ -289,6 +289,18 @@ def test_a_validation_window_is_sized_in_seconds_between_its_bounds(tmp_path):
     assert at(100.0) == MIN_VALIDATE_STEPS
 
 
+def test_a_capped_trials_start_up_counts_the_steps_it_ran_not_the_specs(tmp_path):
+    """A trial cut by its cap (one warm-up and one timed 20 s step, 45 s in all) started up in
+    5 s. Read with the spec's 5 warm-up and 3 timed steps it would have started up in no time,
+    and its validation run's steps and timeout would be sized too short."""
+    from autofit.tuning.validation import _startup_s
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"warmup_steps": 5, "measure_steps": 3})))
+    m = Measurement(status="ok", config=TrainConfig(micro_batch_size=8), samples_per_s=0.4, step_time_s=20.0,
+                    step_times_s=[20.0], warmup_steps=1, wall_s=45.0)
+    assert _startup_s(spec, m) == pytest.approx(5.0)
+
+
 def test_the_profile_says_what_each_changed_knob_is_worth_and_reads_back(tmp_path, simulated, monkeypatch):
     """The winner (bf16-mixed) differs from the one-liner (32-true) in precision: its share is
     its speed over its measured 32-true twin, from the trials already run. The card's MFU
@@ -415,7 +427,7 @@ def test_on_a_gpu_a_one_liner_that_wins_the_pairs_gets_a_validation_run_of_its_o
 def test_search_trials_are_capped_at_a_share_of_the_search_and_references_skip_the_warm_up(tmp_path, monkeypatch):
     """A search trial's steps may take `TRIAL_SHARE` of the search's share of the budget (its
     child cuts warm-up and window past it: `measure.steps`); a reference planned for its losses
-    runs `REFERENCE_TRIAL_STEPS` steps with no warm-up; a validation run has no cap."""
+    runs `REFERENCE_TRIAL_STEPS` steps with no warm-up and no cap; a validation run has no cap."""
     from autofit.search.deadline import SEARCH_SHARE, TRIAL_SHARE
     from autofit.search.health import REFERENCE_TRIAL_STEPS
 
@@ -429,9 +441,10 @@ def test_search_trials_are_capped_at_a_share_of_the_search_and_references_skip_t
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
                         lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
     tune(_on_cuda(_setup(tmp_path, time_budget_s=60.0)))  # bf16-mixed first: its reference is planned
-    caps = {kwargs.get("cap_s") for _, kwargs in asked if kwargs.get("measure_steps") in (None, REFERENCE_TRIAL_STEPS)}
+    caps = {kwargs.get("cap_s") for _, kwargs in asked if kwargs.get("measure_steps") is None}
     assert len(caps) == 1 and caps.pop() == pytest.approx(TRIAL_SHARE * SEARCH_SHARE * 60.0)
     references = [kwargs for config, kwargs in asked if kwargs.get("measure_steps") == REFERENCE_TRIAL_STEPS]
-    assert references and all(kwargs["warmup_steps"] == 0 for kwargs in references)
+    # All its steps, whatever the cap: the health checks read each loss.
+    assert references and all(kwargs["warmup_steps"] == 0 and kwargs["cap_s"] is None for kwargs in references)
     validations = [kwargs for _, kwargs in asked if kwargs.get("measure_steps") not in (None, REFERENCE_TRIAL_STEPS)]
     assert validations and all(kwargs.get("cap_s") is None for kwargs in validations)

@@ -1047,3 +1047,10 @@ def test_a_probe_does_not_stand_for_its_seed_groups_seed():
     while found := plan._unseeded(records, lambda config: config.micro_batch_size <= 2 or config.checkpoint_blocks):
         offered += found
     assert [c for c in offered if c.precision == "bf16-true"] == [space.config("bf16-true", 2, 0, 0)]  # its seed
+    # A resumed study (or another worker's plan) knows the probe from the records alone.
+    resumed = _plan(space)
+    resumed.new_best(probe, records)
+    offered = []
+    while found := resumed._unseeded(records, lambda config: config.micro_batch_size <= 2 or config.checkpoint_blocks):
+        offered += found
+    assert [c for c in offered if c.precision == "bf16-true"] == [space.config("bf16-true", 2, 0, 0)]

@@ -100,6 +100,24 @@ def test_a_step_dearer_than_the_trials_cap_is_timed_once_after_one_warm_up_step(
     assert len(capped.log.losses) == 2  # the losses of both steps still count (health)
 
 
+def test_past_the_cap_a_timed_step_the_grad_scaler_skipped_does_not_end_the_window():
+    """Right after a GradScaler's warm-up, its scale sits just under overflow and the next
+    batch often overflows once. That skipped step updated nothing: were it the window's only
+    step, the trial would read as mostly skipped (unhealthy) and its weights as unchanged."""
+    clock = [0.0]
+
+    class Skipping(WarmingRunner):
+        def step(self, batch):
+            result = super().step(batch)
+            return SimpleNamespace(loss=result.loss, skipped=self.clock[0] == 43.4)  # the first timed step
+
+    steps = Steps(Skipping(clock, [21.7] * 5), tracker=None, budget_bytes=None, warmup_steps=5, measure_steps=3,
+                  window_s=2.0, cap_s=36.0, clock=lambda: clock[0])
+    steps.warm_up()
+    steps.timed()
+    assert len(steps.log.warmup_times_s) == 1 and len(steps.log.step_times_s) == 2 and steps.log.skipped == 1
+
+
 def test_a_cap_a_trial_does_not_reach_changes_nothing():
     fast = _trial([0.1] * 50, cap_s=36.0)
     assert len(fast.log.warmup_times_s) == 2 and len(fast.log.step_times_s) == 20  # steady after 2; 2 s of 0.1 s steps

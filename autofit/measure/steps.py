@@ -16,8 +16,8 @@ warm-up (until steps are steady), then the timed steps (speed).
   wall time, and a fast step's figure is a median over many.
 - **A cap** (`cap_s`, the tune's `Deadline.trial_cap_s`): once the untracked warm-up and the
   timed steps have taken half of it, warm-up stops (after one step); once they have taken all
-  of it, so does the window (after one timed step). A step slower than the time budget can
-  afford five of is measured from one, not from five.
+  of it, so does the window (after one timed step that updated the weights; all ranks stop
+  together). A step slower than the time budget can afford five of is measured from one.
 """
 
 import statistics
@@ -30,6 +30,7 @@ from loguru import logger
 from autofit.device.load import HostLoad
 from autofit.device.memory import check_growth, HeapMeter, LiveBytesTracker
 from autofit.device.oom import is_oom
+from autofit.train import distributed
 from autofit.train.knobs import compile_count
 from autofit.train.runner import Runner
 
@@ -108,9 +109,8 @@ class Steps:
             self._warm_step(runner.peak_batch(self.step))
             runner.synchronize()
             self.log.warmup_times_s.append(self.clock() - started)
-            if len(self.log.warmup_times_s) >= least and _steady(self.log.warmup_times_s):
-                break
-            if self._past_cap(0.5):
+            steady = len(self.log.warmup_times_s) >= least and _steady(self.log.warmup_times_s)
+            if self._agreed(steady or self._past_cap(0.5)):
                 break
 
     def timed(self) -> None:
@@ -135,16 +135,24 @@ class Steps:
 
     def _window_full(self) -> bool:
         """At least `measure_steps` timed, and their times add up to `window_s` (or
-        MAX_WINDOW_STEPS are timed); or one timed, past the cap."""
+        MAX_WINDOW_STEPS are timed); or past the cap, with one timed step not skipped."""
         times = self.log.step_times_s
-        if len(times) >= self.measure_steps and (sum(times) >= self.window_s
-                                                 or len(times) >= max(MAX_WINDOW_STEPS, self.measure_steps)):
-            return True
-        if times and self._past_cap(1.0):
+        full = len(times) >= self.measure_steps and (sum(times) >= self.window_s
+                                                     or len(times) >= max(MAX_WINDOW_STEPS, self.measure_steps))
+        # Past the cap, one timed step that updated the weights ends it (a GradScaler skip
+        # right after warm-up is common and would leave the trial's only step a skipped one).
+        capped = not full and len(times) > self.log.skipped and self._past_cap(1.0)
+        if capped:
             logger.info("window ends after {} timed step(s): the trial's steps reached its cap ({:.1f} s)",
                         len(times), self.cap_s)
-            return True
-        return False
+        return self._agreed(full or capped)
+
+    def _agreed(self, decided: bool) -> bool:
+        """`decided` as all ranks take it (any rank's yes): each rank reads its own clock, and
+        ranks that stopped apart would wait on each other's collectives."""
+        if distributed.current_world_size() == 1:
+            return decided
+        return bool(distributed.max_over_ranks(int(decided), self.runner.device))
 
     def _mark(self) -> float:
         """The clock now; the first untracked step starts the cap's clock."""

@@ -49,6 +49,19 @@ def allowed_of(records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
     return lambda config: not drifts(config, seen)
 
 
+def probes_in(records: list[TrialRecord]) -> set[TrainConfig]:
+    """The probe a study measured (`Plan._probe`), read from its records: the first trial that
+    ran, where `PROBE_AFTER_OOMS` OOMs came before it. A resumed study, or another worker's,
+    has no `Plan.probes` of this session to say so."""
+    ooms = 0
+    for r in sorted(records, key=lambda r: r.number):
+        if r.status == "oom":
+            ooms += 1
+        elif r.status in ("ok", "unhealthy"):
+            return {r.config} if ooms >= PROBE_AFTER_OOMS else set()
+    return set()
+
+
 class Plan:
     def __init__(self, space: SearchSpace, starts: tuple[TrainConfig, ...], *, known: Known, fits_of: FitsOf,
                  estimate: Callable[[TrainConfig], int], fast_first: bool = False, first: tuple[str, ...] = (),
@@ -320,7 +333,8 @@ class Plan:
             return self.space.seed_group(config), config.freeze_blocks
 
         measured = {key(r.config) for r in records
-                    if r.measurement is not None and r.status != "oom" and r.config not in self.probes}
+                    if r.measurement is not None and r.status != "oom"
+                    and r.config not in self.probes | probes_in(records)}
         queued = {key(c) for c in self.queue if c in self.seeds}
         for group in self._seed_lists(fits, allowed_of(records), groups=True):
             if group.key in measured | queued | self.offered:

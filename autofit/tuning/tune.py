@@ -545,17 +545,18 @@ class _Tune:
 
     def run_reference(self, config) -> Measurement:
         """A full-precision reference planned for its losses: a few steps, no warm-up
-        (`REFERENCE_TRIAL_STEPS`)."""
-        return self.run_trial(config, warmup_steps=0, measure_steps=REFERENCE_TRIAL_STEPS, window_s=0.0)
+        (`REFERENCE_TRIAL_STEPS`), and all of them whatever the trial's cap (the health checks
+        read each loss)."""
+        return self.run_trial(config, warmup_steps=0, measure_steps=REFERENCE_TRIAL_STEPS, window_s=0.0, cap_s=None)
 
     def run_trial(self, config, **steps) -> Measurement:
         """A search trial (or reference): its steps held to the time budget's cap for one
-        trial (`Deadline.trial_cap_s`)."""
+        trial (`Deadline.trial_cap_s`) unless `steps` says otherwise."""
         limit_s = self.spec.search.trial_timeout_s * 2 ** self.timeouts.get(config, 0)
         stop = self.halt if self.answered or not self.grace_s else StopAfter(self.halt, self.grace_s)
         m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.budget_bytes,
                     stop_event=stop, timeout_s=limit_s, guard=self.guard, worker=self.trial_worker,
-                    cap_s=self.deadline.trial_cap_s(), **steps)
+                    **{"cap_s": self.deadline.trial_cap_s()} | steps)
         self.answered = self.answered or m.status == "ok"
         if m.status == "timeout":
             self.timeouts[config] = self.timeouts.get(config, 0) + 1

@@ -54,10 +54,12 @@ def run_timeout_s(spec: ModelSpec, record: TrialRecord, steps: int) -> float:
 
 
 def _startup_s(spec: ModelSpec, m: Measurement) -> float:
-    """A trial's start-up: its wall time less its warm-up and timed steps (a window in seconds
-    may hold more than measure_steps)."""
-    timed = max(spec.search.measure_steps, len(m.step_times_s))
-    return max(0.0, m.wall_s - (spec.search.warmup_steps + timed) * m.step_time_s)
+    """A trial's start-up: its wall time less its warm-up and timed steps, as many as it ran
+    (a window in seconds may hold more than measure_steps, a capped one fewer; where the
+    measurement does not say, the spec's)."""
+    timed = len(m.step_times_s) or spec.search.measure_steps
+    warm = spec.search.warmup_steps if m.warmup_steps is None else m.warmup_steps
+    return max(0.0, m.wall_s - (warm + timed) * m.step_time_s)
 
 
 def steps_within(spec: ModelSpec, record: TrialRecord | None, steps: int, left_s: float) -> int:
