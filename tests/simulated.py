@@ -206,7 +206,7 @@ class Landscape:
         if status == "oom":
             return start_s + step_s
         if reference:
-            return start_s + _steps_s(step_s, 0, REFERENCE_TRIAL_STEPS, 0.0, None)  # all its steps, uncapped
+            return start_s + REFERENCE_TRIAL_STEPS * step_s  # all its steps, uncapped
         window_s = self.window_s if window_s is None else window_s
         if window_s is None:
             return start_s + STEP_WINDOW * step_s
@@ -301,10 +301,10 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
     the search loop, what follows it cut at the budget)."""
     landscape.reset(seed)
     landscape.stop_at_s[0] = math.inf if budget_s is None else budget_s
-    timed = dataclasses.replace(landscape, window_s=landscape.window_s if anytime else None)
     study = make_study(study_name=f"{landscape.name}-{seed}", storage=None, seed=seed)
     deadline = Deadline(budget_s, clock=landscape.clock, search_share=SEARCH_SHARE if anytime else 1.0)
-    timed = dataclasses.replace(timed, cap_s=deadline.trial_cap_s() if anytime else None)
+    timed = dataclasses.replace(landscape, window_s=landscape.window_s if anytime else None,
+                                cap_s=deadline.trial_cap_s() if anytime else None)
     tuner = Tuner(timed.space(), study=study, budget_bytes=landscape.budget_bytes, measure=timed.measure,
                   estimate=timed.estimate, max_trials=trials, patience=patience, deadline=deadline,
                   one_liner=ONE_LINER_GPU if anytime else (), measure_reference=timed.measure_reference if anytime else None)

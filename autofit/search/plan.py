@@ -50,9 +50,9 @@ def allowed_of(records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
 
 
 def probes_in(records: list[TrialRecord]) -> set[TrainConfig]:
-    """The probe a study measured (`Plan._probe`), read from its records: the first trial that
-    ran, where `PROBE_AFTER_OOMS` OOMs came before it. A resumed study, or another worker's,
-    has no `Plan.probes` of this session to say so."""
+    """The probe a study measured (`Plan._probe`), read from its records (so a resumed study,
+    or another worker's, knows it too): the first trial that ran, where `PROBE_AFTER_OOMS` OOMs
+    came before it."""
     ooms = 0
     for r in sorted(records, key=lambda r: r.number):
         if r.status == "oom":
@@ -91,9 +91,6 @@ class Plan:
         self.first = first
         # The references planned (`_reference`), which the tuner measures for their losses.
         self.references: set[TrainConfig] = set() if references is None else references
-        # The probes measured (`_probe`): each anchors the fit, well inside the budget, so it
-        # does not stand for its seed group's seed (its largest config that fits).
-        self.probes: set[TrainConfig] = set()
         self.queue: list[TrainConfig] = list(starts)
         self.seeds: set[TrainConfig] = set(starts)
         self.offered: set = set()  # the seed groups `_unseeded` has queued since the last new best
@@ -121,7 +118,6 @@ class Plan:
 
         probe = self._probe(records, allowed)
         if probe is not None:
-            self.probes.add(probe)
             return probe
         down = self._look_down(records, fits)
         if down is not None and ready(down):
@@ -332,9 +328,10 @@ class Plan:
         def key(config: TrainConfig) -> tuple:
             return self.space.seed_group(config), config.freeze_blocks
 
+        # A probe anchors the fit, well inside the budget: it does not stand for its group's seed.
+        probes = probes_in(records)
         measured = {key(r.config) for r in records
-                    if r.measurement is not None and r.status != "oom"
-                    and r.config not in self.probes | probes_in(records)}
+                    if r.measurement is not None and r.status != "oom" and r.config not in probes}
         queued = {key(c) for c in self.queue if c in self.seeds}
         for group in self._seed_lists(fits, allowed_of(records), groups=True):
             if group.key in measured | queued | self.offered:
