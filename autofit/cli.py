@@ -163,6 +163,9 @@ def _add_serve(sub) -> None:
                    help="emulation: read GPU kinds from this YAML/JSON file ({\"gpus\": [{\"name\": ..., "
                         "\"memory_total_bytes\": ...}]}) instead of NVML; trials run on the CPU under each "
                         "card's memory")
+    p.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help="serve Prometheus metrics (/metrics) and the health check (/healthz) here, or `off` "
+                        "(default: the config's metrics_address, else 127.0.0.1:9851)")
 
 
 def _add_status(sub) -> None:

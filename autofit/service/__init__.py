@@ -5,5 +5,7 @@
 `config.py` the service's YAML; `state.py` the state file and its lock; `status.py` the
 status view; `inventory.py` the GPUs (NVML or an emulated file) and the idle rule;
 `guard.py` stops a trial when another job appears on its GPU; `notify.py` speaks systemd's
-notify protocol.
+notify protocol; `monitor.py` holds what monitoring sees: `health.py` (is the loop alive:
+the watchdog's and `/healthz`'s one judgement), `metrics.py` (Prometheus collectors) and
+`endpoint.py` (the HTTP server of both).
 """

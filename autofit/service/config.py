@@ -7,6 +7,7 @@
     idle: {max_utilization: 5, min_idle_s: 120}
     multi_gpu: true               # also tune over all GPUs of a kind (DDP/FSDP2) where there are several
     worker_name: node-a           # how its trials are labelled in studies shared on PostgreSQL (default: host name)
+    metrics_address: 127.0.0.1:9851   # /metrics and /healthz over HTTP; `off`: none
 
 Relative paths are relative to the config file, so a config and its models folder can be
 moved together. Errors name the key, as model.yaml errors do, and exit with code 2.
@@ -24,6 +25,7 @@ from autofit.base.paths import sqlite_storage
 from autofit.base.redact import redact_text, redact_url
 from autofit.config.reader import Reader
 from autofit.config.spec import MAX_TIMEOUT_S, MAX_TRIALS
+from autofit.service.endpoint import DEFAULT_METRICS_ADDRESS, parse_address
 
 DEFAULT_CONFIG = Path("/etc/autofit/autofit.yaml")
 CONFIG_ENV = "AUTOFIT_CONFIG"
@@ -54,6 +56,14 @@ class ServiceConfig:
     multi_gpu: bool = True
     # Labels this service's trials and profiles in studies shared with other hosts.
     worker_name: str = ""  # "": the host name
+    # Where /metrics and /healthz are served, as written ("off": nowhere); None: not set, the
+    # loopback default, which the service may do without should its port be taken.
+    metrics_address: str | None = None
+
+    @property
+    def metrics_listen(self) -> tuple[str, int] | None:
+        """(host, port) to serve metrics on, or None when off."""
+        return parse_address(self.metrics_address or DEFAULT_METRICS_ADDRESS, "metrics_address")
 
     @property
     def worker(self) -> str:
@@ -68,7 +78,8 @@ class ServiceConfig:
                 "state_dir": str(self.state_dir), "storage": redact_url(self.storage_url),
                 "poll_interval_s": self.poll_interval_s, "memory_headroom": self.memory_headroom,
                 "idle": {"max_utilization": self.idle.max_utilization, "min_idle_s": self.idle.min_idle_s},
-                "trials": self.trials, "multi_gpu": self.multi_gpu, "worker_name": self.worker}
+                "trials": self.trials, "multi_gpu": self.multi_gpu, "worker_name": self.worker,
+                "metrics_address": self.metrics_address or DEFAULT_METRICS_ADDRESS}
 
 
 def resolve_config_path(path: str | Path | None) -> Path:
@@ -124,8 +135,13 @@ def _parse(raw, path: Path) -> ServiceConfig:
     worker_name = top.get("worker_name", str, default="")
     if worker_name and not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", worker_name):
         raise SpecError(f"worker_name: letters, digits, '.', '_', ':' and '-', at most 64, got {worker_name!r}")
+    if top.raw.get("metrics_address") is False:  # YAML 1.1 reads an unquoted `off` as false
+        top.raw["metrics_address"] = "off"
+    metrics_address = top.get("metrics_address", str, default=None, nullable=True)
+    if metrics_address is not None:
+        parse_address(metrics_address, "metrics_address")  # checked here: a bad one is a config error
     top.finish()
     return ServiceConfig(path=path, models_dir=models_dir, store_dir=store_dir, state_dir=state_dir,
                          storage=storage, poll_interval_s=poll_interval_s,
                          memory_headroom=None if headroom is None else float(headroom), idle=idle, trials=trials,
-                         multi_gpu=multi_gpu, worker_name=worker_name)
+                         multi_gpu=multi_gpu, worker_name=worker_name, metrics_address=metrics_address)

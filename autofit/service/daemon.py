@@ -31,7 +31,9 @@ from autofit.profiles.profile import utc_now
 from autofit.service import pairs as pair_plan
 from autofit.service.config import load_service_config, resolve_config_path, ServiceConfig
 from autofit.service.inventory import FileInventory, Gpu, NvmlInventory
+from autofit.service.endpoint import parse_address
 from autofit.service.job import TuneJob
+from autofit.service.monitor import Monitor
 from autofit.service.notify import Notifier
 from autofit.service.scheduler import Scheduler
 from autofit.service.state import (DamagedState, PairState, read_state, set_aside, STATE_SCHEMA, StateLock,
@@ -42,15 +44,20 @@ _HEARTBEAT_S = 10.0  # state.json is rewritten at least this often, so `status` 
 
 
 class Service:
-    def __init__(self, config_path: str | Path | None, *, inventory_path: str | Path | None = None):
+    def __init__(self, config_path: str | Path | None, *, inventory_path: str | Path | None = None,
+                 metrics_address: str | None = None):
         self.config_path = resolve_config_path(config_path).resolve()
         self.config: ServiceConfig = load_service_config(self.config_path)
+        if metrics_address is not None:  # --metrics-address wins over the config's
+            parse_address(metrics_address, "--metrics-address")
+            self.config = dataclasses.replace(self.config, metrics_address=metrics_address)
         if inventory_path is not None and not Path(inventory_path).is_file():
             # Re-read every poll, but a path that is not a file at all is a typo: say so now.
             what = "is a folder, not a file" if Path(inventory_path).is_dir() else "no such file"
             raise SpecError(f"--inventory {inventory_path}: {what}")
         self.inventory = FileInventory(inventory_path) if inventory_path else NvmlInventory()
         self.notifier = Notifier()
+        self.monitor = Monitor(self.config)  # /metrics, /healthz, and the judgement behind WATCHDOG=1
         self.scheduler = Scheduler()
         self.pairs: dict[str, PairState] = {}
         self.gpus: list[Gpu] = []
@@ -68,6 +75,11 @@ class Service:
     def healthy(self) -> bool:
         return self._poll_ok and self._state_ok
 
+    def _unhealthy_reason(self) -> str:
+        return "; ".join(why for ok, why in ((self._poll_ok, "the last poll failed (see the log)"),
+                                             (self._state_ok, f"cannot write the state file in {self.config.state_dir}"))
+                         if not ok)
+
     @property
     def tunes(self) -> dict[str, TuneJob]:
         return self.scheduler.tunes
@@ -82,6 +94,7 @@ class Service:
         self._lock.acquire()
         try:
             self._load_state()
+            self.monitor.start()
             signal.signal(signal.SIGTERM, self._on_stop)
             signal.signal(signal.SIGINT, self._on_stop)
             signal.signal(signal.SIGHUP, self._on_reload)
@@ -102,10 +115,12 @@ class Service:
                     next_poll_s = time.monotonic() + self.config.poll_interval_s
                 self._save_state()
                 self.notifier.status(self.status_line())
-                self.notifier.watchdog(healthy=self.healthy)
+                self.monitor.turned(ok=self.healthy, why=self._unhealthy_reason())
+                self.notifier.watchdog(healthy=self.monitor.healthy())
                 time.sleep(_TICK_S)
             self._shutdown()
         finally:
+            self.monitor.stop()  # the HTTP thread must not outlive the command
             self._lock.release()
         return 0
 
@@ -127,6 +142,9 @@ class Service:
             logger.warning("SIGHUP: state_dir cannot move while the service holds its lock there; "
                            "keeping {} until a restart", self.config.state_dir)
             config = dataclasses.replace(config, state_dir=self.config.state_dir)
+        if config.metrics_address != self.config.metrics_address:
+            logger.warning("SIGHUP: the metrics endpoint stays where it is until a restart")
+            config = dataclasses.replace(config, metrics_address=self.config.metrics_address)
         self.config = config
         given_up = [pair for pair in self.pairs.values() if (pair.failure or {}).get("final")]
         for pair in given_up:  # the operator's way to say "try again"
@@ -209,7 +227,9 @@ class Service:
     def _start(self, pair: PairState, gpus: list[Gpu]) -> None:
         spec = self.specs[pair.model][1]
         self.scheduler.start(pair, gpus, spec, config=self.config, inventory=self.inventory,
-                             headroom=self._headroom(spec))
+                             headroom=self._headroom(spec),
+                             on_record=lambda record: self.monitor.count_trial(pair.model, pair.fingerprint,
+                                                                               record.status))
 
     def _reap(self) -> bool:
         """Record the tunes that ended; True if any did."""
@@ -245,7 +265,8 @@ class Service:
             "schema": STATE_SCHEMA,
             "service": {"pid": os.getpid(), "running": not self._stopping, "healthy": self.healthy,
                         "started": self.started, "updated": utc_now(),
-                        "status": "stopped" if self._stopping else self.status_line()},
+                        "status": "stopped" if self._stopping else self.status_line(),
+                        "metrics": self.monitor.to_dict()},
             "config": self.config.to_dict(),
             "inventory": {"source": self.inventory.description, "error": self.inventory_error, "gpus": [
                 {"slot": g.slot, "name": g.device.name, "fingerprint": g.device.fingerprint,
@@ -261,6 +282,7 @@ class Service:
 
     def _save_state(self, *, force: bool = False) -> None:
         state = self._state()
+        self.monitor.publish(state)
         same = json.dumps({**state, "service": {**state["service"], "updated": None}}, sort_keys=True, default=str)
         if not force and same == self._last_state and time.monotonic() - self._last_write_s < _HEARTBEAT_S:
             return
@@ -292,11 +314,12 @@ class Service:
             logger.info("state: {} (model, GPU kind) pairs from the last run", len(self.pairs))
 
 
-def serve_command(config_path: str | Path | None, *, inventory_path: str | Path | None = None) -> int:
+def serve_command(config_path: str | Path | None, *, inventory_path: str | Path | None = None,
+                  metrics_address: str | None = None) -> int:
     """`autofit serve`: run until SIGTERM; 0 on a clean stop."""
-    return Service(config_path, inventory_path=inventory_path).run()
+    return Service(config_path, inventory_path=inventory_path, metrics_address=metrics_address).run()
 
 
 def main(args) -> int:
     """The CLI's `serve`."""
-    return serve_command(args.config, inventory_path=args.inventory)
+    return serve_command(args.config, inventory_path=args.inventory, metrics_address=args.metrics_address)

@@ -19,6 +19,7 @@ How a tune ends decides what happens to its pair:
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from autofit.base.errors import AutofitError, NothingFitsError, TrialTimeoutErro
 from autofit.config.spec import ModelSpec
 from autofit.device.budget import Budget
 from autofit.search.shared import creation_lock
+from autofit.search.study import TrialRecord
 from autofit.profiles.profile import utc_now
 from autofit.tuning.space import device_for_ranks, study_name
 from autofit.tuning.tune import tune, TuneOutcome, TuneSetup
@@ -62,6 +64,7 @@ class TuneJob:
     guard: TrialGuard | None = None  # watches `gpus` on every tick while the tune runs
     done: threading.Event = field(default_factory=threading.Event)  # the worker has ended
     worker: str | None = None  # this service's name in studies shared with other hosts
+    on_record: Callable[[TrialRecord], None] | None = None  # each trial record, in the worker thread (metrics)
 
     def __post_init__(self):
         self.gpus = self.gpus or (self.gpu,)
@@ -131,6 +134,8 @@ class TuneJob:
 
             def on_trial(record, best, considered: int) -> None:
                 self.trials_done = considered  # the tuner counts across resumes itself
+                if self.on_record is not None:
+                    self.on_record(record)
 
             # tune() writes the profile into the store itself, atomically, after validation.
             # Emulated cards run their trials on the CPU; N ranks take one GPU each, by index.

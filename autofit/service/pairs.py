@@ -92,4 +92,5 @@ def profile_summary(path: Path, profile, stale: list[str]) -> dict:
     return {"path": str(path), "spec_hash": profile.model.spec_hash, "config": profile.config.short(),
             "samples_per_s": profile.measured.samples_per_s, "created": profile.created, "stale": stale,
             # Which hosts sharing the study measured its trials, and which one validated it.
-            "workers": profile.search.workers, "validated_by": profile.search.validated_by}
+            "workers": profile.search.workers, "validated_by": profile.search.validated_by,
+            "mfu": profile.search.mfu}

@@ -86,12 +86,12 @@ class Scheduler:
             queue.remove(key)
 
     def start(self, pair: PairState, gpus: list[Gpu], spec: ModelSpec, *, config: ServiceConfig, inventory,
-              headroom: float) -> TuneJob:
+              headroom: float, on_record: Callable | None = None) -> TuneJob:
         # The budget is each rank's: every GPU of a kind has the same memory.
         job = TuneJob(key=pair.key, gpu=gpus[0], gpus=tuple(gpus), spec=spec,
                       trials=config.trials or spec.search.trials,
                       budget=budget_for(gpus[0].device, None, headroom=headroom),
-                      worker=config.worker)
+                      worker=config.worker, on_record=on_record)
         # Checked on every tick of the tune, not only at the next poll: a job that starts
         # while a trial holds most of the card would run out of memory.
         job.guard = TrialGuard(inventory, gpus, lambda reason: job.stop(reason, retry=True), rule=self.pid_rule)

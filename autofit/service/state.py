@@ -45,6 +45,7 @@ class ProfileSummary(_ProfileSummaryRequired, total=False):
     stale: list[str]
     workers: dict[str, int]
     validated_by: str
+    mfu: float | None
 
 
 class NothingFits(TypedDict):
@@ -128,7 +129,17 @@ class DamagedState(AutofitError):
     afresh (what matters, profiles and studies, lives elsewhere); `status` says so."""
 
 
+class _MetricsRow(TypedDict, total=False):
+    """`service.monitor.Monitor.to_dict()`."""
+
+    address: str
+    url: str | None
+    healthz: str | None
+    error: str | None
+
+
 class _ServiceRow(TypedDict, total=False):
+    metrics: _MetricsRow
     pid: int
     running: bool
     healthy: bool

@@ -7,11 +7,13 @@ file (the service need not be running).
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from autofit.base.errors import AutofitError
 from autofit.base.sizes import format_bytes
 from autofit.service.config import load_service_config
+from autofit.service.metrics import age_s
 from autofit.service.state import read_state
 
 
@@ -49,7 +51,8 @@ def render_status(state: dict) -> str:
         head = f"autofit serve: running, pid {service.get('pid')}, {health}"
     else:
         head = f"autofit serve: not running (last pid {service.get('pid')})"
-    lines = [f"{head}; state updated {service.get('updated')}", f"  {service.get('status', '')}"]
+    lines = [f"{head}; state updated {service.get('updated')}", f"  {service.get('status', '')}",
+             _metrics_text(service.get("metrics"))]
     inventory = state.get("inventory", {})
     lines.append(f"GPUs ({inventory.get('source')}):")
     if inventory.get("error"):
@@ -66,11 +69,17 @@ def render_status(state: dict) -> str:
         lines.append(f"running: {tune['gpu']}: {tune['model']}, trial {tune['trial']}/{tune['trials']}, "
                      f"since {tune['started']}{stopping}")
     lines.append("profiles per (model, GPU kind):")
-    rows = [("MODEL", "GPU KIND", "STATUS", "TUNES", "PROFILE")]
+    rows = [("MODEL", "GPU KIND", "STATUS", "TUNES", "AGE", "PROFILE")]
+    now_unix_s = time.time()
     for pair in state.get("pairs", []):
-        rows.append((pair["model"], pair["device"], _status_text(pair), str(pair["tunes"]), _profile_text(pair)))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append((pair["model"], pair["device"], _status_text(pair), str(pair["tunes"]),
+                     _age_text(age_s((pair.get("profile") or {}).get("created"), now_unix_s)), _profile_text(pair)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    errors_by_pair = [(p, _last_error(p)) for p in state.get("pairs", []) if _last_error(p)]
+    if errors_by_pair:
+        lines.append("last errors:")
+        lines += [f"  {p['model']} on {p['device']}: {error}" for p, error in errors_by_pair]
     errors = state.get("spec_errors", [])
     if errors:
         lines.append("spec errors (skipped):")
@@ -78,9 +87,40 @@ def render_status(state: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _metrics_text(metrics: dict | None) -> str:
+    """Where an operator's Prometheus scrapes this service."""
+    metrics = metrics or {}
+    if metrics.get("url"):
+        return f"metrics: {metrics['url']} (health: {metrics['healthz']})"
+    if metrics.get("error"):
+        return f"metrics: not served: {metrics['error']}"
+    return "metrics: off" if metrics.get("address") == "off" else "metrics: not served"
+
+
+def _age_text(age_s: float | None) -> str:
+    """`-`, `45 s`, `12 min`, `5.2 h`, `3.1 d`: how old a profile is, at a glance."""
+    if age_s is None:
+        return "-"
+    for unit_s, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if age_s >= unit_s:
+            return f"{age_s / unit_s:.1f} {unit}" if unit != "min" else f"{age_s / unit_s:.0f} {unit}"
+    return f"{max(age_s, 0):.0f} s"
+
+
+def _last_error(pair: dict) -> str | None:
+    """The pair's last failed tune, on one line (its error can be a whole traceback's message)."""
+    failure = pair.get("failure") or {}
+    if not failure.get("error"):
+        return None
+    line = f"{failure.get('kind', 'error')}: {' '.join(str(failure['error']).split())}"
+    return line if len(line) <= 160 else line[:157] + "..."
+
+
 def _status_text(pair: dict) -> str:
-    """`retrying 2/5`, `failed (final)`, `nothing fits (final)`: what happens next, at a glance."""
+    """`retrying 2/5`, `failed (final)`, `nothing fits (final)`, `queued (stale)`: what happens next, at a glance."""
     status, failure = pair["status"], pair.get("failure") or {}
+    if status == "queued" and (pair.get("profile") or {}).get("stale"):
+        return "queued (stale)"
     if status == "retrying" and failure.get("kind") != "interrupted":
         return f"retrying {failure.get('attempts', 1)}/{failure.get('max_attempts', '?')}"
     if status in ("failed", "nothing fits"):
