@@ -52,6 +52,8 @@ from autofit.config.spec import SearchSpec
 from autofit.search import SearchSpace, Tuner, make_study
 from autofit.search.deadline import Deadline, SEARCH_SHARE
 from autofit.search.health import REFERENCE_TRIAL_STEPS
+from autofit.search.memory import MemoryModel
+from autofit.search.warm import translate
 from autofit.measure.measurement import Measurement
 
 GiB = 2**30
@@ -290,26 +292,46 @@ class Run:
     device_s: float = 0.0  # device time the search spent (measurements and estimates)
     one_liner: TrainConfig | None = None  # the landscape's one-liner (`one_liner_of`), if it fits and is healthy
     over_one_liner: float | None = None  # the chosen config's true throughput / the one-liner's
+    # Device seconds until a measured config was worth `REACH_SHARE` of the optimum (truly:
+    # it fits, keeps its numerics); None if none was. `warm`: the translated starts measured first.
+    reach_s: float | None = None
+    warm: tuple = ()
+    ranked: tuple = ()  # the search's ranking, best first: what another card's warm start reads
+
+
+REACH_SHARE = 0.95
 
 
 def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials,
-           patience: int = SearchSpec().patience, budget_s: float | None = None, anytime: bool = False) -> Run:
+           patience: int = SearchSpec().patience, budget_s: float | None = None, anytime: bool = False,
+           warm_from: tuple = ()) -> Run:
     """The tuner at `trials` and `patience` (the spec's defaults) on `landscape`, its sampler
     and the device's noise seeded with `seed`. `budget_s`: device seconds for the whole
     search. `anytime`: the one-liner measured first, windows sized in time, the search loop
     held to its share of the budget; else as before (step windows, the budget a timeout on
-    the search loop, what follows it cut at the budget)."""
+    the search loop, what follows it cut at the budget). `warm_from`: another card's ranked
+    configs, translated here (`search.warm`, estimates on this card's clock) and measured first."""
     landscape.reset(seed)
     landscape.stop_at_s[0] = math.inf if budget_s is None else budget_s
     study = make_study(study_name=f"{landscape.name}-{seed}", storage=None, seed=seed)
     deadline = Deadline(budget_s, clock=landscape.clock, search_share=SEARCH_SHARE if anytime else 1.0)
     timed = dataclasses.replace(landscape, window_s=landscape.window_s if anytime else None,
                                 cap_s=deadline.trial_cap_s() if anytime else None)
-    tuner = Tuner(timed.space(), study=study, budget_bytes=landscape.budget_bytes, measure=timed.measure,
+    best, best_sps = landscape.grid_best()
+    reached: list[float] = []
+
+    def measure(c: TrainConfig, **kwargs) -> Measurement:
+        m = timed.measure(c, **kwargs)
+        if not reached and m.status == "ok" and landscape.works(c) and landscape.samples_per_s(c) >= REACH_SHARE * best_sps:
+            reached.append(landscape.clock())
+        return m
+
+    memory = MemoryModel(timed.estimate, landscape.budget_bytes)
+    warm = translate(warm_from, timed.space(), lambda c: memory.fits(c, [])) if warm_from else ()
+    tuner = Tuner(timed.space(), study=study, budget_bytes=landscape.budget_bytes, measure=measure, starts=warm,
                   estimate=timed.estimate, max_trials=trials, patience=patience, deadline=deadline,
                   one_liner=ONE_LINER_GPU if anytime else (), measure_reference=timed.measure_reference if anytime else None)
     result = tuner.run()
-    best, best_sps = landscape.grid_best()
     chosen = result.ranked[0].config if result.ranked else None
     worth = chosen is not None and landscape.works(chosen)
     ratio = landscape.samples_per_s(chosen) / best_sps if worth else 0.0
@@ -318,7 +340,9 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
     return Run(landscape=landscape.name, seed=seed, chosen=chosen, best=best, ratio=ratio,
                trials=tuner.spent(result.records), measured=len(landscape.calls),
                configs=len(set(landscape.calls)), grid=landscape.space().size, stop_reason=result.stop_reason,
-               device_s=landscape.clock(), one_liner=one, over_one_liner=over)
+               device_s=landscape.clock(), one_liner=one, over_one_liner=over,
+               reach_s=reached[0] if reached else None, warm=warm,
+               ranked=tuple(r.config for r in result.ranked))
 
 
 # Knobs added after the landscapes were made, at their defaults: left out of the key of the
@@ -486,6 +510,27 @@ TIMED = [
               rate={"32-true": 50.0, "tf32": 150.0, "16-mixed": 290.0, "bf16-mixed": 300.0, "bf16-true": 330.0},
               context_bytes=1.0 * GiB, fragmentation=0.05, start_s=4.0, estimate_s=0.5),
 ]
+
+
+# One model on three cards, for warm starts across GPU kinds (benchmarks/warm_start.py): GPT-2
+# small as in `h100-gpt-small`, its rates scaled from the H100's by each card's dense peaks and
+# bandwidth (A100-40G: fp32 19.5, tf32 156, 16-bit 312 TFLOP/s against the H100's 67, 495,
+# 989; the L4-24G: 30, 60, 121 at 300 GB/s), its saturation by its SM count (132, 108, 58), its
+# budget the card's memory less the driver's share. All three run bf16 and tf32 (Ampere and later).
+_GPT_SMALL = dict(params=124e6, act_bytes_per_sample_block=100e6, n_blocks=12, global_batch_size=64,
+                  logit_bytes_per_sample=400e6, estimate_bias=0.85, fragmentation=0.05, start_s=4.0, estimate_s=0.5,
+                  noise=0.02)
+CARDS = {
+    "h100-80g": Landscape(name="h100-80g", budget_bytes=78 * GiB, m_half=2.0, context_bytes=1.5 * GiB,
+                          rate={"32-true": 56.4, "tf32": 158.7, "16-mixed": 320.0, "bf16-mixed": 332.8,
+                                "bf16-true": 367.0}, **_GPT_SMALL),
+    "a100-40g": Landscape(name="a100-40g", budget_bytes=38 * GiB, m_half=1.6, context_bytes=1.3 * GiB,
+                          rate={"32-true": 17.5, "tf32": 58.0, "16-mixed": 118.0, "bf16-mixed": 123.0,
+                                "bf16-true": 136.0}, **_GPT_SMALL),
+    "l4-24g": Landscape(name="l4-24g", budget_bytes=int(21.5 * GiB), m_half=0.9, context_bytes=1.0 * GiB,
+                        rate={"32-true": 8.6, "tf32": 19.5, "16-mixed": 38.0, "bf16-mixed": 40.0, "bf16-true": 44.0},
+                        **_GPT_SMALL),
+}
 
 
 def _steps_s(step_s: float, warmup: int, least: int, window_s: float, cap_s: float | None) -> float:

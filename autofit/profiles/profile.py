@@ -182,6 +182,9 @@ class SearchSummary:
     # What each knob the winner changed from the baseline is worth: its speed over the
     # measured config that differs in that knob alone (tuning/ablation.py); None: no such twin.
     knob_shares: dict[str, float | None] = field(default_factory=dict)
+    # The GPU kind (fingerprint) whose configs for the same spec were measured first
+    # (`search.warm`, the service's new kinds); "" for a cold start.
+    warm_start_from: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

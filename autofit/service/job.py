@@ -36,6 +36,7 @@ from autofit.tuning.space import device_for_ranks, study_name
 from autofit.tuning.tune import tune, TuneOutcome, TuneSetup
 from autofit.service.guard import TrialGuard
 from autofit.service.inventory import Gpu
+from autofit.service.warm import fleet_warm_start
 from autofit.service.state import iso_utc, PairState
 
 RETRY_FIRST_S, RETRY_MAX_S = 60.0, 3600.0  # back-off after a tune that timed out, crashed or was interrupted
@@ -129,8 +130,11 @@ class TuneJob:
             # The study is keyed by spec and GPU kind (an emulated card's fingerprint names its
             # memory), as tune() keys it: the same pair always resumes the same study.
             device = self.gpu.device
-            self.resumed = self.trials_done = finished_trials(
-                storage, study_name(self.spec, device_for_ranks(device, self.nproc)))
+            ranked_device = device_for_ranks(device, self.nproc)
+            self.resumed = self.trials_done = finished_trials(storage, study_name(self.spec, ranked_device))
+            # A new study starts from what other GPU kinds learnt about this spec (search.warm).
+            warm = None if self.resumed else fleet_warm_start(self.spec, ranked_device.fingerprint, self.nproc,
+                                                                store_dir=store_dir, storage=storage)
 
             def on_trial(record, best, considered: int) -> None:
                 self.trials_done = considered  # the tuner counts across resumes itself
@@ -142,7 +146,7 @@ class TuneJob:
             execute_on = "cpu" if device.emulated else ",".join(str(g.device.index) for g in self.gpus)
             setup = TuneSetup(spec=self.spec, device=device, budget=self.budget, out_dir=store_dir, storage=storage,
                               execute_on=execute_on, trials=self.trials, nproc=self.nproc, worker=self.worker,
-                              write_on_stop=False)
+                              write_on_stop=False, warm=warm)
             self.outcome = tune(setup, stop_event=self.stop_event, on_trial=on_trial, guard=self.guard)
         except Exception as exc:  # every ending is judged by the main thread, in settle()
             self.error = exc

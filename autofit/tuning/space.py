@@ -23,8 +23,13 @@ def study_name(spec: ModelSpec, device: DeviceInfo, emulated_budget_bytes: int |
     """One study per (spec, device kind[, emulated budget]): a rerun of the same command
     resumes it. The measured budget is not part of the key: other processes' memory moves
     it a little between runs, and measured peaks stay true whatever the budget."""
-    name = f"{spec.name}-{spec.spec_hash.removeprefix('sha256:')[:12]}-{device.fingerprint}"
+    name = f"{study_prefix(spec)}{device.fingerprint}"
     return name if emulated_budget_bytes is None else f"{name}-budget{emulated_budget_bytes}"
+
+
+def study_prefix(spec: ModelSpec) -> str:
+    """What every GPU kind's study of `spec` starts with: the service's warm start finds them by it."""
+    return f"{spec.name}-{spec.spec_hash.removeprefix('sha256:')[:12]}-"
 
 
 def device_for_ranks(device: DeviceInfo, nproc: int) -> DeviceInfo:

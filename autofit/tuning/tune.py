@@ -39,6 +39,7 @@ from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, T
 from autofit.search.deadline import Deadline
 from autofit.search.health import LossCurveCheck, reference_for, REFERENCE_TRIAL_STEPS
 from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
+from autofit.search.warm import warm_starts, WarmStart
 from autofit.profiles.demotions import read_demotions
 from autofit.profiles.profile import device_from_info, Profile, ProfileModel, SearchSummary, TrainingSetup, utc_now
 from autofit.profiles.store import ProfileStore
@@ -154,6 +155,9 @@ class TuneSetup:
     # The spec's trial worker, launched by the caller (`autofit tune` starts it first thing,
     # so its start-up runs while the study opens); None: the tune starts its own.
     trial_worker: Worker | None = None
+    # Another GPU kind's configs for the same spec, measured first (translated) when the
+    # study is new: the service's warm start for a new kind (`search.warm`).
+    warm: WarmStart | None = None
 
 
 def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
@@ -173,7 +177,7 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
                 execute_on=setup.execute_on, max_trials=setup.trials or spec.search.trials, stop_event=stop_event,
                 on_trial=on_trial, nproc=setup.nproc, guard=guard, worker=setup.worker or socket.gethostname(),
                 objects=setup.objects, deadline=deadline, trial_worker=setup.trial_worker,
-                grace_s=FIRST_ANSWER_GRACE_S if setup.write_on_stop else 0.0)
+                grace_s=FIRST_ANSWER_GRACE_S if setup.write_on_stop else 0.0, warm=setup.warm)
     with contextlib.ExitStack() as cleanup:  # the study's locks and the worker are released however it ends
         run.watch(cleanup)
         try:
@@ -236,7 +240,7 @@ class _Tune:
                  storage: str | None, execute_on: str | None, max_trials: int,
                  stop_event: threading.Event | None, on_trial, nproc: int,
                  guard, worker: str, objects: Path | None = None, deadline: Deadline,
-                 trial_worker: Worker | None = None, grace_s: float = 0.0):
+                 trial_worker: Worker | None = None, grace_s: float = 0.0, warm: WarmStart | None = None):
         if objects is not None and nproc > 1:  # ranks rebuild the workload from a spec file
             raise SpecError("a model given as a Python object is tuned in one process: nproc must be 1")
         self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget.usable_bytes, out_dir, storage
@@ -254,6 +258,7 @@ class _Tune:
         # What the first trial may run on after a halt while nothing is measured (FIRST_ANSWER_GRACE_S).
         self.grace_s, self.answered = grace_s, False
         self.timeouts: dict = {}  # config -> timeouts so far: a retry gets twice the time
+        self.warm, self.warm_from = warm, ""  # warm_from: the kind it started from, once its starts are planned
         # Precisions in which a config ran, and the first failure of the user's code in each
         # that has none (config_failure).
         self.ran_precisions: set[str] = set()
@@ -329,6 +334,10 @@ class _Tune:
             logger.info("micro batches {}: {}", list(self.space.micro_batch_sizes),
                         self.space.micro_batch_floor.describe())
         starts = self._read_demotions()
+        warm = tuple(c for c in warm_starts(self.warm, self.space, self.predict, self.budget_bytes)
+                     if c not in self.demoted)  # where training ran out of memory is never a start
+        self.warm_from = self.warm.from_kind if warm else ""
+        starts = tuple(dict.fromkeys(starts + warm))
         self.tuner = Tuner(self.space, study=self.study, budget_bytes=self.budget_bytes, measure=self.run_trial,
                            estimate=self.predict, max_trials=self.max_trials, patience=spec.search.patience,
                            timeout_s=self.timeout_s, on_trial=self.report_trial, should_stop=self.should_stop,
@@ -674,7 +683,7 @@ class _Tune:
             loss_curve=self.curve.summary(chosen.winner.config),
             workers=_workers(result.records), validated_by=self.worker,
             validated=chosen.validated, unvalidated=chosen.unvalidated, baseline_kind="one-liner",
-            speedup_over_32_true=over_32_true(result, chosen.winner, self.demoted),
+            speedup_over_32_true=over_32_true(result, chosen.winner, self.demoted), warm_start_from=self.warm_from,
             **self._worth(result, chosen, frontier[-1].measured.samples_per_s),
         )
         return Profile(
