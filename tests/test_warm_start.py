@@ -80,3 +80,10 @@ def test_the_service_starts_a_new_kind_from_the_first_kinds_experience(tmp_path)
     assert yaml.safe_load((tmp_path / "profiles" / next(n for n in profiles if "a100" in n)).read_text())[
         "search"]["warm_start_from"] == first.device.fingerprint
 
+
+
+def test_translation_drops_checkpointing_the_new_card_does_not_need():
+    space = _space()
+    source = space.config("bf16-true", 16, checkpoint_blocks=6)  # a small card needed it
+    out = translate([source], space, lambda c: c.micro_batch_size <= 64)  # this one fits all, unchecked
+    assert [(c.micro_batch_size, c.checkpoint_blocks) for c in out] == [(64, 0), (16, 0)]

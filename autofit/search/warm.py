@@ -79,8 +79,9 @@ def translate(ranked: Sequence[TrainConfig], space: SearchSpace, fits: Fits,
 def _translations(source: TrainConfig, space: SearchSpace, fits: Fits) -> Iterator[TrainConfig | None]:
     """The source's shape here: first the largest micro batch that fits at its checkpointed
     depth (a bigger card takes a bigger batch, a smaller one a smaller batch, both without
-    paying recomputation the source did not), then its own micro batch with the fewest blocks
-    checkpointed that make it fit."""
+    paying recomputation the source did not), with no more blocks checkpointed than that
+    batch needs here (recomputing what fits anyway only slows the step); then its own micro
+    batch with the fewest blocks checkpointed that make it fit."""
     precision = kept_precision(source.precision, space)
     if precision is None or source.world_size != space.world_size:
         return
@@ -90,6 +91,7 @@ def _translations(source: TrainConfig, space: SearchSpace, fits: Fits) -> Iterat
     other = {name: getattr(source, name) for name in ("optimizer_bits", "chunked_loss", "compile")
              if getattr(source, name) in getattr(space, name)}
     blocks = min(source.checkpoint_blocks, space.checkpointable(freeze))
-    yield largest_fitting(space, fits, precision, blocks, freeze, other, policy)
+    top = largest_fitting(space, fits, precision, blocks, freeze, other, policy)
+    yield top and fewest_checkpointed(space, fits, precision, top.micro_batch_size, freeze, other, policy)
     if source.micro_batch_size in space.micro_batch_sizes:
         yield fewest_checkpointed(space, fits, precision, source.micro_batch_size, freeze, other, policy)

@@ -30,8 +30,8 @@ from autofit.profiles.profile import utc_now
 
 from autofit.service import pairs as pair_plan
 from autofit.service.config import load_service_config, resolve_config_path, ServiceConfig
-from autofit.service.inventory import FileInventory, Gpu, NvmlInventory
 from autofit.service.endpoint import parse_address
+from autofit.service.inventory import FileInventory, Gpu, NvmlInventory
 from autofit.service.job import TuneJob
 from autofit.service.monitor import Monitor
 from autofit.service.notify import Notifier
