@@ -15,7 +15,7 @@ from autofit.doctor._base import Context, example_spec
 from autofit.doctor.results import fault_mode, run_check
 from autofit.doctor.checks import _request, CHECKS, compare_inventories
 from autofit.measure import child
-from autofit.doctor.training import adamw_step_difference, attention_backend, estimate_errors
+from autofit.doctor.training_checks import adamw_step_difference, attention_backend, estimate_errors
 from conftest import run_main
 
 CPU = Context(device=torch.device("cpu"))

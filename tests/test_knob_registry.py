@@ -3,15 +3,17 @@
 import ast
 import dataclasses
 import importlib
+import typing
 from pathlib import Path
 
 import pytest
 from conftest import tiny_gpt_dict, write_spec
 
 from autofit.base.errors import SpecError
-from autofit.config.knobs import KNOBS, knob_table, spec_knobs
+from autofit.config.knobs import Axis, KNOBS, knob_table, ModelFact, Role, spec_knobs
 from autofit.config.spec import load_spec, SearchSpec
 from autofit.config.train_config import TrainConfig
+from autofit.measure.messages import Analysis
 from autofit.search.space import SearchSpace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +31,9 @@ def knob_lists(root: Path) -> list[str]:
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         # The training side's hook registry is keyed by knob name (config/ cannot import train/).
-        hooks = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                 and [getattr(t, "id", None) for t in node.targets] == ["APPLY_HOOKS"]}
+        hooks = {id(node.value) for node in ast.walk(tree)
+                 if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["HOOKS"])
+                 or (isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "HOOKS")}
         for node in ast.walk(tree):
             if id(node) in hooks:
                 continue
@@ -59,17 +62,75 @@ def test_the_scan_finds_a_hand_written_list(tmp_path):
     (tmp_path / "autofit" / "x.py").write_text('MEMORY = ("optimizer_bits", "chunked_loss")\n'
                                                'c = config.replace(compile=True, length_bucketing=False)\n'
                                                'DEFAULTS = (("compile", False), ("chunked_loss", False))\n'
-                                               'APPLY_HOOKS = {"compile": f, "chunked_loss": g}\n')
+                                               'HOOKS = {"compile": f, "chunked_loss": g}\n')
     assert [line.split(": ")[0] for line in knob_lists(tmp_path)] == ["autofit/x.py:1", "autofit/x.py:2",
                                                                       "autofit/x.py:3"]
 
 
-def test_each_apply_hook_is_a_registered_knob():
-    from autofit.train.knobs import APPLY_HOOKS
+def test_each_hook_is_a_registered_knob():
+    from autofit.train.knobs import HOOKS, KnobHook
 
-    assert set(APPLY_HOOKS) <= set(KNOBS)
-    for name in APPLY_HOOKS:
+    assert set(HOOKS) <= set(KNOBS)
+    for name, hook in HOOKS.items():
+        assert isinstance(hook, KnobHook)
         assert KNOBS[name].applied_by.startswith("autofit.train.knobs:")
+
+
+def test_the_typed_fields_name_what_exists():
+    # A typo (needs="convolution", active_with="checkpoint_block") fails here, not on a CUDA device.
+    analysis_fields = {f.name: f for f in dataclasses.fields(Analysis)}
+    config_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for fact in ModelFact:
+        assert analysis_fields[fact.value].type is bool, fact
+    assert set(typing.get_args(Axis)) <= config_fields
+    for k in KNOBS.values():
+        assert isinstance(k.role, Role) and (k.needs is None or isinstance(k.needs, ModelFact)), k.name
+        assert k.after is None or k.after in typing.get_args(Axis), k.name
+        assert k.active_with is None or k.active_with in typing.get_args(Axis), k.name
+
+
+def test_the_config_writes_out_the_registry_fields_in_its_order():
+    # TrainConfig's knob fields are written by hand (for grep, editors and type checkers):
+    # each is the row's name, type and default, placed after its `after` field, the others
+    # at the end in registry order.
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    for k in KNOBS.values():
+        if k.after is not None:
+            assert names.index(k.name) == names.index(k.after) + 1, k.name
+    tail = [k.name for k in KNOBS.values() if k.after is None]
+    assert names[-len(tail):] == tail
+    for name in set(names) - set(KNOBS):
+        assert name not in {k.choices for k in KNOBS.values()}
+
+
+@pytest.mark.parametrize("name", list(KNOBS))
+def test_each_knob_is_exported_as_its_row_says(name):
+    # Every value away from the default reaches the env export (where the row names a
+    # variable), the HF arguments and notes, and the Lightning notes the row declares.
+    from autofit.profiles.export import hf_notes, lightning_notes, to_env, to_hf_training_args
+
+    knob = KNOBS[name]
+    base = {"micro_batch_size": 4, **({knob.active_with: 1} if knob.active_with else {})}
+    for value in knob.values[1:]:
+        config = TrainConfig(**base, **{name: value})
+        env = to_env(config)
+        if knob.exports.env is not None:
+            assert env[knob.exports.env] == knob.exports.env_value(value)
+        assert set(env) - set(to_env(TrainConfig(**base))) <= {knob.exports.env}
+        args = to_hf_training_args(config)
+        for key, arg in knob.exports.hf_args.get(value, {}).items():
+            assert args.get(key, args.get("train_sampling_strategy")) in (arg, "group_by_length"), key
+        if knob.exports.hf_note is not None:
+            assert len(hf_notes(config)) == len(hf_notes(TrainConfig(**base))) + 1
+        if knob.exports.lightning_note is not None or knob.exports.model_setup:
+            assert lightning_notes(config) != lightning_notes(TrainConfig(**base))
+
+
+def test_the_allocator_variable_is_the_allocators():
+    from autofit.device.alloc_conf import ALLOC_CONF_ENV, with_expandable_segments
+
+    exports = KNOBS["expandable_segments"].exports
+    assert (exports.env, exports.env_text[True]) == (ALLOC_CONF_ENV, with_expandable_segments(None, True))
 
 
 def test_each_knob_is_a_field_of_the_config_the_spec_and_the_space():
@@ -141,3 +202,43 @@ def test_each_spec_knob_is_read_from_the_search_section(knob, tmp_path):
 
 def test_the_docs_table_is_the_registry():
     assert knob_table() in (ROOT / "docs" / "design.md").read_text()
+
+
+class _Recording:
+    """A hook with every entry, recording what reached it (the shape an offload knob takes)."""
+
+    def __init__(self):
+        from autofit.train.knobs import KnobHook
+
+        class Hook(KnobHook):
+            def model(hook, model, value):
+                self.seen.append(("model", value))
+
+            def optimizer(hook, optimizer, value):
+                self.seen.append(("optimizer", value))
+                return optimizer
+
+            def batch(hook, batch, value):
+                self.seen.append(("batch", batch["x"].dtype, value))
+                return batch
+
+        self.seen, self.hook = [], Hook()
+
+
+def test_a_hook_sees_the_model_the_optimizer_and_each_micro_batch(monkeypatch):
+    import torch
+
+    from autofit.train import knobs
+    from autofit.train.plan import TrainingPlan
+
+    recording = _Recording()
+    monkeypatch.setitem(knobs.HOOKS, "length_bucketing", recording.hook)
+    config = TrainConfig(micro_batch_size=2, precision="bf16-true", length_bucketing=True)
+    plan = TrainingPlan(torch.nn.Linear(3, 1), config, lambda params: torch.optim.SGD(params, lr=0.1), device="cpu")
+    plan.to_device({"x": torch.zeros(2, 3)})
+    # The batch entry sees the micro batch as the step takes it: cast to the weights' dtype.
+    assert recording.seen == [("model", True), ("optimizer", True), ("batch", torch.bfloat16, True)]
+    recording.seen.clear()
+    knobs.prepare_batch({"x": torch.zeros(2, 3)}, config.replace(length_bucketing=False), torch.float32,
+                        torch.device("cpu"))
+    assert recording.seen == []  # at its default a knob's entries are not called

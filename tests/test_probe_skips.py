@@ -1,4 +1,4 @@
-"""The batch-dimension probe (autofit/workload/probe.py) in two cases of issue 36: skipped
+"""The batch-dimension probe (autofit/workload/batch_dim.py) in two cases of issue 36: skipped
 with one info line when no batch is ever split (every micro batch is the whole batch), and a
 non-finite loss in it reported as such (which call, which input), exit 3 as training's."""
 
@@ -10,7 +10,7 @@ import pytest
 from autofit.base.errors import NonFiniteLossError, SpecError
 from autofit.config.spec import parse_spec, PROBE_SKIPPED
 from autofit.workload import build_workload
-from autofit.workload.probe import check_batch_dim
+from autofit.workload.batch_dim import check_batch_dim
 from conftest import FIXTURES, run_main, tiny_gpt_dict, write_spec
 
 COUPLED = {"python": "byom_models:contrastive_loss", "args": {"temperature": 0.1}}  # per_sample left true

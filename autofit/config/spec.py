@@ -67,7 +67,7 @@ class ModelSource:
     # forward order); None: found (train.knobs.find_block_stack).
     blocks: tuple[str, ...] | None = None
     # The dimension of its inputs and outputs where the model takes the batch; None: 0,
-    # checked by a probe before training (workload.probe).
+    # checked by a probe before training (workload.batch_dim).
     batch_dim: int | None = None
 
 

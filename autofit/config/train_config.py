@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autofit.base.errors import SpecError
-from autofit.config.knobs import config_fields, KNOBS
+from autofit.config.knobs import KNOBS
 from autofit.config.reader import read_as
 from autofit.config.spec import ModelSpec, PRECISIONS
 
@@ -17,17 +17,19 @@ PARALLELISMS = ("none", "ddp", "fsdp")  # one process; DistributedDataParallel; 
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-@config_fields
 class TrainConfig:
-    """One point of the search space; what a profile records and a run applies. Besides the
-    fields below, one field per knob of the registry (`autofit.config.knobs.KNOBS`), at its
-    place in a profile and at its default."""
+    """One point of the search space; what a profile records and a run applies. The knob
+    fields are the registry's (`autofit.config.knobs.KNOBS`: their values, rules and docs are
+    there), written out at their place in a profile and at their defaults;
+    tests/test_knob_registry.py checks the two agree."""
 
     precision: str = "32-true"  # 32-true | tf32 | 16-mixed | bf16-mixed | bf16-true
     micro_batch_size: int  # samples per forward/backward
     grad_accum_steps: int = 1  # micro batches per optimizer step
     checkpoint_blocks: int = 0  # blocks of the block stack with activation checkpointing
+    checkpoint_policy: str = "full"  # knob: what a checkpointed block keeps (full | selective)
     freeze_blocks: int = 0  # embeddings + the first k blocks frozen (0: nothing frozen)
+    length_bucketing: bool = False  # knob: each step's samples sorted by length (text data)
     # Data parallelism over `world_size` ranks (one process per GPU, launched by torchrun).
     # The defaults are one process, so profiles written before these fields load unchanged.
     parallelism: str = "none"  # none | ddp | fsdp
@@ -35,6 +37,12 @@ class TrainConfig:
     reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
     bucket_cap_mb: int = 25  # ddp: gradient bucket size, MiB (torch's default)
     gradient_as_bucket_view: bool = False  # ddp: gradients are views into the buckets (one copy fewer)
+    # The knobs without an axis to follow, in registry order.
+    optimizer_bits: int = 32  # knob: the optimizer's moments in 32 or 8 bits
+    chunked_loss: bool = False  # knob: LM head + cross-entropy in chunks
+    compile: bool = False  # knob: torch.compile of each block
+    expandable_segments: bool = False  # knob: the CUDA allocator's expandable segments
+    cudnn_benchmark: bool = False  # knob: cuDNN's autotuner
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:

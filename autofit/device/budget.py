@@ -32,12 +32,15 @@ class Budget:
 
 
 def budget_for(device: DeviceInfo, memory_budget: str | int | None, *, headroom: float, time_s: float | None = None,
-               tune_time_s: float | None = None, what: str = "--memory-budget", error: type = SpecError) -> Budget:
+               tune_time_s: float | None = None, what: str = "--memory-budget", above_total: bool = False,
+               error: type = SpecError) -> Budget:
     """The one edge parser: `memory_budget` (`24GiB`, `0.8` of the device, bytes, or None)
     on `device`, less other processes' memory and `headroom`. A budget above the device is
-    refused (emulating a larger card measures nothing); errors are `error`s naming `what`."""
+    refused (emulating a larger card measures nothing) unless `above_total` (a profile
+    lookup: one tuned for a larger card is chosen from here); errors are `error`s naming `what`."""
     requested = parse_budget(None if memory_budget is None else str(memory_budget),
-                             total_bytes=device.memory_total_bytes, device_name=device.name, what=what, error=error)
+                             total_bytes=device.memory_total_bytes, device_name=device.name, what=what,
+                             above_total=above_total, error=error)
     return Budget(usable_bytes=usable_budget_bytes(device, headroom=headroom, memory_budget=requested),
                   requested_bytes=requested, time_s=time_s,
                   tune_time_s=tune_time_s)

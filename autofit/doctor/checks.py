@@ -29,7 +29,7 @@ from autofit.device.probe import cpu_device, probe_devices
 from autofit.train.recover import release_memory
 from autofit.measure import child, cuda_overhead
 from autofit.measure.messages import TrialRequest
-from autofit.doctor import training
+from autofit.doctor import training_checks
 from autofit.doctor._base import Context, example_spec, MIB
 from autofit.doctor.names import CHECK_NAMES, CPU_SKIPS
 from autofit.doctor.results import fail, ok, skip
@@ -318,6 +318,6 @@ _CAP_ADVICE = {
 
 # In the order they run (CHECK_NAMES): facts about the device first, then what trains on it.
 CHECKS = {"probe": check_probe, "overhead": check_overhead, "memory-cap": check_memory_cap,
-          "precisions": training.check_precisions, "kernels": training.check_kernels,
-          "estimator": training.check_estimator, "distributed": training.check_distributed}
+          "precisions": training_checks.check_precisions, "kernels": training_checks.check_kernels,
+          "estimator": training_checks.check_estimator, "distributed": training_checks.check_distributed}
 assert tuple(CHECKS) == CHECK_NAMES, (tuple(CHECKS), CHECK_NAMES)

@@ -21,7 +21,7 @@ from autofit.measure.process import failure_reason
 from autofit.measure.worker import Worker
 from autofit.commands.args import check_seconds
 from autofit.doctor.names import CHECK_NAMES, CPU_SKIPS
-from autofit.doctor.report import format_header, format_line, format_summary
+from autofit.doctor.table import format_header, format_line, format_summary
 from autofit.doctor.results import skip
 
 CHECK_TIMEOUT_S = 300.0  # one check; on a GPU the slowest (the estimator's two trials) takes seconds

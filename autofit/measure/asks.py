@@ -55,7 +55,7 @@ def analyze(worker: Worker, spec: ModelSpec, nproc: int = 1, *, stop_event=None)
 
 
 def probe_batch_dim(worker: Worker, spec: ModelSpec, *, timeout_s: float | None = None, stop_event=None) -> None:
-    """Refuse the spec's model as `autofit.workload.probe.check_batch_dim` would, run in a
+    """Refuse the spec's model as `autofit.workload.batch_dim.check_batch_dim` would, run in a
     child of `worker` (it runs the user's forward): InputError (exit 2) for a model the probe
     refuses or whose code raised; TrialError for a child that crashed, TrialTimeoutError for
     one that hung. Nothing for a spec whose model needs no probe (`ModelSpec.probes_batch_dim`)."""

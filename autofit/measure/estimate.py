@@ -26,7 +26,7 @@ from autofit.device.allocator import replay, workspace_events
 from autofit.device.memory import LiveBytesTracker
 from autofit.device.support import same_tensors
 from autofit.workload import build_workload, Workload
-from autofit.train.knobs import trainable_parameters
+from autofit.train.knobs import apply_optimizer_hooks, trainable_parameters
 from autofit.train.optim import build_optimizer, implementation
 from autofit.train.optim_state import fill_state, inferred_layout, state_layout, unfakeable_reason
 from autofit.train.runner import Runner
@@ -338,8 +338,9 @@ class _MetaBuild:
             return
         # Rebuilt over the tied parameters, and as the runner builds it on `device_kind`
         # (fused on CUDA: no per-parameter scratch).
-        runner.optimizer = build_optimizer(runner.spec.optimizer, runner.params, config=runner.config,
-                                           device=torch.device(device_kind))
+        runner.optimizer = apply_optimizer_hooks(build_optimizer(
+            runner.spec.optimizer, runner.params, config=runner.config, device=torch.device(device_kind)),
+            runner.config)
 
 
 class _ActivationMeter:

@@ -20,7 +20,7 @@ from autofit.config.spec import ModelSpec, parse_spec
 from autofit.config.train_config import TrainConfig
 from autofit.workload import build_workload, make_workload, TextData, Workload
 from autofit.workload.flops import train_flops_per_sample
-from autofit.workload.probe import check_batch_dim
+from autofit.workload.batch_dim import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.measure.child import run_request
 from autofit.measure.messages import Analysis, EstimateRequest, TrialRequest
@@ -102,7 +102,7 @@ def analyze(request: dict, context: dict) -> dict:
 
 
 def probe(request: dict, context: dict) -> dict:
-    """The batch-dimension probe (`autofit.workload.probe.check_batch_dim`): it runs the
+    """The batch-dimension probe (`autofit.workload.batch_dim.check_batch_dim`): it runs the
     user's forward on three CPU samples, so it is a task like a trial. A refusal, or an error
     in the user's code, is an `input_error`; anything else the parent reports as a failure."""
     try:

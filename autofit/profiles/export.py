@@ -7,6 +7,7 @@ Lightning `Trainer` kwargs, and environment variables.
 
 Each `to_*` returns only what the target accepts, so it can be splatted as is; what the
 target cannot express (partial or selective checkpointing, freezing, ...) is listed by `*_notes`.
+What a knob writes is its registry row's (`KnobDef.exports`): the exporters loop over the rows.
 """
 
 import dataclasses
@@ -17,8 +18,8 @@ from typing import Any
 import yaml
 
 from autofit.base.errors import ProfileError
+from autofit.config.knobs import KnobDef, KNOBS
 from autofit.config.train_config import TrainConfig
-from autofit.device.alloc_conf import ALLOC_CONF_ENV, with_expandable_segments
 from autofit.device.support import TF32_PRECISIONS
 
 FORMATS = ("yaml", "json", "hf", "lightning", "env")
@@ -66,7 +67,6 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
         # Tuned on a CPU: the job trains there. TrainingArguments refuses bf16/fp16 without a
         # GPU unless told the CPU is meant.
         args["use_cpu"] = True
-    _hf_optimizer(args, notes, profile)
     k = config.checkpoint_blocks
     if k > 0:
         # autofit's non-reentrant checkpointing; HF's default is still reentrant on some versions.
@@ -85,18 +85,16 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
                 f"{ckpt_key}=False" + ("" if n_blocks is not None else
                                        ", or pass n_blocks= so an evenly spread choice can be exported"))
         args[f"{ckpt_key}_kwargs"] = ckpt_kwargs
-        if config.checkpoint_policy == "selective":
-            # TrainingArguments' checkpointing kwargs reach torch.utils.checkpoint, but the
-            # selective policy is a context_fn (a function): JSON-serialised arguments cannot hold it.
-            notes.append(
-                f"checkpoint_policy=selective: the profile keeps each checkpointed block's matmul and attention "
-                f"outputs and recomputes only the rest; TrainingArguments can only recompute whole layers, "
-                f"which fits in no more memory but is slower. For the exact choice, apply it to the model "
-                f"(autofit.train.knobs.apply_checkpointing(model, {k}, first_block={config.freeze_blocks}, "
-                f"policy='selective')) and set {ckpt_key}=False")
+    for knob, value in _changed(config):
+        if not (knob.exports.names_optimizer and _optimizer_recorded(profile)):
+            args |= knob.exports.hf_args.get(value, {})
+        if knob.exports.hf_note is not None:
+            notes.append(knob.exports.hf_note.format(config=config, ckpt_key=ckpt_key))
+    _hf_optimizer(args, notes, profile)
     data = {} if isinstance(profile, TrainConfig) else profile.data
-    if data.get("kind") == "text" or config.length_bucketing:
-        _hf_lengths(args, notes, config, data, fields)
+    if data.get("kind") == "text":
+        _hf_lengths(args, notes, config, data)
+    _hf_spelling(args, fields)
     if config.parallelism == "ddp":
         # The Trainer runs DDP by itself when launched by torchrun; only the buckets are set.
         args["ddp_bucket_cap_mb"] = config.bucket_cap_mb
@@ -105,14 +103,6 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
         args["fsdp"] = "full_shard auto_wrap" if config.reshard_after_forward else "shard_grad_op auto_wrap"
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": config.reshard_after_forward}
         notes.append(_launch_note(config))
-    if config.compile:
-        # The Trainer compiles the whole model at once; autofit compiled each block with
-        # fullgraph=True (what was measured), and the whole model only without a block stack.
-        args["torch_compile"] = True
-        notes.append("compile: torch_compile=True compiles the whole model, and a graph break outside the blocks "
-                     "leaves that part eager; autofit measured each block compiled (fullgraph) with inductor. For "
-                     "the exact setup call autofit.train.knobs.apply_compile(model) before building the Trainer and "
-                     "leave torch_compile=False")
     if config.freeze_blocks > 0:
         notes.append(f"freeze_blocks={config.freeze_blocks}: TrainingArguments cannot freeze parameters; "
                      f"freeze them before building the Trainer: "
@@ -126,9 +116,6 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
     if loss is not None:
         notes.append(f"loss: measured with your {loss}; in the Trainer, override compute_loss(model, inputs) to "
                      f"return it (or pass compute_loss_func)")
-    if config.chunked_loss:
-        notes.append(_CHUNKED_NOTE + "; in the Trainer, override compute_loss with it (use_liger_kernel=True "
-                     "chunks too, on a GPU with liger-kernel, but is not what autofit measured)")
     if fields is not None:
         unknown = sorted(set(args) - fields)
         assert not unknown, f"this transformers' TrainingArguments lacks {unknown}"
@@ -139,19 +126,39 @@ def _device_kind(profile) -> str | None:
     return None if isinstance(profile, TrainConfig) else profile.device.kind
 
 
+def _changed(config: TrainConfig) -> list[tuple[KnobDef, Any]]:
+    """(knob, value) of each registry knob away from its default, in registry order."""
+    return [(k, value) for k in KNOBS.values() if (value := getattr(config, k.name)) != k.default]
+
+
+def _optimizer_recorded(profile) -> bool:
+    """The profile recorded the optimizer implementation it measured: the exports name that,
+    not what a knob (`Exports.names_optimizer`) would build."""
+    return not isinstance(profile, TrainConfig) and profile.measured.optimizer is not None
+
+
+# Keywords transformers renamed: the exports' (and the rows') spelling -> (the new field, its value).
+# transformers 5 replaced group_by_length=True by train_sampling_strategy="group_by_length".
+_HF_RENAMED = {"group_by_length": ("train_sampling_strategy", {True: "group_by_length", False: "random"})}
+
+
+def _hf_spelling(args: dict, fields: set[str] | None) -> None:
+    """`args` in the installed transformers' spelling, in place."""
+    for old, (new, values) in _HF_RENAMED.items():
+        if old in args and fields is not None and new in fields:
+            args[new] = values[args.pop(old)]
+
+
 # autofit.train.optim.implementation -> TrainingArguments.optim, where the Trainer builds the same one.
 _HF_OPTIM = {"torch.AdamW/fused": "adamw_torch_fused", "torch.AdamW/per-parameter": "adamw_torch",
              "torch.AdamW/foreach": "adamw_torch", "bitsandbytes.AdamW8bit/per-parameter": "adamw_bnb_8bit"}
 
 
 def _hf_optimizer(args: dict, notes: list[str], profile) -> None:
-    """The clipping and optimizer the profile was measured with, where the Trainer can build them."""
-    if isinstance(profile, TrainConfig) or profile.measured.optimizer is None:
-        # No record of the implementation: the knob alone says 8-bit state is bitsandbytes'.
-        if _config(profile).optimizer_bits == 8:
-            args["optim"] = "adamw_bnb_8bit"
-        if isinstance(profile, TrainConfig):
-            return
+    """The clipping and optimizer the profile was measured with, where the Trainer can build
+    them. Without a record of the implementation, what the knobs wrote stands."""
+    if isinstance(profile, TrainConfig):
+        return
     if profile.training is not None:
         # The Trainer clips at 1.0 unless told; 0 turns clipping off, as None did in the trials.
         args["max_grad_norm"] = profile.training.max_grad_norm or 0.0
@@ -177,18 +184,11 @@ def _own_optimizer(profile) -> str | None:
     return f"your {training.optimizer['python']}(params{', ' + args if args else ''}){measured}"
 
 
-def _hf_lengths(args: dict, notes: list[str], config: TrainConfig, data: dict, fields: set[str] | None) -> None:
-    """Text data: length grouping in TrainingArguments, padding and truncation in notes (they
-    belong to the tokenizer and the data collator, which TrainingArguments does not build)."""
-    # transformers 5 replaced group_by_length=True by train_sampling_strategy="group_by_length".
-    if fields is not None and "train_sampling_strategy" in fields:
-        args["train_sampling_strategy"] = "group_by_length" if config.length_bucketing else "random"
-    else:
-        args["group_by_length"] = config.length_bucketing
-    if config.length_bucketing:
-        notes.append("length bucketing: autofit sorts each global batch by length before cutting micro "
-                     "batches; the Trainer's group_by_length groups similar lengths across the dataset, which "
-                     "cuts padding the same way but changes which samples share a step")
+def _hf_lengths(args: dict, notes: list[str], config: TrainConfig, data: dict) -> None:
+    """Text data: length grouping in TrainingArguments (off, said explicitly, unless the
+    length-bucketing knob turned it on), padding and truncation in notes (they belong to the
+    tokenizer and the data collator, which TrainingArguments does not build)."""
+    args.setdefault("group_by_length", False)
     max_length, multiple = data.get("max_length"), data.get("pad_to_multiple_of") or 1
     pad_kw = f", pad_to_multiple_of={multiple}" if multiple > 1 else ""
     if data.get("packing"):
@@ -204,11 +204,6 @@ def _hf_lengths(args: dict, notes: list[str], config: TrainConfig, data: dict, f
     if data.get("longest_tokens"):
         notes.append(f"lengths: the peak was measured at {config.micro_batch_size} samples of "
                      f"{data['longest_tokens']} tokens; longer samples may run out of memory")
-
-
-_CHUNKED_NOTE = ("chunked_loss: the peak was measured with the LM head and cross-entropy computed in chunks "
-                 "(torch.nn.functional.linear_cross_entropy), so the full logits never exist: compute the loss "
-                 "with autofit.chunked_lm_loss(model, batch)")
 
 
 def _own_loss(profile) -> str | None:
@@ -283,27 +278,33 @@ def lightning_notes(profile) -> list[str]:
         notes.append(f"several nodes: devices (per node) x num_nodes must equal world_size={config.world_size}")
     if _own_optimizer(profile) is not None:
         notes.append(f"optimizer: measured with {_own_optimizer(profile)}; return it from configure_optimizers()")
-    elif not isinstance(profile, TrainConfig) and profile.measured.optimizer is not None:
+    elif _optimizer_recorded(profile):
         notes.append(f"optimizer: measured with {profile.measured.optimizer}; return the same from "
                      f"configure_optimizers() (autofit.train.optim.build_optimizer builds it)")
-    elif config.optimizer_bits == 8:  # (a bare config, or a profile from before the record)
-        notes.append("optimizer_bits=8: return bitsandbytes.optim.AdamW8bit(...) from configure_optimizers(), "
-                     "the 8-bit state autofit measured")
     loss = _own_loss(profile)
     if loss is not None:
         notes.append(f"loss: measured with your {loss}; return it from training_step")
-    if config.chunked_loss:
-        notes.append(_CHUNKED_NOTE + " in training_step")
-    if config.checkpoint_blocks or config.freeze_blocks or config.compile:
+    # (a knob naming the optimizer: for a bare config, or a profile from before the record)
+    own_or_recorded = _own_optimizer(profile) is not None or _optimizer_recorded(profile)
+    notes += [knob.exports.lightning_note.format(config=config) for knob, _ in _changed(config)
+              if knob.exports.lightning_note is not None and not (knob.exports.names_optimizer and own_or_recorded)]
+    setup = [knob for knob, _ in _changed(config) if knob.exports.model_setup]
+    if config.checkpoint_blocks or config.freeze_blocks or setup:
         # Lightning has no checkpointing of its own outside FSDP's activation_checkpointing_policy,
         # which wraps whole modules (neither a few blocks nor a selective policy), and no
         # Trainer argument for torch.compile.
-        knobs = [f"checkpoint_blocks={config.checkpoint_blocks}"
-                 + (f" ({config.checkpoint_policy})" if config.checkpoint_blocks else ""),
-                 f"freeze_blocks={config.freeze_blocks}"] + (["compile=true"] if config.compile else [])
+        policy = "".join(f" ({getattr(config, k.name)})" for k in KNOBS.values() if k.active_with == "checkpoint_blocks")
+        knobs = [f"checkpoint_blocks={config.checkpoint_blocks}" + (policy if config.checkpoint_blocks else ""),
+                 f"freeze_blocks={config.freeze_blocks}"] + [f"{k.name}={_spell(getattr(config, k.name))}"
+                                                            for k in setup]
         notes.append(f"{', '.join(knobs)}: apply them to the model in configure_model() with "
                      f"autofit.train.knobs.apply_config(model, profile.config)")
     return notes
+
+
+def _spell(value) -> str:
+    """A value as the profile's YAML writes it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def to_env(profile) -> dict[str, str]:
@@ -317,18 +318,9 @@ def to_env(profile) -> dict[str, str]:
         "AUTOFIT_CHECKPOINT_BLOCKS": str(config.checkpoint_blocks),
         "AUTOFIT_FREEZE_BLOCKS": str(config.freeze_blocks),
     }
-    if config.checkpoint_policy != "full":  # absent: full, as profiles written before it
-        env["AUTOFIT_CHECKPOINT_POLICY"] = config.checkpoint_policy
-    if config.optimizer_bits != 32:
-        env["AUTOFIT_OPTIMIZER_BITS"] = str(config.optimizer_bits)
-    if config.chunked_loss:
-        env["AUTOFIT_CHUNKED_LOSS"] = "1"
-    if config.compile:  # absent: eager
-        env["AUTOFIT_COMPILE"] = "1"
-    if config.expandable_segments:  # the allocator's own variable: a job that loads this file gets it
-        env[ALLOC_CONF_ENV] = with_expandable_segments(None, True)
-    if config.cudnn_benchmark:
-        env["AUTOFIT_CUDNN_BENCHMARK"] = "1"
+    # A knob at its default is absent, as in profiles written before the knob.
+    env |= {knob.exports.env: knob.exports.env_value(value) for knob, value in _changed(config)
+            if knob.exports.env is not None}
     if config.distributed:
         env |= {"AUTOFIT_PARALLELISM": config.parallelism, "AUTOFIT_WORLD_SIZE": str(config.world_size),
                 "AUTOFIT_TORCHRUN": torchrun_command(config)}

@@ -7,20 +7,36 @@ processes (read through NVML) less the headroom, else (a CPU without a budget) n
 choose by: the winner runs.
 """
 
-from __future__ import annotations
-
 import sys
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, Self, TypeVar
 
 from loguru import logger
 
 from autofit.base.errors import NothingFitsError, ProfileError
-from autofit.base.sizes import format_bytes, parse_budget
+from autofit.base.sizes import format_bytes
 from autofit.config.spec import SearchSpec
+from autofit.config.train_config import TrainConfig
+from autofit.device.budget import budget_for
 from autofit.device.probe import DeviceInfo, select_device, usable_budget_bytes
 
-if TYPE_CHECKING:  # annotations only: a profile imports this module, not the other way round
-    from autofit.profiles.profile import Profile
+
+class Frontier(Protocol):
+    """What the choice reads of a `Profile` (`autofit.profiles.profile` imports this module,
+    so this one types a profile by what it reads)."""
+
+    config: TrainConfig
+    device: Any  # the profile's device record: its `name`
+
+    @property
+    def points(self) -> tuple: ...  # FrontierPoints (config, measured), smallest peak first; the winner last
+
+    @property
+    def file_name(self) -> str: ...
+
+    def at(self, point) -> Self: ...
+
+
+Profile = TypeVar("Profile", bound=Frontier)  # the profile type chosen from is the type handed back
 
 
 def memory_available(info: DeviceInfo | None, *, headroom: float,
@@ -86,11 +102,12 @@ def fit_now(profile: Profile, *, memory_budget: int | str | None = None, device=
     if torch is not None and isinstance(device, torch.device):
         device = "cpu" if device.type == "cpu" else (device.index or 0)
     info = device if isinstance(device, DeviceInfo) else select_device(device)
-    budget_bytes = parse_budget(memory_budget, total_bytes=info.memory_total_bytes, what="memory_budget",
-                                above_total=True, error=ProfileError)
     headroom = default_headroom() if memory_headroom is None else memory_headroom
     if not 0.0 <= headroom < 0.5:
         raise ProfileError(f"memory_headroom: a fraction in [0, 0.5), got {headroom!r}")
+    # A budget above this device is allowed: a profile tuned for a larger card is looked up here.
+    budget_bytes = budget_for(info, memory_budget, headroom=headroom, what="memory_budget", above_total=True,
+                              error=ProfileError).requested_bytes
     if budget_bytes is None and profile.config.world_size > 1:
         # Each rank reads its own GPU; ranks that chose apart would not train one job.
         available, why = None, (f"a profile for {profile.config.world_size} ranks: only a memory budget (the "

@@ -10,20 +10,42 @@ study like any other: a resumed tune does not take a reference again, and reads 
 repeats back without letting them decide.
 
 A private helper of `search/loop.py` (as optuna's `study/_tell.py` is of its `Study`): only the
-`Tuner` calls it, and it is typed on the `Tuner` it reads.
+`Tuner` calls it, and it is typed on `Tuner`, the protocol below: the part of the search loop's
+`Tuner` it reads (the loop imports this module, so this one does not import the loop).
 """
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from loguru import logger
 
+from autofit.config.train_config import TrainConfig
 from autofit.search import choice, seeding
 from autofit.search.health import is_reference, reference_for, REFERENCE_PRECISIONS
+from autofit.search.space import SearchSpace
+from autofit.search.study import TrialRecord
 
-if TYPE_CHECKING:  # the Tuner imports this module: its type only, for the reader and the checker
-    from autofit.search.loop import Tuner
-    from autofit.search.study import TrialRecord
+
+class Tuner(Protocol):
+    """What the finish reads and calls of `autofit.search.loop.Tuner`."""
+
+    space: SearchSpace
+    budget_bytes: int
+    references: set[TrainConfig]  # the configs planned as references
+    session_start: float  # time.time() when this session began
+    warned_no_reference: set[int]  # freezing depths said to have no reference
+
+    def records(self) -> list[TrialRecord]: ...
+
+    def halted(self) -> bool: ...
+
+    def known(self, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord | None: ...
+
+    def measure_now(self, config: TrainConfig, records: list[TrialRecord], *, repeat: bool = False,
+                    unless_busy: bool = False) -> TrialRecord | None: ...
+
+    def fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]: ...
 
 BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
 # References measured at most after a search: an OOM refits the model (the next frontier
@@ -31,7 +53,7 @@ BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at
 REFERENCE_ATTEMPTS = 4
 
 
-def ensure_reference(tuner: "Tuner") -> None:
+def ensure_reference(tuner: Tuner) -> None:
     """Measure a full-precision reference at the freezing depth of each config that could
     win and has none (the mean loss is compared only at one depth: freezing changes what is
     trained), and one at all if the study has none: the fastest 32-true (else tf32) config
@@ -64,7 +86,7 @@ def ensure_reference(tuner: "Tuner") -> None:
                        "scaler skips and the first loss only (no mean-loss comparison)", depth)
 
 
-def _unreferenced(tuner: "Tuner", records: list["TrialRecord"]) -> tuple[int | None, int | None]:
+def _unreferenced(tuner: Tuner, records: list[TrialRecord]) -> tuple[int | None, int | None]:
     """(freezing depth, micro batch) of a contender for the win (within noise of the best)
     that is not full numerics and has no healthy reference at its depth; with no reference
     in the study at all, the best's (depth 0 and no micro batch when nothing ranks).
@@ -85,7 +107,7 @@ def _unreferenced(tuner: "Tuner", records: list["TrialRecord"]) -> tuple[int | N
     return None, None
 
 
-def refresh_leaders(tuner: "Tuner", records: list["TrialRecord"]) -> list["TrialRecord"]:
+def refresh_leaders(tuner: Tuner, records: list[TrialRecord]) -> list[TrialRecord]:
     """The leaders (the search's fastest configs, `choice.leaders`), where any of them has
     figures that are all old (read back from another session: another day, another load) or
     taken under heavy foreign load, measured again, interleaved, before any of those figures
@@ -123,7 +145,7 @@ def age_text(seconds: float) -> str:
     return f"{seconds / 86400:.0f} days"
 
 
-def remeasure_contenders(tuner: "Tuner") -> tuple[float | None, int]:
+def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
     """Re-measure the configs within noise of the best, interleaved, round after round: a
     contender whose lead is lost beyond doubt (`choice.behind`) leaves the field, a config
     measured once that comes to lead the re-measured ones joins it, and the rounds stop
@@ -164,7 +186,7 @@ def remeasure_contenders(tuner: "Tuner") -> tuple[float | None, int]:
         records = tuner.records()
 
 
-def _fresh_ranked(records: list["TrialRecord"], budget_bytes: int, since: float | None) -> list:
+def _fresh_ranked(records: list[TrialRecord], budget_bytes: int, since: float | None) -> list:
     """The configs measured in this session, ranked by those measurements: a config known only
     from an older session neither races nor decides (`refresh_leaders` measured the ones that
     could)."""

@@ -1,6 +1,7 @@
-"""Applying a `TrainConfig` to a model: block-stack discovery, activation checkpointing
-(whole blocks, or selective per op), freezing and compiling; and the micro-batch floor of
-models whose layers normalise over the batch."""
+"""Applying a `TrainConfig`: block-stack discovery, activation checkpointing (whole blocks,
+or selective per op), freezing, the knobs' hook objects (`KnobHook`: model, optimizer and
+batch entries) with `prepare_batch`, the one way a micro batch reaches the step; and the
+micro-batch floor of models whose layers normalise over the batch."""
 
 import contextlib
 import os
@@ -15,6 +16,7 @@ from autofit.config.knobs import CHECKPOINT_POLICIES, KNOBS
 from autofit.config.train_config import MicroBatchFloor, TrainConfig
 from autofit.device.alloc_conf import ALLOC_CONF_ENV, set_expandable_segments
 from autofit.device.compiler_cache import use_inductor_cache
+from autofit.workload import Batch, batch_to
 from autofit.workload.blocks import Blocks, find_block_stack
 
 __all__ = ["find_block_stack"]  # re-exported: FSDP2's units and the estimator's shards cut the same stack
@@ -228,14 +230,55 @@ def apply_compile(model: nn.Module) -> list[str]:
     return [name for name, _ in targets]
 
 
-# The apply hooks of the registry's knobs that change the model (`autofit.config.knobs.KNOBS`),
-# keyed by knob name: hook(model, value), called in registry order after freezing and
-# checkpointing for a knob away from its default. A knob applied elsewhere (the optimizer,
-# the loss, the data) names its place in its row's `applied_by`.
-APPLY_HOOKS = {
-    "compile": lambda model, on: apply_compile(model),  # last: a checkpointed block is compiled with it
-    "cudnn_benchmark": lambda model, on: apply_cudnn_benchmark(on),
+class KnobHook:
+    """The training side of one registry knob (`autofit.config.knobs.KNOBS`), after
+    torchtitan's `ModelConverter`: one object owns every point where the knob acts. For a
+    config whose value of the knob is not its default, in this order:
+
+    1. `model(model, value)`: once, in place, after freezing and checkpointing and before the
+       model is placed on its device (and wrapped by DDP or FSDP2), in registry order;
+    2. `optimizer(optimizer, value)`: once, on the optimizer built over the trainable
+       parameters (`autofit.train.optim.build_optimizer`, or a plan's factory); returns the
+       optimizer the step uses (the same one, or one that wraps it);
+    3. `batch(batch, value)`: every micro batch, once it is on the device and in the weights'
+       dtype, before the forward (`prepare_batch`, the runner's and the plan's alike).
+
+    Each entry does nothing by default; a hook overrides the entries where its knob acts. Its
+    memory rule is the row's (`holds_more`, `calibrated_apart`), its exports the row's `exports`."""
+
+    def model(self, model: nn.Module, value) -> None:
+        pass
+
+    def optimizer(self, optimizer: torch.optim.Optimizer, value) -> torch.optim.Optimizer:
+        return optimizer
+
+    def batch(self, batch, value):
+        return batch
+
+
+class _Compile(KnobHook):
+    def model(self, model: nn.Module, value) -> None:
+        apply_compile(model)
+
+
+class _CudnnBenchmark(KnobHook):
+    def model(self, model: nn.Module, value) -> None:
+        apply_cudnn_benchmark(value)
+
+
+# The hook objects of the registry's knobs applied here, keyed by knob name. A knob applied
+# elsewhere (the optimizer's implementation, the loss, the data, the allocator) names its
+# place in its row's `applied_by`.
+HOOKS: dict[str, KnobHook] = {
+    "compile": _Compile(),  # last of the model entries: a checkpointed block is compiled with it
+    "cudnn_benchmark": _CudnnBenchmark(),
 }
+
+
+def _active_hooks(config: TrainConfig) -> list[tuple[KnobHook, object]]:
+    """(hook, value) of each hooked knob away from its default, in registry order."""
+    return [(HOOKS[knob.name], value) for knob in KNOBS.values()
+            if knob.name in HOOKS and (value := getattr(config, knob.name)) != knob.default]
 
 
 def apply_cudnn_benchmark(on: bool) -> None:
@@ -246,15 +289,41 @@ def apply_cudnn_benchmark(on: bool) -> None:
 
 
 def apply_config(model: nn.Module, config: TrainConfig) -> nn.Module:
-    """Freezing, checkpointing and the knobs' hooks (compiling), in place; returns the model
-    for chaining."""
+    """Freezing, checkpointing and the knobs' model entries (compiling), in place; returns the
+    model for chaining."""
     apply_freezing(model, config.freeze_blocks)
     apply_checkpointing(model, config.checkpoint_blocks, first_block=config.freeze_blocks,
                         policy=config.checkpoint_policy)
-    for knob in KNOBS.values():
-        if knob.name in APPLY_HOOKS and (value := getattr(config, knob.name)) != knob.default:
-            APPLY_HOOKS[knob.name](model, value)
+    for hook, value in _active_hooks(config):
+        hook.model(model, value)
     return model
+
+
+def apply_optimizer_hooks(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.Optimizer:
+    """The knobs' optimizer entries on a freshly built `optimizer`; the optimizer to step."""
+    for hook, value in _active_hooks(config):
+        optimizer = hook.optimizer(optimizer, value)
+    return optimizer
+
+
+def prepare_batch(batch: Batch, config: TrainConfig, param_dtype: torch.dtype, device: torch.device) -> Batch:
+    """A micro batch as the step takes it, the runner's and a plan's alike: on `device`, its
+    float inputs in `param_dtype` (bf16 weights cannot multiply fp32 activations; token ids
+    stay integers), then the knobs' batch entries."""
+    if param_dtype != torch.float32:
+        batch = cast_floats(batch, param_dtype)
+    batch = batch_to(batch, device)
+    for hook, value in _active_hooks(config):
+        batch = hook.batch(batch, value)
+    return batch
+
+
+def cast_floats(batch, dtype: torch.dtype):
+    if isinstance(batch, dict):
+        return {k: cast_floats(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cast_floats(v, dtype) for v in batch)
+    return batch.to(dtype) if batch.is_floating_point() else batch
 
 
 def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:

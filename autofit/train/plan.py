@@ -38,12 +38,12 @@ from torch import nn
 from autofit.base.errors import DeviceError, ProfileError
 from autofit.config.train_config import TrainConfig
 from autofit.device.precision import check_supported, PrecisionPolicy, process_flags, set_process_flags
-from autofit.workload import Batch, batch_size_of, batch_to, split_batch
+from autofit.workload import Batch, batch_size_of, split_batch
 from autofit.train import distributed
-from autofit.train.knobs import apply_config, trainable_parameters
+from autofit.train.knobs import apply_config, apply_optimizer_hooks, prepare_batch, trainable_parameters
 from autofit.train.optim import implementation
 from autofit.train.recover import accumulate, Demotion, demotion, release_memory, StepOutOfMemory
-from autofit.train.runner import cast_floats, optimizer_step, resolve_device
+from autofit.train.runner import optimizer_step, resolve_device
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -78,7 +78,8 @@ class TrainingPlan:
             raise ProfileError(f"freeze_blocks={config.freeze_blocks} froze every parameter of "
                                f"{type(model).__name__}: nothing to train")
         # Built from the trainable parameters only: frozen ones get no optimizer state.
-        self.optimizer = optimizer_factory(self.parameters) if optimizer_factory is not None else None
+        self.optimizer = (apply_optimizer_hooks(optimizer_factory(self.parameters), config)
+                          if optimizer_factory is not None else None)
         if config.chunked_loss:  # the loss is the loop's own: say what was measured
             logger.info("this profile was measured with the chunked LM loss: compute the loss with "
                         "autofit.chunked_lm_loss(plan.model, micro_batch) (or plan.step(batch=..., "
@@ -123,11 +124,10 @@ class TrainingPlan:
         return stack
 
     def to_device(self, batch: Batch) -> Batch:
-        """A batch on the plan's device; under bf16-true its float inputs in bf16 too,
-        since bf16 weights cannot multiply fp32 activations (token ids stay integers)."""
-        if self.policy.param_dtype != torch.float32:
-            batch = cast_floats(batch, self.policy.param_dtype)
-        return batch_to(batch, self.device)
+        """A micro batch as the step takes it: on the plan's device, under bf16-true its float
+        inputs in bf16 too, with the knobs' batch entries (`autofit.train.knobs.prepare_batch`,
+        as the runner's)."""
+        return prepare_batch(batch, self.config, self.policy.param_dtype, self.device)
 
     # --- the step ---------------------------------------------------------------------
 

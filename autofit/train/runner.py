@@ -13,10 +13,11 @@ from autofit.base.errors import SpecError
 from autofit.config.spec import ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.precision import check_supported, PrecisionPolicy
-from autofit.workload import batch_to, split_batch, TextData, Workload
+from autofit.workload import split_batch, TextData, Workload
 from autofit.workload.text import count_tokens
 from autofit.train import distributed
-from autofit.train.knobs import apply_config, micro_batch_floor, trainable_parameters
+from autofit.train.knobs import (apply_config, apply_optimizer_hooks, micro_batch_floor, prepare_batch,
+                                 trainable_parameters)
 from autofit.train.optim import build_optimizer
 from autofit.train.recover import accumulate, demotion, Demotion, release_memory
 
@@ -85,8 +86,8 @@ class Runner:
         self.params = trainable_parameters(self.model)
         if not self.params:
             raise ValueError("every parameter is frozen: nothing to train")
-        self.optimizer = build_optimizer(spec.optimizer, self.params, config=config, device=device,
-                                         user=workload.optimizer)
+        self.optimizer = apply_optimizer_hooks(build_optimizer(spec.optimizer, self.params, config=config,
+                                                               device=device, user=workload.optimizer), config)
         self.scaler = distributed.grad_scaler(self.policy.make_scaler(device.type), config, device)
         self.skipped_steps = 0
         self.loss_fn = workload.loss_fn
@@ -125,9 +126,7 @@ class Runner:
         return count_tokens(micro_batches) if self.varying_lengths else None
 
     def _to_device(self, micro_batches: list) -> list:
-        if self.policy.param_dtype != torch.float32:
-            micro_batches = [cast_floats(mb, self.policy.param_dtype) for mb in micro_batches]
-        return [batch_to(mb, self.device) for mb in micro_batches]
+        return [prepare_batch(mb, self.config, self.policy.param_dtype, self.device) for mb in micro_batches]
 
     def step(self, micro_batches: list) -> StepResult:
         """One optimizer step: scaled backward per micro batch, unscale, clip, step.
@@ -214,10 +213,3 @@ class Runner:
             self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
 
-
-def cast_floats(batch, dtype: torch.dtype):
-    if isinstance(batch, dict):
-        return {k: cast_floats(v, dtype) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(cast_floats(v, dtype) for v in batch)
-    return batch.to(dtype) if batch.is_floating_point() else batch

@@ -40,7 +40,7 @@ from autofit.device.probe import DeviceInfo, select_device
 from autofit.device.support import require_supported
 from autofit.workload import build_workload, make_workload
 from autofit.workload.optimizer import from_object
-from autofit.workload.probe import check_batch_dim
+from autofit.workload.batch_dim import check_batch_dim
 from autofit.train import distributed
 from autofit.train.knobs import prepare_process
 from autofit.train.loop import train

@@ -15,7 +15,9 @@ from loguru import logger
 
 from autofit.base.errors import NothingFitsError, TrialError, TrialTimeoutError
 from autofit.base.sizes import format_bytes
+from autofit.config.knobs import KNOBS
 from autofit.config.spec import ModelSpec
+from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
 from autofit.search import SearchResult, TrialRecord
 from autofit.tuning.frontier import median_run, total_peak
@@ -201,9 +203,13 @@ def reference_record(result: SearchResult, demoted: set = frozenset()) -> TrialR
 
 
 def _plain_32_true(result: SearchResult, demoted: set, *, checkpointed: bool) -> list[TrialRecord]:
-    """32-true trials that fit, with no freezing, 8-bit state or chunked loss: with blocks
+    """32-true trials that fit, with no freezing and every knob that changes the math
+    (`KnobDef.changes_math`: 8-bit state, the chunked loss) at its default: with blocks
     checkpointed, or without."""
     return [r for r in result.records if r.config.precision == "32-true"
             and (r.config.checkpoint_blocks > 0) == checkpointed and r.config.freeze_blocks == 0
-            and r.config.optimizer_bits == 32 and not r.config.chunked_loss
-            and r.feasible(result.budget_bytes) and r.config not in demoted]
+            and _plain_math(r.config) and r.feasible(result.budget_bytes) and r.config not in demoted]
+
+
+def _plain_math(config: TrainConfig) -> bool:
+    return all(getattr(config, k.name) == k.default for k in KNOBS.values() if k.changes_math)

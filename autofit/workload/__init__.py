@@ -58,7 +58,7 @@ class Workload:
     per_sample: bool = True
     # Where the model takes the batch, when declared (inputs are moved there); None: dim 0.
     batch_dim: int | None = None
-    # A model autofit did not write whose batch dimension nobody declared: `probe.check_batch_dim`
+    # A model autofit did not write whose batch dimension nobody declared: `batch_dim.check_batch_dim`
     # checks it before training.
     probe_batch_dim: bool = False
     # The user's own optimizer (`optimizer.python`, `autofit.tune(optimizer=...)`):
@@ -90,7 +90,7 @@ def make_workload(model: nn.Module | Callable[[], nn.Module], batch_fn: BatchFn 
     `per_sample=False`: the loss couples the samples of a batch (in-batch negatives), so
     every step runs the whole batch as one micro batch. `batch_dim`: where forward takes the
     batch (autofit's batches hold it in dim 0 and move it there); None: dim 0, checked by a
-    probe (`probe.check_batch_dim`) unless `probe_batch_dim=False`. `blocks`: the dotted
+    probe (`batch_dim.check_batch_dim`) unless `probe_batch_dim=False`. `blocks`: the dotted
     paths of the block stack's containers (else found). The rest is what a spec also knows:
     names for errors (`key_path`, `target`), token counts, the chunked loss, `loss_items`,
     and the user's own optimizer (`optimizer`: params -> torch.optim.Optimizer).

@@ -187,7 +187,7 @@ def check_kernels(ctx: Context) -> dict:
         if backends[dtype] == "math":
             problems.append(f"{dtype} attention runs the math kernel")
         elif backends[dtype] == "none seen":  # the example model calls SDPA: torch renamed its kernels' ops
-            problems.append(f"no SDPA kernel among the {dtype} step's ops (autofit/doctor/training.py "
+            problems.append(f"no SDPA kernel among the {dtype} step's ops (autofit/doctor/training_checks.py "
                             f"_ATTENTION_OPS needs torch's new op names)")
     values = {"attention_backend": backends,
               "sdp_enabled": {"flash": torch.backends.cuda.flash_sdp_enabled(),
