@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from loguru import logger
 
+from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
 from autofit.search.memory import MemoryModel
 from autofit.search.seeding import fewest_checkpointed, Fits, largest_fitting
@@ -87,9 +88,10 @@ def _translations(source: TrainConfig, space: SearchSpace, fits: Fits) -> Iterat
         return
     freeze = min(source.freeze_blocks, space.max_freeze_blocks)
     policy = source.checkpoint_policy if source.checkpoint_policy in space.policies() else "full"
-    # The memory knobs as the source ran them, where this space searches them.
-    other = {name: getattr(source, name) for name in ("optimizer_bits", "chunked_loss", "compile")
-             if getattr(source, name) in getattr(space, name)}
+    # The option knobs as the source ran them, where this space allows them.
+    # (the checkpoint policy is chosen above, with the depth it acts on)
+    other = {k.name: getattr(source, k.name) for k in KNOBS.values()
+             if k.name != "checkpoint_policy" and getattr(source, k.name) in getattr(space, k.choices)}
     blocks = min(source.checkpoint_blocks, space.checkpointable(freeze))
     top = largest_fitting(space, fits, precision, blocks, freeze, other, policy)
     yield top and fewest_checkpointed(space, fits, precision, top.micro_batch_size, freeze, other, policy)
