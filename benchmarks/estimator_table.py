@@ -72,7 +72,8 @@ def card_row(spec, config, *, device: str | None, capability: str | None, memory
         e = estimate_memory(spec, config, device_kind="cuda", compute_capability=capability,
                             capacity_bytes=memory_bytes or None)
         row |= {"predicted_allocated_bytes": e.allocated_peak_bytes, "predicted_reserved_bytes": e.reserved_peak_bytes,
-                "predicted_tensor_peak_bytes": e.peak_bytes, "workspace_bytes": e.workspace_bytes, "note": e.note}
+                "predicted_tensor_peak_bytes": e.peak_bytes, "predicted_activations_bytes": e.activations_bytes,
+                "workspace_bytes": e.workspace_bytes, "note": e.note}
         if memory_bytes:  # judged as a run on the card would go: reserved under it, with the allocator's retry
             row["predicted_fits_card"] = e.fit_bytes <= memory_bytes
             row["predicted_allocator_retries"] = e.allocator_retries
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="the CUDA index to measure on")
     parser.add_argument("--estimate-only", action="store_true", help="predicted columns only, no card needed")
     parser.add_argument("--compute-capability", help="for --estimate-only: the card's (default Hopper's, 9.0)")
-    parser.add_argument("--models", default=",".join(SPECS))
+    parser.add_argument("--models", default=",".join(SPECS), help=f"names ({', '.join(SPECS)}) or model.yaml paths")
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--micro-batches", default=",".join(map(str, MICRO_BATCHES)))
     parser.add_argument("--json", help="write the rows here (after each row)")
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     rows = [r for r in previous if r.get("status") or args.device is None]
     done = {(r["model"], r["precision"], r["micro_batch_size"]) for r in rows}
     for name in args.models.split(","):
-        spec = load_spec(REPO / SPECS[name])
+        spec = load_spec(REPO / SPECS[name] if name in SPECS else name)  # a name, or a spec's path
         for precision in args.precisions.split(","):
             for micro in map(int, args.micro_batches.split(",")):
                 if (spec.name, precision, micro) in done:

@@ -1,24 +1,24 @@
-"""The check to run whenever a GPU is lent: what a new user sees against the obvious setting.
+"""The check to run whenever a GPU is lent, in parts ordered by value; saved after each, resumable.
 
-    python benchmarks/gpu_check.py                      # GPT-2 small and BERT-base on the first GPU, <= 12 min
-    python benchmarks/gpu_check.py --spec benchmarks/specs/gpt-small.yaml --hand-loops one-liner one-liner+compile
-                                                        # one spec, two hand loops: <= 6 min
-    python benchmarks/gpu_check.py --spec benchmarks/specs/gpt-small-tiny.yaml --time-budget 30 --out /tmp/x
-                                                        # the same on a CPU, to know the script works
+    python benchmarks/gpu_check.py --plan 900        # which parts fit in 900 s, in order; runs nothing
+    python benchmarks/gpu_check.py                   # every part on the first GPU, record in benchmarks/results
+    python benchmarks/gpu_check.py --parts gpt2-xl,gpt-small --record R.json   # some parts; R.json resumes
+    python benchmarks/gpu_check.py --tiny --out /tmp/x   # the same parts at tiny scale on a CPU
 
-In order, per spec (`--spec`, repeatable; default GPT-2 small and BERT-base): hand-written
-PyTorch loops (fp32, tf32, the AMP one-liner: bf16 autocast (fp16 where the device has no
-bf16) at the largest micro batch that fits, with fused AdamW, and the one-liner under
-torch.compile), each at the largest micro batch of the global batch that runs, each in its
-own process; then `autofit tune SPEC --time-budget N` with the default space, which on CUDA
-tries compiling (and the allocator's expandable segments) on the leaders: the compiled
-trials are counted from its --json trials. Per spec: the tuned profile over the hand
-one-liner and over the compiled one-liner, and the profile's MFU. Then `autofit doctor`
-(last, so that a lease cut short keeps the figures; `--skip-doctor` leaves it out). The
-record is written after each stage, the tune's whole log beside it.
-Writes `<out>/<date>-<device>-gpu-check.{json,md}` (default out: benchmarks/results; on a
-CPU name another folder: CPU figures are not GPU results). The hand loops are skipped on a
-CPU except fp32 (tf32 and bf16 autocast are GPU settings).
+Parts, in order (minutes on an H100 in `PARTS`; `--tiny` swaps in the CPU analogs):
+  memory-bound specs, each under a smaller card's budget where the one-liner does not fit
+  (gpt2-xl at 40 GiB, llama-1b-gqa at 24 GiB, qwen2-0.5b-4k at 16 GiB): the hand loops under
+  the tune's cap (benchmarks/hand_loops.py: the one-liner and its OOM, the expert's fallback,
+  the fallback with 8-bit AdamW), `autofit tune --memory-budget B --time-budget 180`, the
+  profile over the best fallback (`tune_over_fallback`) and over the one-liner, OOM trials,
+  the estimator's error on every trial, the 16-bit winner's losses against 32-true over the
+  same batches (`autofit trial` of each: the data is seeded by step), and a 300-step
+  `autofit train` of the profile with its reserved peak;
+  gpt-small at the whole card's budget (the one-liner, the compiled one-liner, the tune, whose
+  leaders try compiling); bert-base likewise; the estimator table
+  (benchmarks/estimator_table.py --device 0); `autofit doctor` with its estimator check.
+The record (`--record`, default `<out>/<date>-<device>-gpu-check.json`, with a .md beside it)
+is written after every part; a part already in it is not run again.
 """
 
 import argparse
@@ -27,176 +27,194 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-HAND_LOOPS = ("fp32", "tf32", "one-liner", "one-liner+compile")
-HAND_WINDOW_S = 8.0  # a hand loop's timed window after warm-up, seconds
-HAND_MIN_STEPS = 3
-HAND_TIMEOUT_S = 150.0
-DOCTOR_TIMEOUT_S = 150.0
-DEFAULT_SPECS = (REPO / "benchmarks/specs/gpt-small.yaml", REPO / "benchmarks/specs/bert-base.yaml")
+SPECS = REPO / "benchmarks/specs"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", type=Path, action="append",
-                        help="a spec to check (repeatable; default: GPT-2 small and BERT-base)")
-    parser.add_argument("--hand-loops", nargs="+", choices=HAND_LOOPS, default=list(HAND_LOOPS),
-                        help="the hand loops run per spec on a GPU (default: all)")
-    parser.add_argument("--time-budget", default="120", help="each tune's --time-budget (default 120)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
-    parser.add_argument("--skip-doctor", action="store_true", help="leave `autofit doctor` out (a rerun)")
-    parser.add_argument("--hand-loop", choices=HAND_LOOPS, help=argparse.SUPPRESS)  # a child: one hand loop
-    args = parser.parse_args()
-    specs = args.spec or list(DEFAULT_SPECS)
-    if args.hand_loop:
-        print(json.dumps(hand_loop(specs[0], args.hand_loop)))
-        return 0
-    import torch
-
-    cuda = torch.cuda.is_available()
-    device = torch.cuda.get_device_name(0) if cuda else "cpu"
-    start = time.monotonic()
-    record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
-              "specs": [str(p) for p in specs], "time_budget": args.time_budget, "commit": _commit(),
-              "torch": torch.__version__}
-    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")[:40]
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{record['date'][:10]}-{slug}-gpu-check"
-
-    def save() -> None:  # after every stage: a run cut short by its lease keeps what it measured
-        record["wall_s"] = round(time.monotonic() - start, 1)
-        stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-        stem.with_suffix(".md").write_text(_markdown(record))
-
-    record["runs"] = {}
-    for spec in specs:
-        record["runs"][str(spec)] = run = {}
-        check_spec(spec, args.hand_loops if cuda else ["fp32"], args.time_budget,
-                   log=stem.with_name(f"{stem.name}-tune-{spec.stem}.log"), run=run, save=save)
-        save()
-    if not args.skip_doctor:  # last: the figures above are what a lease must not lose
-        record["doctor"] = _run([sys.executable, "-m", "autofit", "doctor", "--json", "--timeout", "60"],
-                                timeout_s=DOCTOR_TIMEOUT_S)
-        save()
-    print(stem.with_suffix(".md"))
-    return 0
+@dataclass(frozen=True)
+class Part:
+    name: str
+    minutes: float  # on an H100, from the steps' sizes; what --plan adds up
+    spec: str | None = None  # a spec file under benchmarks/specs
+    budget: str | None = None  # --memory-budget; None: the whole card
+    hand_loops: tuple = ()
+    train: bool = False  # the memory-bound parts: a long `autofit train` and the loss check
 
 
-def check_spec(spec: Path, hand_loops: list[str], time_budget: str, log: Path, run: dict, save) -> None:
-    """The hand loops, then the tune, of one spec, into `run`; the tune's figures over the
-    hand ones. The tune's whole log goes to `log`; `save()` after each hand loop."""
-    run["hand"] = {}
-    for name in hand_loops:
-        got = _run([sys.executable, __file__, "--spec", str(spec), "--hand-loop", name], timeout_s=HAND_TIMEOUT_S)
-        run["hand"][name] = _last_json(got) | {"wall_s": got["wall_s"], "rc": got["rc"]}
-        print(f"{spec.name} hand {name}: {run['hand'][name]}", file=sys.stderr, flush=True)
-        save()
-    with tempfile.TemporaryDirectory(prefix="autofit-gpu-check-") as folder:
-        tune = _run([sys.executable, "-m", "autofit", "tune", str(spec), "--time-budget", str(time_budget),
-                     "--state-dir", f"{folder}/state", "--out", f"{folder}/profiles", "--no-report", "--json"],
-                    timeout_s=600)
-        log.write_text(tune["stderr"])
-        run["tune"] = {"rc": tune["rc"], "wall_s": tune["wall_s"], "stderr_tail": tune["stderr"][-6000:],
-                       "log": log.name}
-        summary = _last_json(tune)
-        if summary.get("profile_path"):
-            run["tune"] |= {"profile": Path(summary["profile_path"]).read_text(), "best": summary.get("best"), "search": summary.get("search"),
-                            "mfu": (summary.get("search") or {}).get("mfu")}
-        trials = [t for t in summary.get("trials", []) if t.get("trial_wall_s") is not None]
-        run["tune"]["trials_measured"] = len(trials)
-        run["tune"]["trials"] = summary.get("trials", [])
-        run["tune"]["compiled_trials"] = [(t["number"], t["status"], t.get("compile_s"), t["config"])
-                                          for t in trials if t["config"].get("compile")]
-    best = (run["tune"].get("best") or {}).get("samples_per_s")
-    for hand in ("one-liner", "one-liner+compile", "fp32"):
-        got = run["hand"].get(hand, {}).get("samples_per_s")
-        run[f"tune_over_{hand}"] = round(best / got, 3) if best and got else None
+MEMORY_LOOPS = ("one-liner", "fallback", "fallback+8bit")
+PARTS = (Part("gpt2-xl", 18, "gpt2-xl.yaml", "40GiB", MEMORY_LOOPS, True),
+         Part("llama-1b-gqa", 16, "llama-1b-gqa.yaml", "24GiB", MEMORY_LOOPS, True),
+         Part("qwen2-0.5b-4k", 14, "qwen2-0.5b-4k.yaml", "16GiB", MEMORY_LOOPS, True),
+         Part("gpt-small", 8, "gpt-small.yaml", None, ("one-liner", "one-liner+compile")),
+         Part("bert-base", 6, "bert-base.yaml", None, ("one-liner",)),
+         Part("estimator-table", 10), Part("doctor", 4))
+TINY = (Part("gpt2-xl", 4, "gpt2-xl-tiny.yaml", "24MiB", MEMORY_LOOPS, True),
+        Part("llama-1b-gqa", 4, "llama-gqa-tiny.yaml", "16MiB", MEMORY_LOOPS, True),
+        Part("qwen2-0.5b-4k", 4, "qwen2-long-tiny.yaml", "40MiB", MEMORY_LOOPS, True),
+        Part("gpt-small", 2, "gpt-small-tiny.yaml", None, ("one-liner",)),
+        Part("bert-base", 2, "bert-base-tiny.yaml", None, ("one-liner",)),
+        Part("estimator-table", 1), Part("doctor", 3))
 
 
-def hand_loop(spec_path: Path, name: str) -> dict:
-    """One hand-written loop as a user would set it: the largest micro batch (of the global
-    batch's divisors) that runs, then samples/s over a timed window after warm-up."""
-    import torch
+@dataclass(frozen=True)
+class Scale:
+    """What differs between the card and `--tiny` on a CPU."""
+    device: list  # the CLI's --device arguments
+    time_budget: str  # each tune's --time-budget
+    train_steps: int
+    window_s: float  # a hand loop's timed window
+    loss_steps: int  # steps of the 16-bit winner and of 32-true compared
+    doctor_timeout_s: int
 
+
+CARD = Scale(device=[], time_budget="180", train_steps=300, window_s=8.0, loss_steps=20, doctor_timeout_s=300)
+CPU = Scale(device=["--device", "cpu"], time_budget="150", train_steps=5, window_s=0.3, loss_steps=4,
+            doctor_timeout_s=600)
+
+
+def plan(parts, seconds: float) -> list[tuple[Part, bool]]:
+    """(part, fits) in order: a part fits when it and every part before it fit in `seconds`."""
+    out, used = [], 0.0
+    for part in parts:
+        used += part.minutes * 60
+        out.append((part, used <= seconds))
+    return out
+
+
+def run_part(part: Part, scale: Scale, folder: Path, out: dict, save) -> None:
+    """Runs `part` into `out` (its entry in the record), `save()` after each step; a step whose
+    key is in `out` already (a resumed record) is not run again."""
+    def step(key: str, run) -> None:
+        if key not in out:
+            out[key] = run()
+            save()
+
+    if part.name == "estimator-table":
+        return step("table", lambda: _estimator_table(scale))
+    if part.name == "doctor":
+        return step("doctor", lambda: _cli(["doctor", "--json", "--timeout", str(scale.doctor_timeout_s // 2)],
+                                           scale.doctor_timeout_s))
+    spec = SPECS / part.spec
+    out |= {"spec": str(spec.relative_to(REPO)), "budget": part.budget}
+    step("cap_bytes", lambda: usable_bytes(spec, part.budget, scale))
+    for loop in part.hand_loops:
+        step(f"hand {loop}", lambda loop=loop: _hand_loop(spec, loop, out["cap_bytes"], scale))
+    step("tune", lambda: _tune(spec, part.budget, scale, folder))
+    out.update(_speedups(out, part))
+    profile = out["tune"].get("profile_path")
+    if part.train and profile and Path(profile).exists():
+        step("losses_vs_32_true", lambda: _losses_vs_32_true(spec, out["tune"]["config"], part.budget, scale))
+        step("train", lambda: _train(spec, profile, part.budget, scale, folder))
+
+
+def _hand_loop(spec: Path, loop: str, cap_bytes: int | None, scale: Scale) -> dict:
+    got = _run([sys.executable, str(REPO / "benchmarks/hand_loops.py"), str(spec), loop, "--window-s",
+                str(scale.window_s)] + (["--budget-bytes", str(cap_bytes)] if cap_bytes else []), 900)
+    return _last_json(got) | {"wall_s": got["wall_s"]}
+
+
+def _speedups(out: dict, part: Part) -> dict:
+    """The validated profile over each hand loop, and over the better fallback."""
+    best = (out["tune"].get("best") or {}).get("samples_per_s")
+    speed = {loop: out[f"hand {loop}"].get("samples_per_s") for loop in part.hand_loops}
+    ratios = {f"tune_over_{loop}": round(best / got, 3) if best and got else None for loop, got in speed.items()}
+    fallbacks = [speed[n] for n in ("fallback", "fallback+8bit") if speed.get(n)]
+    ratios["tune_over_fallback"] = round(best / max(fallbacks), 3) if best and fallbacks else None
+    return ratios
+
+
+def _train(spec: Path, profile: str, budget: str | None, scale: Scale, folder: Path) -> dict:
+    metrics = folder / "metrics.json"
+    got = _cli(["train", str(spec), "--profile", profile, "--steps", str(scale.train_steps), "--checkpoint-dir",
+                str(folder / "run"), "--metrics-out", str(metrics), "--no-progress"] + _budget_args(budget)
+               + scale.device, 1800)
+    return got | ({"metrics": json.loads(metrics.read_text())} if metrics.exists() else {})
+
+
+def usable_bytes(spec: Path, budget: str | None, scale: Scale) -> int | None:
+    """The bytes a tune's trials may use under `budget` on this device: the hand loops' cap."""
+    if budget is None:
+        return None
     from autofit.config.spec import load_spec
-    from autofit.workload import build_workload
+    from autofit.device.budget import budget_for
+    from autofit.device.probe import select_device
 
-    spec = load_spec(spec_path)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = name == "tf32"
-    dtype = None
-    if name.startswith("one-liner"):
-        dtype = torch.bfloat16 if (not cuda or torch.cuda.is_bf16_supported()) else torch.float16
-    global_batch = spec.train.global_batch_size
-    for micro in [m for m in range(global_batch, 0, -1) if global_batch % m == 0]:
-        try:
-            return _timed(spec, build_workload(spec), device, micro, global_batch // micro, dtype,
-                          compile_model=name.endswith("compile"))
-        except torch.OutOfMemoryError:
-            if cuda:
-                torch.cuda.empty_cache()
-    return {"status": "oom", "reason": "micro batch 1 runs out of memory"}
+    device = select_device(scale.device[1] if scale.device else None)
+    return budget_for(device, budget, headroom=load_spec(spec).search.memory_headroom).usable_bytes
 
 
-def _timed(spec, workload, device, micro: int, accum: int, dtype, *, compile_model: bool) -> dict:
-    import torch
-
-    torch.manual_seed(spec.train.seed)
-    model = workload.build_model().to(device)
-    opt = spec.optimizer
-    adamw = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay or 0.0,
-                              **({"betas": tuple(opt.betas)} if getattr(opt, "betas", None) else {}),
-                              fused=device.type == "cuda")
-    stepper = torch.compile(model) if compile_model else model
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    generator = torch.Generator().manual_seed(0)
-    batches = [_to(workload.data.batch(micro, generator), device) for _ in range(accum)]
-
-    def step() -> None:
-        for batch in batches:
-            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                loss = workload.loss_fn(stepper, batch) / accum
-            scaler.scale(loss).backward()
-        scaler.unscale_(adamw)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.train.max_grad_norm or 1e9)
-        scaler.step(adamw)
-        scaler.update()
-        adamw.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    compile_start = time.monotonic()
-    for _ in range(3):  # warm-up: compile, allocator, cuDNN autotuning
-        step()
-    warmup_s = time.monotonic() - compile_start
-    times = []
-    while sum(times) < HAND_WINDOW_S or len(times) < HAND_MIN_STEPS:
-        t = time.monotonic()
-        step()
-        times.append(time.monotonic() - t)
-    times.sort()
-    step_s = times[len(times) // 2]
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    return {"status": "ok", "micro_batch_size": micro, "grad_accum_steps": accum,
-            "samples_per_s": round(micro * accum / step_s, 2), "step_time_s": round(step_s, 4),
-            "steps": len(times), "warmup_s": round(warmup_s, 1), "peak_memory_bytes": peak}
+def _tune(spec: Path, budget: str | None, scale: Scale, folder: Path) -> dict:
+    got = _run([sys.executable, "-m", "autofit", "tune", str(spec), "--time-budget", scale.time_budget,
+                "--state-dir", str(folder / "state"), "--out", str(folder / "profiles"), "--no-report", "--json"]
+               + _budget_args(budget) + scale.device, 1200)
+    summary = _last_json(got)
+    trials = summary.get("trials", [])
+    return {"rc": got["rc"], "wall_s": got["wall_s"], "stderr_tail": got["stderr"][-4000:],
+            "profile_path": summary.get("profile_path"), "best": summary.get("best"),
+            "config": (summary.get("best") or {}).get("config"),
+            "oom_trials": sum(t.get("status") == "oom" for t in trials), "trials": len(trials),
+            "estimator_error_pct": [_error_pct(t) for t in trials if t.get("peak_memory_bytes")]}
 
 
-def _to(batch, device):
-    if isinstance(batch, dict):
-        return {k: v.to(device) for k, v in batch.items()}
-    return tuple(v.to(device) for v in batch)
+def _error_pct(trial: dict) -> dict:
+    predicted, measured = trial.get("predicted_peak_bytes"), trial["peak_memory_bytes"]
+    return {"number": trial["number"], "status": trial["status"], "predicted_bytes": predicted,
+            "measured_bytes": measured, "error_pct": round(100 * (predicted / measured - 1), 2) if predicted else None}
 
 
-def _run(cmd: list[str], *, timeout_s: float, env: dict | None = None) -> dict:
+def _losses_vs_32_true(spec: Path, config: dict | None, budget: str | None, scale: Scale) -> dict:
+    """The winner's losses and 32-true's over the same first steps (both trials' data is seeded
+    by step), 32-true at the winner's micro batch with every block checkpointed, to fit."""
+    if not config:
+        return {"status": "no winner"}
+    sets = [f"{k}={v}" for k, v in config.items() if k in ("precision", "micro_batch_size", "grad_accum_steps",
+                                                            "checkpoint_blocks", "optimizer_bits", "chunked_loss")]
+    reference = [s for s in sets if not s.startswith(("precision", "checkpoint_blocks", "optimizer_bits"))]
+    runs = {}
+    every_block = f"checkpoint_blocks={_layers(spec)}"
+    for name, chosen in (("winner", sets), ("32-true", reference + ["precision=32-true", every_block])):
+        args = ["trial", str(spec), "--json", "--warmup-steps", "0", "--measure-steps", str(scale.loss_steps)]
+        got = _cli(args + [a for s in chosen for a in ("--set", s)] + _budget_args(budget) + scale.device, 900)
+        runs[name] = got.get("losses") or got
+    winner, reference_losses = runs["winner"], runs["32-true"]
+    if not (isinstance(winner, list) and isinstance(reference_losses, list)):
+        return {"status": "failed", "runs": runs}
+    pairs = list(zip(winner, reference_losses))
+    return {"status": "ok", "winner": winner, "32-true": reference_losses,
+            "max_rel_diff": round(max(abs(a - b) / abs(b) for a, b in pairs), 5) if pairs else None}
+
+
+def _layers(spec: Path) -> int:
+    from autofit.config.spec import load_spec
+
+    args = load_spec(spec).model.args
+    return int(args.get("n_layer") or args.get("num_hidden_layers"))
+
+
+def _estimator_table(scale: Scale) -> dict:
+    args = ["--device", "0"] if not scale.device else ["--estimate-only", "--models",
+                                                       str(SPECS / "gpt2-xl-tiny.yaml"), "--micro-batches", "4"]
+    got = _run([sys.executable, str(REPO / "benchmarks/estimator_table.py"), *args], 1800)
+    return {"rc": got["rc"], "wall_s": got["wall_s"], "table": got["stdout"][-6000:]}
+
+
+def _budget_args(budget: str | None) -> list[str]:
+    return ["--memory-budget", budget] if budget else []
+
+
+def _cli(args: list[str], timeout_s: float) -> dict:
+    got = _run([sys.executable, "-m", "autofit", *args], timeout_s)
+    return _last_json(got) | {"rc": got["rc"], "wall_s": got["wall_s"]}
+
+
+def _run(cmd: list[str], timeout_s: float) -> dict:
     start = time.monotonic()
-    env = {**os.environ, **(env or {}), "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=env)
         rc, out, err = done.returncode, done.stdout, done.stderr
@@ -207,9 +225,10 @@ def _run(cmd: list[str], *, timeout_s: float, env: dict | None = None) -> dict:
 
 
 def _last_json(got: dict) -> dict:
-    for line in reversed(got["stdout"].strip().splitlines()):
+    text = got["stdout"].strip()
+    for start in [m.start() for m in re.finditer(r"^\{", text, re.M)][::-1]:  # a JSON object, one line or many
         try:
-            value = json.loads(line)
+            value = json.loads(text[start:])
         except ValueError:
             continue
         if isinstance(value, dict):
@@ -217,29 +236,23 @@ def _last_json(got: dict) -> dict:
     return {"status": "failed", "rc": got["rc"], "stderr_tail": got["stderr"][-2000:]}
 
 
-def _markdown(r: dict) -> str:
-    lines = [f"# GPU check: {r['device']}, {r['date']}", "",
-             f"`python benchmarks/gpu_check.py {' '.join('--spec ' + s for s in r['specs'])} --time-budget "
-             f"{r['time_budget']}` at {r['commit']}, torch {r['torch']}; {r['wall_s']} s in all.", "",
-             f"doctor: exit {r['doctor']['rc']} in {r['doctor']['wall_s']} s" if "doctor" in r else "doctor: not run",
-             ""]
-    for spec, run in r["runs"].items():
-        lines += [f"## {spec}", "", "| hand loop | micro x accum | samples/s | step s | wall s |", "|---|---|---|---|---|"]
-        for name, h in run["hand"].items():
-            shape = f"{h.get('micro_batch_size')} x {h.get('grad_accum_steps')}" if h.get("status") == "ok" \
-                else h.get("status")
-            lines.append(f"| {name} | {shape} | {h.get('samples_per_s', '-')} | {h.get('step_time_s', '-')} | "
-                         f"{h['wall_s']} |")
-        t = run.get("tune")
-        if t is None:  # saved after a hand loop, before the tune
-            lines += ["", "autofit tune: not run yet", ""]
-            continue
-        best = t.get("best") or {}
-        lines += ["", f"autofit tune --time-budget {r['time_budget']}: exit {t['rc']} in {t['wall_s']} s; "
-                  f"{best.get('samples_per_s', '-')} samples/s ({(best.get('config') or {})}), MFU {t.get('mfu')}; "
-                  f"over the hand one-liner: {run['tune_over_one-liner']}, over the compiled one-liner: "
-                  f"{run['tune_over_one-liner+compile']}; compiled trials {len(t['compiled_trials'])} of "
-                  f"{t['trials_measured']}: {t['compiled_trials']}", ""]
+def _markdown(record: dict) -> str:
+    lines = [f"# GPU check: {record['device']}, {record['date']}", "",
+             f"at {record['commit']}, torch {record['torch']}{' (--tiny)' if record['tiny'] else ''}", ""]
+    for name, part in record["parts"].items():
+        lines.append(f"## {name} ({part.get('wall_s')} s)")
+        for loop, h in ((k[5:], v) for k, v in part.items() if k.startswith("hand ")):
+            lines.append(f"- hand {loop}: {h.get('status')} micro {h.get('micro_batch_size')} x "
+                         f"{h.get('grad_accum_steps')}, {h.get('samples_per_s')} samples/s, "
+                         f"peak reserved {h.get('peak_reserved_bytes', h.get('peak_tracked_bytes'))}")
+        if "tune" in part:
+            t = part["tune"]
+            lines.append(f"- tune: exit {t['rc']} in {t['wall_s']} s, {t['trials']} trials, {t['oom_trials']} OOM; "
+                         f"over the fallback {part.get('tune_over_fallback')}, over the one-liner "
+                         f"{part.get('tune_over_one-liner')}")
+        lines += [f"- {key}: {json.dumps(part[key])[:600]}" for key in ("losses_vs_32_true", "train", "rc")
+                  if key in part]
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -251,6 +264,64 @@ def _commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", type=float, metavar="SECONDS", help="print which parts fit in SECONDS, run none")
+    parser.add_argument("--parts", help="comma-separated part names (default: all, in order)")
+    parser.add_argument("--tiny", action="store_true", help="the CPU analogs at tiny scale, on the CPU")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
+    parser.add_argument("--record", type=Path, help="the record to write and resume (default: in --out)")
+    args = parser.parse_args(argv)
+    parts, scale = (TINY, CPU) if args.tiny else (PARTS, CARD)
+    if args.parts:
+        names = args.parts.split(",")
+        unknown = sorted(set(names) - {p.name for p in parts})
+        if unknown:
+            print(f"gpu_check: --parts: unknown {', '.join(unknown)}; one of {', '.join(p.name for p in parts)}",
+                  file=sys.stderr)
+            return 2
+        parts = tuple(p for p in parts if p.name in names)
+    if args.plan is not None:
+        for part, fits in plan(parts, args.plan):
+            print(f"{'fits' if fits else 'does not fit'}  {part.name:16} {part.minutes:g} min")
+        return 0
+    record = _open_record(args, scale)
+    for part in parts:
+        if record["parts"].get(part.name, {}).get("done"):
+            print(f"{part.name}: in the record already", file=sys.stderr)
+            continue
+        started = time.monotonic()
+        out = record["parts"].setdefault(part.name, {})
+        # Beside the record, not in a temp folder: a part resumed after its tune trains its profile.
+        folder = args.record_path.with_name(f"{args.record_path.stem}-work") / part.name
+        folder.mkdir(parents=True, exist_ok=True)
+        run_part(part, scale, folder, out, save=lambda: _save(record, args.record_path))
+        out |= {"done": True, "wall_s": round(time.monotonic() - started + out.get("wall_s", 0), 1)}
+        _save(record, args.record_path)
+        print(f"{part.name}: done in {out['wall_s']} s", file=sys.stderr, flush=True)
+    print(args.record_path)
+    return 0
+
+
+def _open_record(args, scale: Scale) -> dict:
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu"
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")[:40]
+    args.record_path = args.record or args.out / f"{date[:10]}-{slug}-gpu-check{'-tiny' if args.tiny else ''}.json"
+    if args.record_path.exists():  # resume: the parts in it are done
+        return json.loads(args.record_path.read_text())
+    return {"date": date, "device": device, "commit": _commit(), "torch": torch.__version__, "tiny": args.tiny,
+            "scale": scale.__dict__, "parts": {}}
+
+
+def _save(record: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    path.with_suffix(".md").write_text(_markdown(record))
 
 
 if __name__ == "__main__":

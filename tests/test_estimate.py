@@ -126,7 +126,9 @@ def test_device_kind_cuda_uses_the_fused_optimizer_and_skips_construction(tiny_s
     config = TrainConfig(precision="bf16-true", micro_batch_size=8)
     cpu, cuda = estimate_memory(tiny_spec, config), estimate_memory(tiny_spec, config, device_kind="cuda")
     assert cuda.model_state_bytes == cpu.model_state_bytes
-    assert cuda.peak_bytes <= cpu.peak_bytes
+    # Construction left out; CUDA's flash attention adds its RNG seed (16 bytes) and offset (8)
+    # per layer, which the fake step counts as their meta kernel makes them.
+    assert cuda.peak_bytes <= cpu.peak_bytes + 24 * tiny_spec.model.args["n_layer"]
     with pytest.raises(ValueError, match="device_kind"):
         estimate_memory(tiny_spec, config, device_kind="tpu")
 

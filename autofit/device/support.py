@@ -1,8 +1,11 @@
 """Which precisions a device can run, from plain facts (device kind and compute capability,
 read through NVML or torch): the parent decides without touching CUDA or importing torch."""
 
-from autofit.base.errors import DeviceError
-from autofit.config.spec import PRECISIONS
+import importlib.util
+import sys
+
+from autofit.base.errors import DeviceError, SpecError
+from autofit.config.spec import ModelSpec, PRECISIONS
 
 
 def unsupported_reason(name: str, *, device_kind: str, compute_capability: tuple[int, int] | None) -> str | None:
@@ -37,6 +40,21 @@ def require_supported(name: str, device) -> None:
     reason = unsupported_reason(name, device_kind=device.kind, compute_capability=device.compute_capability)
     if reason is not None:
         raise DeviceError(f"precision: {reason}")
+
+
+def require_opt_in_packages(spec: ModelSpec) -> None:
+    """A searched opt-in whose package is not installed here is refused before any trial:
+    otherwise every trial of it ends in an error. The trial children import from the same
+    environment as this process, so a look at its import path (no import) decides."""
+    if 8 in spec.search.optimizer_bits and not _installed("bitsandbytes"):
+        raise SpecError("search.optimizer_bits: 8 needs bitsandbytes, which is not installed here: "
+                        "pip install 'autofit[optim8]' (or pip install bitsandbytes), or search [32] only")
+
+
+def _installed(package: str) -> bool:
+    if package in sys.modules:  # None there: imports of it are blocked
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
 
 
 # Precisions whose fp32 matmuls and convolutions may use TF32 tensor cores.

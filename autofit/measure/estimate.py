@@ -10,6 +10,7 @@ optimizer state exists only from the first `optimizer.step()` on. Known blind sp
 the search corrects them: docs/estimator.md.
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -31,6 +32,7 @@ from autofit.train.optim import build_optimizer, implementation
 from autofit.train.optim_state import fill_state, inferred_layout, state_layout, unfakeable_reason
 from autofit.train.runner import Runner
 from autofit.train.user_optim import count_state, CountedState, OptimizerStateError
+from autofit.measure.cuda_attention import CudaAttention
 from autofit.measure.estimate_shard import per_rank
 from autofit.measure.estimated import EstimateError, MemoryEstimate
 
@@ -123,6 +125,9 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     construction_events = 0
     activations = _ActivationMeter(tracker)
     build = _MetaBuild(workload.build_model, workload.optimizer)
+    # A CUDA target runs attention on its own kernels (flash, memory-efficient), which save far
+    # less than the CPU's math path does with dropout on: traced as the card would run it.
+    attention = CudaAttention(compute_capability) if device_kind == "cuda" else contextlib.nullcontext()
     chunked = workload.chunked_loss_fn
     # The user's optimizer never runs here (its kernels may not take fake tensors): a
     # stand-in is built, and `retie` gives it the state bytes counted on real tensors.
@@ -155,7 +160,7 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
                 runner.config = small_config.replace(grad_accum_steps=len(real))
                 with fake_mode:
                     batch = [_to_fake(fake_mode, mb) for mb in real]
-                with fake_mode, tracker:
+                with fake_mode, tracker, attention:
                     tracker.track(t for mb in batch for t in tree_leaves(mb))
                     runner.step(batch)
                     del batch

@@ -43,9 +43,12 @@ def total_peak(m: Measurement) -> int:
     return (m.peak_memory_bytes or 0) + (m.overhead_bytes or 0)
 
 
-def measured_of(m: Measurement, validated_steps: int) -> Measured:
+def measured_of(m: Measurement, *, validated: bool) -> Measured:
+    """The written figures of run `m`; `validated_steps` is the number of steps it timed (its
+    window decides how many, up to search.validate_steps), 0 for a figure not validated."""
     return Measured(samples_per_s=m.samples_per_s, tokens_per_s=m.tokens_per_s, peak_memory_bytes=total_peak(m),
-                    step_time_s=m.step_time_s, validated_steps=validated_steps, optimizer=m.optimizer,
+                    step_time_s=m.step_time_s, validated_steps=len(m.step_times_s) if validated else 0,
+                    optimizer=m.optimizer,
                     flags=dict(m.flags), compile_s=None if m.compile_s is None else round(m.compile_s, 2),
                     threads=m.threads)
 
@@ -224,7 +227,7 @@ def pareto_in_written_figures(points: tuple[FrontierPoint, ...]) -> tuple[Fronti
 def _point(config: TrainConfig, runs: list[Measurement], validate_steps: int) -> FrontierPoint:
     """A frontier point from its validation runs (all passed): the median run's figures, and
     the largest peak of any run, which is what must fit at start."""
-    measured = measured_of(median_run(runs), validate_steps)
+    measured = measured_of(median_run(runs), validated=validate_steps > 0)
     return FrontierPoint(config=config, measured=dataclasses.replace(
         measured, peak_memory_bytes=max(total_peak(m) for m in runs), runs=len(runs)))
 

@@ -30,6 +30,7 @@ from autofit.config.spec import ModelSpec
 from autofit.device.budget import Budget
 from autofit.device.peak import mfu
 from autofit.device.probe import DeviceInfo, with_memory_budget
+from autofit.device.support import require_opt_in_packages
 from autofit.measure import asks
 from autofit.measure.estimated import EstimateError, MemoryEstimate
 from autofit.measure.measurement import Measurement
@@ -172,6 +173,7 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
     far, validated if there was time (`TuneOutcome.incomplete` says what is missing).
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     spec = setup.spec
+    require_opt_in_packages(spec)
     deadline = Deadline(setup.budget.tune_time_s or spec.search.time_budget_s, start=setup.started)
     run = _Tune(spec, device=setup.device, budget=setup.budget, out_dir=Path(setup.out_dir), storage=setup.storage,
                 execute_on=setup.execute_on, max_trials=setup.trials or spec.search.trials, stop_event=stop_event,
