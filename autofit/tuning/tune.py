@@ -22,7 +22,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit.base.errors import InputError, NothingFitsError, ProfileError, SpecError, TrialError, TrialTimeoutError
+from autofit.base.errors import (InputError, NothingFitsError, OutOfTimeError, ProfileError, SpecError, TrialError,
+                                 TrialTimeoutError)
 from autofit.base.redact import redact_url
 from autofit.base.sizes import format_bytes
 from autofit.base.version import VERSION
@@ -182,7 +183,7 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
         except InterruptedError:
             if run.stop_event is not None and run.stop_event.is_set():
                 raise  # the user's stop: the CLI exits 128 + the signal
-            raise TrialTimeoutError(f"{run.halt_reason()} before any config was measured (the model's probe and "
+            raise OutOfTimeError(f"{run.halt_reason()} before any config was measured (the model's probe and "
                                     f"the first trial took longer); give more time: --time-budget, "
                                     f"search.time_budget") from None
         if shared is not None:
@@ -356,7 +357,7 @@ class _Tune:
         if self.halted() and not result.ranked:
             if self.stop_event is not None and self.stop_event.is_set():
                 raise InterruptedError("tune stopped before any config was measured; rerun to resume the study")
-            raise TrialTimeoutError(f"{self.halt_reason()} before any config was measured; rerun to resume the "
+            raise OutOfTimeError(f"{self.halt_reason()} before any config was measured; rerun to resume the "
                                     f"study, or give more time (--time-budget, search.time_budget)")
         return result, shared
 
