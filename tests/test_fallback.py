@@ -37,7 +37,8 @@ def test_the_pick_is_never_below_the_experts_fallback_where_the_one_liner_does_n
 
 def test_the_fallback_is_measured_right_after_the_one_liner():
     """llama: the one-liner predicted at micro batch 2 runs out of memory; its retry would be
-    micro batch 1, tiny beside the fallback's 4, so the fallback comes first."""
+    micro batch 1, which the prior speed model (`fallback.before_retry`) puts after the
+    fallback's 4 with every block checkpointed: the fallback comes first."""
     result = _tuner(LLAMA, 120.0).run()
     one, after = LLAMA.calls[:2]
     assert one.checkpoint_blocks == 0 and LLAMA.peak_bytes(one) > LLAMA.budget_bytes
