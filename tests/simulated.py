@@ -268,6 +268,24 @@ class Landscape:
         fitting = [c for c in fitting if self.works(c)]
         return fitting[-1] if fitting else None
 
+    def fallback_of(self, precisions: tuple = ONE_LINER_GPU) -> TrainConfig | None:
+        """The expert's fallback as a user runs it by hand: every block checkpointed in the
+        one-liner's precision, the micro batch halved from the global batch (per rank) until a
+        step truly fits, accumulating the rest. None where the one-liner fits the global batch
+        (no user reaches for the fallback), where nothing fits so, or where it drifts."""
+        space = self.space()
+        precision = next((p for p in precisions if p in space.precisions), None)
+        one = self.one_liner_of(precisions)
+        if precision is None or (one is not None and one.micro_batch_size == space.micro_batch_sizes[-1]):
+            return None
+        micro = space.micro_batch_sizes[-1]
+        while micro is not None:
+            config = space.config(precision, micro, self.n_blocks)
+            if self.peak_bytes(config) <= self.budget_bytes:
+                return config if self.works(config) else None
+            micro = next((m for m in reversed(space.micro_batch_sizes) if m <= micro // 2), None)
+        return None
+
     def grid_best(self) -> tuple[TrainConfig, float]:
         feasible = [c for c in self.space().grid() if self.peak_bytes(c) <= self.budget_bytes and self.healthy(c)
                     and not (c.compile and self.compile_fails)]
@@ -297,6 +315,8 @@ class Run:
     reach_s: float | None = None
     warm: tuple = ()
     ranked: tuple = ()  # the search's ranking, best first: what another card's warm start reads
+    fallback: TrainConfig | None = None  # the expert's fallback (`fallback_of`), where it fits and is healthy
+    over_fallback: float | None = None  # the chosen config's true throughput / the fallback's
 
 
 REACH_SHARE = 0.95
@@ -336,11 +356,14 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
     worth = chosen is not None and landscape.works(chosen)
     ratio = landscape.samples_per_s(chosen) / best_sps if worth else 0.0
     one = landscape.one_liner_of()
-    over = (landscape.samples_per_s(chosen) if worth else 0.0) / landscape.samples_per_s(one) if one else None
+    picked_sps = landscape.samples_per_s(chosen) if worth else 0.0
+    over = picked_sps / landscape.samples_per_s(one) if one else None
+    fallback = landscape.fallback_of()
     return Run(landscape=landscape.name, seed=seed, chosen=chosen, best=best, ratio=ratio,
                trials=tuner.spent(result.records), measured=len(landscape.calls),
                configs=len(set(landscape.calls)), grid=landscape.space().size, stop_reason=result.stop_reason,
-               device_s=landscape.clock(), one_liner=one, over_one_liner=over,
+               device_s=landscape.clock(), one_liner=one, over_one_liner=over, fallback=fallback,
+               over_fallback=picked_sps / landscape.samples_per_s(fallback) if fallback else None,
                reach_s=reached[0] if reached else None, warm=warm,
                ranked=tuple(r.config for r in result.ranked))
 
@@ -531,6 +554,57 @@ CARDS = {
                         rate={"32-true": 8.6, "tf32": 19.5, "16-mixed": 38.0, "bf16-mixed": 40.0, "bf16-true": 44.0},
                         **_GPT_SMALL),
 }
+
+
+# --- memory-bound landscapes: the one-liner does not fit the global batch (issue 43) ---------
+# Calibrated from each model's Hugging Face config, not from any search: model states 16 B per
+# parameter (8 in bf16-true); a block's saved activations 34·s·h bytes per sample in 16 bits
+# (Korthikanti et al. 2022, attention by a fused kernel: no s² term), written here in fp32
+# bytes (x 1/0.55); the LM head's logits and their gradient in fp32 (s x vocab x 8 B); the
+# speed at saturation from 6·N·s FLOPs per sample at ~45% of the card's dense bf16 peak; long
+# sequences saturate a GPU at a micro batch of about one (`m_half`); a 1B model's trial starts
+# in ~6 s (child, CUDA context, model build) and its memory estimate (a fake step traced on the
+# host's CPU) takes seconds: issue 43 measured 4-9 s for GPT-2 XL.
+_MB_RATES = {"32-true": 0.15, "tf32": 0.45, "bf16-mixed": 1.0, "bf16-true": 1.08}  # x the bf16-mixed rate
+
+
+def _mb_rates(bf16_samples_per_s: float, precisions: tuple = tuple(_MB_RATES)) -> dict:
+    return {p: round(_MB_RATES[p] * bf16_samples_per_s, 2) for p in precisions}
+
+
+MEMORY_BOUND = [
+    # TinyLlama-1.1B (22 blocks, h 2048, GQA, vocab 32000) at 2048 tokens on a 24 GiB card
+    # (RTX 4090, ~75 TFLOP/s reached): states take 16.4 GiB, a sample's activations 3.7 GB.
+    Landscape(name="mb-llama1.1b-2k-24g", params=1.1e9, act_bytes_per_sample_block=260e6, n_blocks=22,
+              global_batch_size=16, budget_bytes=24 * GiB, rate=_mb_rates(5.5), m_half=1.0,
+              logit_bytes_per_sample=524e6, estimate_bias=0.9, context_bytes=1.0 * GiB, fragmentation=0.1,
+              start_s=6.0, estimate_s=3.0),
+    # GPT-2 XL (1.56B, 48 blocks, h 1600, vocab 50257) at 1024 tokens on an A100 40GB
+    # (~140 TFLOP/s reached); bf16-true drifts (its loss is not 32-true's).
+    Landscape(name="mb-gpt2xl-1k-40g", params=1.56e9, act_bytes_per_sample_block=101e6, n_blocks=48,
+              global_batch_size=32, budget_bytes=40 * GiB, rate=_mb_rates(14.6), m_half=2.0,
+              logit_bytes_per_sample=412e6, unhealthy=("bf16-true",), estimate_bias=0.85,
+              context_bytes=1.2 * GiB, fragmentation=0.1, start_s=8.0, estimate_s=4.0),
+    # A 1.3B decoder (24 blocks, h 2048, vocab 50304) at 4096 tokens on 40 GiB: the logits are
+    # 1.65 GB a sample, so the chunked loss and 8-bit AdamW state are searched (opt-in).
+    Landscape(name="mb-decoder1.3b-4k-40g", params=1.3e9, act_bytes_per_sample_block=518e6, n_blocks=24,
+              global_batch_size=32, budget_bytes=40 * GiB, rate=_mb_rates(4.4), m_half=0.5,
+              logit_bytes_per_sample=1.65e9, optimizer_bits=(32, 8), chunked_loss=(False, True),
+              estimate_bias=0.92, context_bytes=1.0 * GiB, fragmentation=0.08, noise=0.02,
+              start_s=6.0, estimate_s=3.0),
+    # XLM-R large (560M, 24 blocks, h 1024, vocab 250002: logits of the 15% masked tokens)
+    # at 512 tokens on a 16 GiB card (V100, ~60 TFLOP/s reached), global batch 256.
+    Landscape(name="mb-xlmr-large-512-16g", params=5.6e8, act_bytes_per_sample_block=32e6, n_blocks=24,
+              global_batch_size=256, budget_bytes=16 * GiB, rate=_mb_rates(35.0, ("32-true", "bf16-mixed")),
+              m_half=4.0, logit_bytes_per_sample=154e6, estimate_bias=1.1, context_bytes=0.8 * GiB,
+              fragmentation=0.12, start_s=5.0, estimate_s=1.5),
+    # GPT-2 large (774M, 36 blocks, h 1280) at 1024 tokens on a 16 GiB card (~40 TFLOP/s):
+    # the one-liner fits micro batch 1 only, with 32 accumulation steps.
+    Landscape(name="mb-gpt2large-1k-16g", params=7.74e8, act_bytes_per_sample_block=81e6, n_blocks=36,
+              global_batch_size=32, budget_bytes=16 * GiB, rate=_mb_rates(8.4), m_half=1.5,
+              logit_bytes_per_sample=412e6, estimate_bias=0.9, context_bytes=0.8 * GiB, fragmentation=0.1,
+              start_s=5.0, estimate_s=2.0),
+]
 
 
 def _steps_s(step_s: float, warmup: int, least: int, window_s: float, cap_s: float | None) -> float:

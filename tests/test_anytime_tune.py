@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from autofit.base.errors import EXIT_INCOMPLETE
+from autofit.base.errors import EXIT_INCOMPLETE, OutOfTimeError, TrialTimeoutError
 from autofit.base.sizes import parse_duration
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
@@ -238,12 +238,32 @@ def test_the_table_shows_each_configs_validated_or_latest_figure_numbered_as_the
     row_a = next(line for line in table.splitlines() if a.short() in line)
     assert "320.9" in row_a and "validated" in row_a and row_a.startswith("★")
     assert "264.9" in next(line for line in table.splitlines() if b.short() in line)
+    # Sorted by the figure shown: a (320.9 validated) above b (264.9), though a's trial was 5.9.
+    assert table.index(a.short()) < table.index(b.short())
     oom_row = next(line for line in table.splitlines() if c.short() in line)
     assert "> 1.95 KiB" in oom_row or "> 2000" in oom_row or ">" in oom_row.split("oom")[1]
     assert "%" not in oom_row
     line = format_trial_line(records[1], records[1], 2, 24, 2000)
     assert line.startswith("trial #1 ") and "(2/24)" in line
     assert "needs >" in format_trial_line(records[2], records[1], 3, 24, 2000)
+
+
+def test_the_table_names_the_figure_that_decided_and_is_sorted_by_it():
+    """Issue 43: trial 10 logged 613.5 samples/s and the table showed 56.0 "latest trial", its
+    rows unsorted. A re-measured config's place is decided by the median of its runs."""
+    from autofit.config.train_config import TrainConfig
+    from autofit.search import SearchResult
+    from autofit.tuning.report import trials_table
+
+    a, b, c = (TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m) for m in (8, 4, 2))
+    records = [_rec(0, a, sps=613.5), _rec(1, b, sps=400.0), _rec(2, a, sps=56.0, repeat=True),
+               _rec(3, a, sps=60.0, repeat=True), _rec(4, c, sps=100.0)]
+    result = SearchResult(records=records, budget_bytes=2000, wall_s=0, resumed=0, stop_reason="", one_liner=c)
+    lines = trials_table(result, records[1], {}).splitlines()
+    assert "decided by" in lines[0]
+    order = [next(c.short() for c in (a, b, c) if c.short() in line) for line in lines[1:]]
+    assert order == [b.short(), c.short(), a.short()]  # 400 (trial), 100 (trial), 60 (median of 3 runs)
+    assert "60.0  median of 3 runs" in lines[3] and "(one-liner)" in lines[2]
 
 
 def test_a_speedup_is_called_busy_only_when_other_work_was_measured():
@@ -448,3 +468,21 @@ def test_search_trials_are_capped_at_a_share_of_the_search_and_references_skip_t
     assert references and all(kwargs["warmup_steps"] == 0 and kwargs["cap_s"] is None for kwargs in references)
     validations = [kwargs for _, kwargs in asked if kwargs.get("measure_steps") not in (None, REFERENCE_TRIAL_STEPS)]
     assert validations and all(kwargs.get("cap_s") is None for kwargs in validations)
+
+
+def test_a_tune_with_nothing_measured_when_its_time_runs_out_exits_3(tmp_path, simulated, monkeypatch):
+    """README's exit codes: 3 for no usable result. The time budget is spent before the first
+    trial (issue 43: such a tune exited 1, "anything unexpected")."""
+    from autofit.search.deadline import Deadline
+
+    calls = simulated(validation_blocks=False)
+
+    class Spent(Deadline):
+        def left_s(self):
+            return 0.0
+
+    monkeypatch.setattr("autofit.tuning.tune.Deadline", Spent)
+    with pytest.raises(OutOfTimeError, match="before any config was measured") as raised:
+        _tune(tmp_path, time_budget_s=60.0)
+    assert raised.value.exit_code == 3 and isinstance(raised.value, TrialTimeoutError)  # the service retries it
+    assert not calls

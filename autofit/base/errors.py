@@ -57,6 +57,13 @@ class TrialTimeoutError(TrialError):
     says nothing about what fits. A rerun resumes the study."""
 
 
+class OutOfTimeError(TrialTimeoutError):
+    """The time budget ran out before any config was measured: no usable result, exit 3 as
+    README's table gives it (a timeout still, so the service retries it with more time)."""
+
+    exit_code = 3
+
+
 class NothingFitsError(AutofitError):
     """No configuration fits the memory budget, or none gave a usable result."""
 

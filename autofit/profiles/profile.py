@@ -169,7 +169,9 @@ class SearchSummary:
     validated: bool = True
     unvalidated: str = ""
     # What the baseline is: "one-liner" (the AMP one-liner on a GPU; on the CPU 32-true at the
-    # largest micro batch that fits) or "32-true" (profiles from before the one-liner).
+    # largest micro batch that fits), "fallback" (the expert's, every block checkpointed at the
+    # halved micro batch: faster than a one-liner that did not fit the global batch) or
+    # "32-true" (profiles from before the one-liner).
     baseline_kind: str = "32-true"
     # The winner over the 32-true trial of the search (largest micro batch measured without
     # checkpointing, else the fastest), from the search trials' figures (no interval): 32-true's

@@ -22,7 +22,7 @@ from loguru import logger
 from autofit.base.errors import SpecError
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
-from autofit.search import _finish, choice, seeding
+from autofit.search import _finish, choice, fallback, seeding
 from autofit.search.deadline import Deadline
 from autofit.search.health import health_problem, REFERENCE_PRECISIONS
 from autofit.search.memory import MemoryModel, record_budget
@@ -96,6 +96,9 @@ class Tuner:
         # It is measured before anything else: the floor no profile may fall below.
         self.one_liner_precisions = one_liner
         self.one_liner: TrainConfig | None = None
+        # The expert's fallback (`search/fallback.py`), measured right after the one-liner where
+        # that does not fit at the global batch: a floor too. None: not needed (or nothing fits).
+        self.fallback: TrainConfig | None = None
         # Records measured before this are another session's (another day, another load):
         # read, not repeated, but their figures do not decide the winner (search/_finish.py).
         self.session_start = time.time()
@@ -125,14 +128,8 @@ class Tuner:
         # Patience carries over a resume: a study that had stopped improving stays stopped.
         since_best = sum(1 for r in records if self._holds(r) and (best is None or r.number > best.number))
         progress = _Progress(best=best, since_best=since_best, start=start)
-        # Given starts (e.g. where training was demoted to) are measured first, before the seeds.
-        starts = self.starts
-        if self.one_liner_precisions:
-            self.one_liner = seeding.one_liner(self.space, self.fits(records), self.one_liner_precisions)
-            # After the given starts: a demotion's resume point is known to run, while the
-            # one-liner may be the very config that training was demoted from.
-            if self.one_liner is not None and self.one_liner not in starts:
-                starts = (*starts, self.one_liner)
+        # Given starts (e.g. where training was demoted to) are measured first, then the floors.
+        starts = self._with_floors(self.starts, records)
         self.plan = Plan(self.space, starts, known=self.known, fits_of=self.fits,
                          estimate=self.memory.predicted_peak, affordable=self._affordable,
                          last_chance=self._last_chance, trials_within=self._trials_within,
@@ -154,6 +151,25 @@ class Tuner:
         with self.locks.claim():
             self._drop_queue()
         return stop_reason, resumed, start
+
+    def _with_floors(self, starts: tuple[TrainConfig, ...], records: list[TrialRecord]) -> tuple[TrainConfig, ...]:
+        """`starts`, then the one-liner (after the given starts: a demotion's resume point is
+        known to run, while the one-liner may be the very config that training was demoted
+        from). The fallback joins them only where no one-liner is predicted to fit, or it ran
+        before a resume; else it waits for the one-liner's trial (`_fallback_next`): a trial
+        comes before the fallback's estimates, and the fit that chooses it has learned from
+        that trial's peak."""
+        if not self.one_liner_precisions:
+            return starts
+        self.one_liner = seeding.one_liner(self.space, self.fits(records), self.one_liner_precisions)
+        if self.one_liner is not None and self.one_liner not in starts:
+            starts = (*starts, self.one_liner)
+        ran = self.one_liner is not None and self.known(self.one_liner, records) is not None
+        if (self.one_liner is None or ran) and fallback.needed(self.space, self.one_liner):
+            self.fallback = self._fallback(records)
+            if self.fallback is not None and self.fallback not in starts:
+                starts = (*starts, self.fallback)
+        return starts
 
     def _claim_next(self, progress: "_Progress") -> tuple[tuple | None, str | None]:
         """Decide the next config and claim it as a RUNNING trial, as one step among the
@@ -224,10 +240,13 @@ class Tuner:
         # Said before what is planned from it: planning costs estimates, which the end of the
         # search's share cuts (the trial would then never be said).
         self.on_trial(record, new_best, self.spent(records))
+        floor = config in (self.one_liner, self.fallback)
         if record.status == "oom":
             self.plan.after_oom(config, records)
             if config == self.one_liner:
                 self._one_liner_again(records)
+        if floor:
+            self._fallback_next(config, record.status == "oom", records)
         if changed:
             self.plan.new_best(new_best.config, records)
         elif (new_best is not None and record.feasible(self.budget_bytes)
@@ -255,6 +274,39 @@ class Tuner:
             first = [c for c in seeding.frontier(self.space, fits, precision, self.space.max_freeze_blocks, 1)
                      if c.micro_batch_size > again.micro_batch_size and self.known(c, records) is None]
         self.plan.queue[:0] = [*first, again]
+
+    def _fallback(self, records: list[TrialRecord], below: int | None = None) -> TrainConfig | None:
+        """The expert's fallback under the fit as it is now: every block checkpointed in the
+        one-liner's precision, the first halving from the global batch (or below `below`)
+        predicted to fit."""
+        precision = fallback.precision_of(self.space, self.one_liner_precisions)
+        if precision is None:
+            return None
+        return fallback.fallback(self.space, self.fits(records), precision, below)
+
+    def _fallback_next(self, measured: TrainConfig, oom: bool, records: list[TrialRecord]) -> None:
+        """After a trial of the one-liner or of the fallback. The one-liner's, with no fallback
+        yet: where it ran out of memory or fits only below the global batch, the fallback is
+        planned under the fit that has just learned from it, and measured next (after the
+        one-liner's retry, unless a prior favours it). The fallback's OOM: halve again."""
+        if measured == self.fallback:
+            if not oom:
+                return
+        elif self.fallback is not None or not fallback.needed(self.space, None if oom else measured):
+            return  # a fallback planned already, or none needed
+        below = None if self.fallback is None else self.fallback.micro_batch_size
+        again = self._fallback(records, below=below)
+        if again is None or self.known(again, records) is not None:
+            return
+        self.fallback = again
+        # Next; after the one-liner's retry at a smaller micro batch where one waits, unless a
+        # prior speed model favours the fallback (`fallback.before_retry`). Both are kept
+        # through a new best (the fallback may be one), as starts are.
+        self.plan.floors.update((again, self.one_liner))
+        self.plan.seeds.update((again, self.one_liner))
+        queue = self.plan.queue
+        retry_first = self.one_liner in queue and not fallback.before_retry(again, self.one_liner, self.space)
+        queue.insert(queue.index(self.one_liner) + 1 if retry_first else 0, again)
 
     def _last_chance(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
         """`config` is affordable now, but would not be after one more round (its planning, its
@@ -326,14 +378,16 @@ class Tuner:
         return SearchResult(records=records, budget_bytes=self.budget_bytes, wall_s=self.clock() - start,
                             resumed=resumed, stop_reason=stop_reason, ranked=[r.record for r in ranked],
                             noise=noise, choice=choice.describe(ranked, noise, rounds),
-                            session_start=self.session_start, one_liner=self.one_liner)
+                            session_start=self.session_start, one_liner=self.one_liner, fallback=self.fallback)
 
     def _floor_first(self, ranked: list[choice.Ranked], noise: float | None) -> list[choice.Ranked]:
-        """The one-liner first where the leader was measured once and leads it by no more than
-        the noise can explain (twice the noise): the one-liner is the floor, and a single
-        measurement within the noise of it is as likely slower (a short budget leaves no time to
-        measure them again; with re-measures the leader has more than one measurement)."""
-        one = next((r for r in ranked if r.record.config == self.one_liner and r.fresh), None)
+        """The floor first (the faster of the one-liner and the expert's fallback) where the
+        leader was measured once and leads it by no more than the noise can explain (twice the
+        noise): a single measurement within the noise of the floor is as likely slower (a short
+        budget leaves no time to measure them again; with re-measures the leader has more than
+        one measurement)."""
+        floors = [r for r in ranked if r.record.config in (self.one_liner, self.fallback) and r.fresh]
+        one = max(floors, key=lambda r: r.samples_per_s, default=None)
         if one is None or ranked[0] is one or ranked[0].measurements > 1:
             return ranked
         if ranked[0].samples_per_s >= (1 + 2 * (noise or choice.NOISE_PRIOR)) * one.samples_per_s:

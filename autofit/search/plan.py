@@ -94,6 +94,9 @@ class Plan:
         self.queue: list[TrainConfig] = list(starts)
         self.seeds: set[TrainConfig] = set(starts)
         self.offered: set = set()  # the seed groups `_unseeded` has queued since the last new best
+        # The floors queued by the tuner (the expert's fallback): measured before the probe and
+        # the best's reference, whose slow precision's steps could spend a short budget first.
+        self.floors: set[TrainConfig] = set()
 
     def next(self, records: list[TrialRecord], best: TrialRecord | None,
              running: set[TrainConfig]) -> TrainConfig | None:
@@ -116,12 +119,22 @@ class Plan:
                     and config not in running
                     and self.affordable(config, records))
 
-        probe = self._probe(records, allowed)
-        if probe is not None:
-            return probe
         down = self._look_down(records, fits)
         if down is not None and ready(down):
             return down
+        # The floors next (the one-liner's retry, the expert's fallback), before the probe and
+        # the best's reference: the fallback is itself a look below what ran out of memory.
+        for config in [c for c in self.queue if c in self.floors]:
+            if config.checkpoint_blocks and seeding.paid_down(self.space.micro_batch_sizes, records):
+                # The throughput peaks below a micro batch that ran: the fallback, at a larger
+                # one and recomputing every block, cannot beat what ran; not worth its trial.
+                self.queue.remove(config)
+            elif ready(config):
+                self.queue.remove(config)
+                return config
+        probe = self._probe(records, allowed)
+        if probe is not None:
+            return probe
         for config in self._reference(best.config, records) if best is not None else []:
             if ready(config):
                 return config

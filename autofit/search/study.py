@@ -115,6 +115,7 @@ class SearchResult:
     choice: str = ""  # how the winner was chosen among contenders within noise
     session_start: float | None = None  # unix seconds this session began: older records are a resumed study's
     one_liner: TrainConfig | None = None  # the one-liner measured first (`seeding.one_liner`), if any
+    fallback: TrainConfig | None = None  # the expert's fallback measured next (`search/fallback.py`), if any
 
     def count(self, status: str) -> int:
         return sum(r.status == status and not r.repeat for r in self.records)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from autofit.base.atomic import atomic_write_text
 from autofit.base.sizes import format_bytes
-from autofit.search import SearchResult, TrialRecord
+from autofit.search import choice, SearchResult, TrialRecord
 from autofit.profiles.profile import Profile
 
 _COLOURS = {"ok": "#2a9d4b", "oom": "#d62828", "pruned": "#9a9a9a", "unhealthy": "#f4a000",
@@ -47,20 +47,35 @@ def _rows(result: SearchResult) -> list[TrialRecord]:
 
 
 def trials_table(result: SearchResult, winner: TrialRecord | None, validated: dict | None = None) -> str:
-    """One row per config, numbered as the log numbers its trial; its figure the validated
-    one (`validated`: config -> Measurement) where it has one, else its latest measurement
-    (a re-measure's); an out-of-memory row says it needed more than the budget."""
-    rows = _rows(result)
-    latest = {r.config: r.measurement for r in result.records if r.status == "ok" and r.measurement is not None}
-    lines = [f"{'':2}{'#':>4}  {'config':<40} {'status':<9} {'peak':>12} {'samples/s':>10}  figure"]
+    """One row per config, numbered as the log numbers its trial, with the figure that decided
+    its place, named, and sorted by it: its validated figure (`validated`: config ->
+    Measurement) where it has one, else the central value of this session's measurements
+    that ranked it (`choice.rank`: one trial, or the median of its trial and re-measures).
+    The floors are named (one-liner, fallback); an out-of-memory row says it needed more
+    than the budget."""
+    figures = _deciding_figures(result, validated or {})
+    rows = sorted(_rows(result), key=lambda r: (r.config not in figures, -figures.get(r.config, (0.0, ""))[0]))
+    floors = {result.one_liner: "one-liner", result.fallback: "fallback"}
+    lines = [f"{'':2}{'#':>4}  {'config':<40} {'status':<9} {'peak':>12} {'samples/s':>10}  decided by"]
     for r in rows:
         mark = "★" if winner is not None and r.config == winner.config else ""
-        m, source = ((validated or {}).get(r.config), "validated") if r.config in (validated or {}) else (
-            latest.get(r.config), "latest trial")
-        speed = f"{m.samples_per_s:10.1f}  {source}" if r.status == "ok" and m is not None else f"{'-':>10}"
+        speed, source = figures.get(r.config, (None, ""))
+        floor = f" ({floors[r.config]})" if r.config in floors else ""
+        shown = f"{speed:10.1f}  {source}{floor}" if r.status == "ok" and speed is not None else f"{'-':>10}{floor}"
         peak = f"> {format_bytes(result.budget_bytes)}" if r.status == "oom" else format_bytes(_peak(r))
-        lines.append(f"{mark:2}{r.number:>4}  {r.config.short():<40} {r.status:<9} {peak:>12} {speed}")
+        lines.append(f"{mark:2}{r.number:>4}  {r.config.short():<40} {r.status:<9} {peak:>12} {shown}")
     return "\n".join(lines)
+
+
+def _deciding_figures(result: SearchResult, validated: dict) -> dict:
+    """config -> (samples/s, what it is) for each config that ran: validated, else ranked."""
+    figures = {r.config: (r.samples_per_s, "trial") for r in result.records
+               if r.status == "ok" and r.measurement is not None and not r.repeat}
+    for k in choice.rank(result.records, result.budget_bytes, fresh_since=result.session_start):
+        figures[k.record.config] = (k.samples_per_s, f"median of {k.measurements} runs" if k.measurements > 1
+                                    else "trial")
+    figures.update({c: (m.samples_per_s, "validated") for c, m in validated.items()})
+    return figures
 
 
 def _svg(result: SearchResult, winner: TrialRecord | None, width: int = 760, height: int = 420) -> str:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from autofit.base.errors import InputError, NothingFitsError, ProfileError, SpecError, TrialError, TrialTimeoutError
+from autofit.base.errors import (InputError, NothingFitsError, OutOfTimeError, ProfileError, SpecError, TrialError,
+                                 TrialTimeoutError)
 from autofit.base.redact import redact_url
 from autofit.base.sizes import format_bytes
 from autofit.base.version import VERSION
@@ -49,7 +50,7 @@ from autofit.tuning.frontier import build_frontier, median_run, total_peak
 from autofit.tuning.report import format_trial_line, trials_table, write_html_report
 from autofit.tuning.space import device_for_ranks, search_space, study_name
 from autofit.tuning.speedup import BUSY_CORES, foreign_load, keeps_winner, measure_speedup, Speedup
-from autofit.tuning.validation import (baseline_record, Halted, host_load, LOADED_HOST, over_32_true,
+from autofit.tuning.validation import (baseline_record, floor_kind, Halted, host_load, LOADED_HOST, over_32_true,
                                        reference_record, REFERENCE_STEPS, run_timeout_s, run_validation,
                                        steps_within, validate)
 
@@ -188,7 +189,7 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
         except InterruptedError:
             if run.stop_event is not None and run.stop_event.is_set():
                 raise  # the user's stop: the CLI exits 128 + the signal
-            raise TrialTimeoutError(f"{run.halt_reason()} before any config was measured (the model's probe and "
+            raise OutOfTimeError(f"{run.halt_reason()} before any config was measured (the model's probe and "
                                     f"the first trial took longer); give more time: --time-budget, "
                                     f"search.time_budget") from None
         if shared is not None:
@@ -237,6 +238,8 @@ class _Chosen:
 
 class _Tune:
     """One tune's settings and what its stages hand each other."""
+
+    floor = "one-liner"  # what the profile's floor is ("fallback": the expert's, `search/fallback.py`)
 
     def __init__(self, spec: ModelSpec, *, device: DeviceInfo, budget: Budget, out_dir: Path,
                  storage: str | None, execute_on: str | None, max_trials: int,
@@ -365,7 +368,7 @@ class _Tune:
         if self.halted() and not result.ranked:
             if self.stop_event is not None and self.stop_event.is_set():
                 raise InterruptedError("tune stopped before any config was measured; rerun to resume the study")
-            raise TrialTimeoutError(f"{self.halt_reason()} before any config was measured; rerun to resume the "
+            raise OutOfTimeError(f"{self.halt_reason()} before any config was measured; rerun to resume the "
                                     f"study, or give more time (--time-budget, search.time_budget)")
         return result, shared
 
@@ -386,8 +389,10 @@ class _Tune:
     def validate(self, result: SearchResult) -> _Chosen:
         spec = self.spec
         self.searched = {r.config: r for r in result.records if r.status == "ok"}
-        # The floor: the one-liner (on the CPU 32-true at the largest micro batch that fits).
+        # The floor: the faster of the one-liner (on the CPU 32-true at the largest micro batch
+        # that fits) and the expert's fallback, where the one-liner did not fit the global batch.
         baseline = baseline_record(result, self.demoted)
+        self.floor = floor_kind(result, baseline)
         self._loss_reference(result, baseline)
         winner, winner_m = validate(spec, result, self.run_long, demoted=self.demoted, done=self.validations)
         load = host_load()
@@ -397,8 +402,8 @@ class _Tune:
         if baseline is not None and baseline.config != winner.config:
             winner, baseline, speedup, note = self._against_the_one_liner(winner, winner_m, baseline)
         if winner.config == getattr(baseline, "config", None) and not note:
-            note = (f"nothing measured beat the one-liner {winner.config.short()} (search stopped: "
-                    f"{result.stop_reason}; {result.count('ok')} configs measured): the profile is the one-liner")
+            note = (f"nothing measured beat the {self.floor} {winner.config.short()} (search stopped: "
+                    f"{result.stop_reason}; {result.count('ok')} configs measured): the profile is the {self.floor}")
         if note:
             logger.warning(note)
         baseline_runs = self._passed(baseline.config) if baseline is not None else []
@@ -415,18 +420,18 @@ class _Tune:
         speedup = measure_speedup(spec, winner, baseline, self.run_long, self.should_stop, winner_run=winner_m)
         if not self._passed(baseline.config):
             return winner, None, None, ""  # none of its runs passed: nothing to claim against
-        logger.info("speed-up of {} over the one-liner {}: {}", winner.config.short(), baseline.config.short(),
+        logger.info("speed-up of {} over the {} {}: {}", winner.config.short(), self.floor, baseline.config.short(),
                     speedup.text())
         kept, note = keeps_winner(speedup), ""
         if not speedup.measurable and kept:
             note = (f"{speedup.why_no_claim()} ({speedup.text()}); by the median of the pairs the profile is "
                     f"the search's winner, but its figures are no claim: tune again on a quiet host to know it")
         elif not speedup.measurable:
-            note = (f"the search's winner {winner.config.short()} was not measurably faster than the one-liner "
-                    f"({speedup.text()}): the profile is the one-liner")
+            note = (f"the search's winner {winner.config.short()} was not measurably faster than the {self.floor} "
+                    f"({speedup.text()}): the profile is the {self.floor}")
         elif not kept:
-            note = (f"the search's winner {winner.config.short()} validated slower than the one-liner "
-                    f"({speedup.text()}): the profile is the one-liner")
+            note = (f"the search's winner {winner.config.short()} validated slower than the {self.floor} "
+                    f"({speedup.text()}): the profile is the {self.floor}")
         if kept:
             return winner, baseline, speedup, note
         if not validated_before:  # its runs were the pairs' short windows: now a validation's
@@ -472,6 +477,7 @@ class _Tune:
         # one-liner in like figures: validation runs where both have them, else search trials.
         winner = candidates[0]
         baseline = baseline_record(result, self.demoted)
+        self.floor = floor_kind(result, baseline)
         if baseline is not None and baseline.config != winner.config:
             ours, theirs = self._passed(winner.config), self._passed(baseline.config)
             if ours and theirs:
@@ -483,11 +489,11 @@ class _Tune:
         runs = self._passed(winner.config)
         validated = bool(runs)
         if validated:
-            note = f"validated, but {why} before its speed-up over the one-liner was measured"
+            note = f"validated, but {why} before its speed-up over the {self.floor} was measured"
         else:
             note = f"not validated: {why} first; its figures are its search trial's (rerun to validate)"
         if baseline is not None and winner.config == baseline.config:
-            note += "; nothing measured beat the one-liner: the profile is the one-liner"
+            note += f"; nothing measured beat the {self.floor}: the profile is the {self.floor}"
         logger.warning("{}: the profile is {}, {}", why, winner.config.short(), note)
         chosen = _Chosen(winner=winner, winner_runs=runs or [winner.measurement], baseline=baseline,
                          baseline_runs=self._passed(baseline.config) if baseline is not None else [], speedup=None,
@@ -528,7 +534,7 @@ class _Tune:
         validated = {c: median_run(self._passed(c)) for c in self.validations if self._passed(c)}
         logger.info("\n{}", trials_table(result, chosen.winner, validated))
         if chosen.speedup is not None:
-            logger.info("speed-up over the one-liner {} (interleaved validation runs): {}",
+            logger.info("speed-up over the {} {} (interleaved validation runs): {}", self.floor,
                         chosen.baseline.config.short(), chosen.speedup.text())
         return TuneOutcome(profile=profile, profile_path=profile_path, report_path=report_path, result=result,
                            validated=chosen.validated_m, speedup=chosen.speedup,
@@ -684,7 +690,7 @@ class _Tune:
             micro_batch_floor={} if floor is None else floor.to_dict(),
             loss_curve=self.curve.summary(chosen.winner.config),
             workers=_workers(result.records), validated_by=self.worker,
-            validated=chosen.validated, unvalidated=chosen.unvalidated, baseline_kind="one-liner",
+            validated=chosen.validated, unvalidated=chosen.unvalidated, baseline_kind=self.floor,
             speedup_over_32_true=over_32_true(result, chosen.winner, self.demoted), warm_start_from=self.warm_from,
             **self._worth(result, chosen, frontier[-1].measured.samples_per_s),
         )

@@ -20,6 +20,7 @@ from autofit.config.spec import ModelSpec
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
 from autofit.search import SearchResult, TrialRecord
+from autofit.search.fallback import floor_name, floor_record
 from autofit.tuning.frontier import median_run, total_peak
 
 # 1-minute load average per core above which throughput measured on a CPU is flagged.
@@ -173,14 +174,19 @@ def host_load() -> float | None:
 
 
 def baseline_record(result: SearchResult, demoted: set = frozenset()) -> TrialRecord | None:
-    """The floor of the profile: what a user without autofit runs. The one-liner the search
-    measured first (`search.seeding.one_liner`) where it ran within the budget (its latest
+    """The floor of the profile: what a user without autofit runs. The faster of the one-liner
+    the search measured first (`search.seeding.one_liner`) and the expert's fallback it
+    measured next (`search.fallback`), where they ran within the budget (each by its latest
     trial); else the 32-true reference (`reference_record`)."""
-    one = [r for r in result.records if r.config == result.one_liner and not r.repeat
-           and r.feasible(result.budget_bytes) and r.config not in demoted]
-    if one:
-        return one[-1]
-    return reference_record(result, demoted)
+    floor = floor_record(result.records, (result.one_liner, result.fallback), result.budget_bytes,
+                         keep=lambda r: r.config not in demoted)
+    return floor if floor is not None else reference_record(result, demoted)
+
+
+def floor_kind(result: SearchResult, record: TrialRecord | None) -> str:
+    """What the profile's floor is, as the profile and the final table say it: "fallback",
+    "one-liner" (also the 32-true reference that stands in for it on the CPU)."""
+    return floor_name(getattr(record, "config", None), result.fallback)
 
 
 def over_32_true(result: SearchResult, winner: TrialRecord, demoted: set = frozenset()) -> float | None:

@@ -1,0 +1,99 @@
+"""The expert's fallback as a floor (issue 43): where the one-liner does not fit the global
+batch, every block checkpointed at the halved micro batch is measured right after it, and no
+pick is slower than the better of the two, on simulated memory-bound devices that charge
+device time (tests/simulated.py: MEMORY_BOUND)."""
+
+import dataclasses
+
+import pytest
+
+from autofit.search import fallback, make_study, SearchResult, TrialRecord, Tuner
+from autofit.search.deadline import Deadline, SEARCH_SHARE
+from autofit.measure.measurement import Measurement
+from autofit.tuning.validation import baseline_record, floor_kind
+from simulated import LANDSCAPES, MEMORY_BOUND, ONE_LINER_GPU, search, TIMED
+
+LLAMA = MEMORY_BOUND[0]  # the one-liner fits micro batch 1 of 16
+
+
+def _tuner(landscape, budget_s, seed=0):
+    landscape.reset(seed)
+    landscape.stop_at_s[0] = budget_s
+    deadline = Deadline(budget_s, clock=landscape.clock, search_share=SEARCH_SHARE)
+    return Tuner(landscape.space(), study=make_study(study_name="f", storage=None, seed=seed),
+                 budget_bytes=landscape.budget_bytes, estimate=landscape.estimate, measure=landscape.measure,
+                 max_trials=40, patience=12, deadline=deadline, one_liner=ONE_LINER_GPU)
+
+
+@pytest.mark.parametrize("budget_s", [60.0, 120.0, 240.0])
+@pytest.mark.parametrize("landscape", MEMORY_BOUND, ids=lambda l: l.name)
+def test_the_pick_is_never_below_the_experts_fallback_where_the_one_liner_does_not_fit(landscape, budget_s):
+    for seed in range(3):
+        run = search(landscape, seed, budget_s=budget_s, anytime=True)
+        assert run.fallback is not None  # the landscape is memory-bound: a user would reach for it
+        assert run.over_fallback >= 1.0, (seed, run.chosen, run.fallback, run.over_fallback)
+        assert run.over_one_liner >= 1.0, (seed, run.chosen, run.one_liner)
+
+
+def test_the_fallback_is_measured_right_after_the_one_liner():
+    """llama: the one-liner predicted at micro batch 2 runs out of memory; its retry would be
+    micro batch 1, which the prior speed model (`fallback.before_retry`) puts after the
+    fallback's 4 with every block checkpointed: the fallback comes first."""
+    result = _tuner(LLAMA, 120.0).run()
+    one, after = LLAMA.calls[:2]
+    assert one.checkpoint_blocks == 0 and LLAMA.peak_bytes(one) > LLAMA.budget_bytes
+    assert after == result.fallback
+    assert (after.precision, after.checkpoint_blocks) == (one.precision, LLAMA.n_blocks)
+    # Halved from the global batch (16, 8, 4): the first halving predicted to fit.
+    assert after.micro_batch_size in (16, 8, 4) and after.micro_batch_size > one.micro_batch_size
+    assert after.micro_batch_size * after.grad_accum_steps == LLAMA.global_batch_size
+
+
+def test_a_fallback_that_runs_out_of_memory_is_halved_again():
+    # The estimator sees 60% of the bytes: the first halving predicted to fit runs out of memory.
+    land = dataclasses.replace(LLAMA, name="llama-under", estimate_bias=0.6)
+    result = _tuner(land, 240.0).run()
+    tried = [c for c in land.calls if c.checkpoint_blocks == land.n_blocks and c.precision == "bf16-mixed"]
+    assert land.peak_bytes(tried[0]) > land.budget_bytes  # it ran out of memory
+    assert tried[1].micro_batch_size <= tried[0].micro_batch_size // 2
+    assert result.fallback == tried[-1] and land.peak_bytes(result.fallback) <= land.budget_bytes
+
+
+def test_no_fallback_where_the_one_liner_fits_the_global_batch():
+    roomy = LANDSCAPES[0]
+    result = _tuner(roomy, 120.0).run()
+    assert result.one_liner.micro_batch_size == roomy.global_batch_size
+    assert result.fallback is None
+    assert not any(c.checkpoint_blocks == roomy.n_blocks for c in roomy.calls[:2])
+
+
+def test_halving_walks_the_divisors_of_the_global_batch():
+    space = dataclasses.replace(TIMED[1], global_batch_size=96).space()
+    sizes, micro = [], 96
+    while micro is not None:
+        sizes.append(micro)
+        micro = fallback.halved(space, micro)
+    assert sizes == [96, 48, 24, 12, 6, 3, 1]
+    config = fallback.fallback(space, lambda c: c.micro_batch_size <= 20, "bf16-mixed")
+    assert (config.micro_batch_size, config.grad_accum_steps, config.checkpoint_blocks) == (12, 8, 24)
+    assert fallback.fallback(space, lambda c: False, "bf16-mixed") is None
+
+
+def _record(number, config, samples_per_s):
+    m = Measurement(status="ok", config=config, samples_per_s=samples_per_s, peak_memory_bytes=2**30,
+                    budget_bytes=2**34)
+    return TrialRecord(number=number, config=config, status="ok", measurement=m, budget_bytes=2**34,
+                       predicted_peak_bytes=2**30)
+
+
+def test_the_profiles_floor_is_the_faster_of_the_one_liner_and_the_fallback_and_says_which():
+    space = LLAMA.space()
+    one, fb = space.config("bf16-mixed", 1), space.config("bf16-mixed", 4, LLAMA.n_blocks)
+    records = [_record(0, one, 1.9), _record(1, fb, 3.2), _record(2, space.config("bf16-true", 2), 4.0)]
+    result = SearchResult(records=records, budget_bytes=2**34, wall_s=1.0, resumed=0, stop_reason="",
+                          one_liner=one, fallback=fb)
+    floor = baseline_record(result)
+    assert floor.config == fb and floor_kind(result, floor) == "fallback"
+    slower = dataclasses.replace(result, records=[_record(0, one, 1.9), _record(1, fb, 1.5)])
+    floor = baseline_record(slower)
+    assert floor.config == one and floor_kind(slower, floor) == "one-liner"
