@@ -23,6 +23,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from autofit.base import stopping
 from autofit.base.errors import AutofitError, SpecError
 from autofit.base.paths import ensure_folder
 from autofit.config.spec import load_spec, ModelSpec
@@ -105,6 +106,10 @@ class Service:
                 self.notifier.watchdog(healthy=self.healthy)
                 time.sleep(_TICK_S)
             self._shutdown()
+            # Our children are gone and the state is written: an operator's further
+            # SIGTERMs (or systemd's, or a Ctrl-C storm) must not turn the clean stop into
+            # 143 on the way out. Not earlier: a child started now would inherit SIG_IGN.
+            stopping.absorb_until_exit()
         finally:
             self._lock.release()
         return 0

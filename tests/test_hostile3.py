@@ -1,0 +1,119 @@
+"""Hostile input, round 3 (issue 47): a host at its limits, an operator's signals, a
+caller's mistakes. Each class is fixed at its root; each test here failed before the fix."""
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autofit.base.errors import AutofitError
+from autofit.service.state import StateLock
+from conftest import REPO
+
+WAIT_S = 120  # serve starts in a few seconds; a busy host needs the margin
+
+
+def _serve(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """`autofit serve` on an emulated inventory with no models: it polls and idles."""
+    (tmp_path / "models").mkdir()
+    config = tmp_path / "autofit.yaml"
+    config.write_text(yaml.safe_dump({"models_dir": "models", "store_dir": "profiles", "state_dir": "state",
+                                      "poll_interval_s": 0.2}))
+    inventory = tmp_path / "gpus.json"
+    inventory.write_text(json.dumps({"gpus": []}))
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "autofit", "serve", "--config", str(config),
+                             "--inventory", str(inventory)], cwd=REPO, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, tmp_path / "state", log
+
+
+def _wait_running(proc: subprocess.Popen, state_dir: Path, log: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if json.loads((state_dir / "state.json").read_text())["service"]["running"]:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"serve did not start:\n{log.read_text()}")
+
+
+# --- 1. signal storms ------------------------------------------------------------------------
+
+@pytest.mark.timing
+@pytest.mark.slow
+def test_a_signal_storm_on_serve_ends_it_with_exit_0(tmp_path):
+    """SIGTERM, SIGHUP and SIGINT, again and again until it has exited: the first stops it,
+    every later one (while stopping, and while the interpreter shuts down) is absorbed."""
+    proc, state_dir, log = _serve(tmp_path)
+    try:
+        _wait_running(proc, state_dir, log)
+        storm = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+        deadline = time.monotonic() + WAIT_S
+        sent = 0
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                os.kill(proc.pid, storm[sent % len(storm)])
+            except ProcessLookupError:
+                break
+            sent += 1
+            time.sleep(0.002)
+        rc = proc.wait(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert rc == 0, f"exit {rc} after {sent} signals:\n{text[-3000:]}"
+    assert "stopped" in text and "Traceback" not in text
+    assert json.loads((state_dir / "state.json").read_text())["service"]["running"] is False
+
+
+# --- 8. the lock's owner ---------------------------------------------------------------------
+
+def test_a_second_serve_reads_the_holders_pid_even_at_the_moment_it_locks(tmp_path, monkeypatch):
+    """A contender that comes right after the holder's flock (before the holder has written
+    anything) names the holder's pid, never "pid ?"."""
+    real_flock, contenders, errors = fcntl.flock, [], []
+
+    def flock(f, operation):
+        real_flock(f, operation)
+        if operation & fcntl.LOCK_EX and not contenders:
+            contenders.append(StateLock(tmp_path))
+            try:
+                contenders[0].acquire()
+            except AutofitError as exc:
+                errors.append(str(exc))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    holder = StateLock(tmp_path)
+    try:
+        holder.acquire()
+    except AutofitError as exc:
+        errors.append(str(exc))
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert len(errors) == 1 and f"another autofit serve (pid {os.getpid()})" in errors[0], errors
+    for lock in (holder, *contenders):
+        lock.release()
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "autofit.lock"]
+
+
+def test_a_dead_holders_lock_is_taken_over_with_our_pid(tmp_path):
+    (tmp_path / "autofit.lock").write_text("999999999\n")  # no such process holds it
+    lock = StateLock(tmp_path)
+    lock.acquire()
+    assert (tmp_path / "autofit.lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(AutofitError, match=rf"another autofit serve \(pid {os.getpid()}\)"):
+        StateLock(tmp_path).acquire()
+    lock.release()
+    StateLock(tmp_path).acquire()  # released: the next one takes it
