@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autofit.base.errors import AutofitError
+from autofit import load_profile
+from autofit.base.errors import AutofitError, ProfileError
 from autofit.service.state import StateLock
 from conftest import REPO
 
@@ -117,3 +118,25 @@ def test_a_dead_holders_lock_is_taken_over_with_our_pid(tmp_path):
         StateLock(tmp_path).acquire()
     lock.release()
     StateLock(tmp_path).acquire()  # released: the next one takes it
+
+
+# --- 2. names ----------------------------------------------------------------------------------
+
+LONG_NAMES = {"5000 characters": "x" * 5000, "300-character .yaml": "p" * 295 + ".yaml",
+              "a long folder": "a" * 300 + "/p.yaml", "a NUL": "tiny\0gpt", "a newline": "tiny\ngpt", "empty": ""}
+
+
+@pytest.mark.parametrize("name", LONG_NAMES.values(), ids=LONG_NAMES.keys())
+def test_a_name_too_long_or_malformed_is_a_profile_error(name, tmp_path):
+    with pytest.raises(ProfileError, match=r"^profile: ") as caught:
+        load_profile(name, store=tmp_path, device="cpu")
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 300
+
+
+@pytest.mark.parametrize("name", ["x" * 5000, "p" * 295 + ".yaml"], ids=["5000", "300.yaml"])
+def test_profiles_show_with_a_name_too_long_is_one_line_exit_2(name, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "autofit", "profiles", "show", name, "--store", str(tmp_path),
+                             "--device", "cpu"], cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "file name is at most 255" in result.stderr or "a path is at most" in result.stderr
