@@ -11,12 +11,18 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+import autofit
+
 from autofit import load_profile
-from autofit.base.errors import AutofitError, ProfileError
+from autofit.base.errors import AutofitError, ProfileError, SpecError
+from autofit.config.spec import parse_spec
+from autofit.config.train_config import TrainConfig
 from autofit.service.state import StateLock
-from conftest import REPO
+from conftest import REPO, tiny_gpt_dict, write_spec
+from test_profile import make_profile
 
 WAIT_S = 120  # serve starts in a few seconds; a busy host needs the margin
 
@@ -140,3 +146,85 @@ def test_profiles_show_with_a_name_too_long_is_one_line_exit_2(name, tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "file name is at most 255" in result.stderr or "a path is at most" in result.stderr
+
+
+# --- 3. a loss that cannot train ---------------------------------------------------------------
+
+def _logits(model, batch):
+    return model(batch[0])
+
+
+BAD_LOSSES = {  # name: (loss_fn, what the one error says is wrong)
+    "vector": (lambda m, b: (_logits(m, b) - b[1][:, None]).pow(2).mean(1), r"shape \[4\] \(not a scalar"),
+    "detached": (lambda m, b: _logits(m, b).pow(2).mean().detach(), "detached from the autograd graph"),
+    "integer": (lambda m, b: _logits(m, b).argmax(1).sum(), r"int64 tensor \(not floating-point"),
+    "no_grad": (lambda m, b: _no_grad_loss(m, b), "detached from the autograd graph"),
+    "float": (lambda m, b: 0.5, r"a Python float \(0\.5\), which has no gradient"),
+    "None": (lambda m, b: None, "None$"),
+}
+
+
+def _no_grad_loss(model, batch):
+    with torch.no_grad():
+        return _logits(model, batch).pow(2).mean()
+
+
+def _batch(n, generator):
+    return torch.randn(n, 8, generator=generator), torch.randn(n, generator=generator)
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize("case", BAD_LOSSES)
+def test_train_model_with_a_loss_that_cannot_train_is_one_spec_error(case):
+    loss_fn, problem = BAD_LOSSES[case]
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    profile = make_profile(spec, TrainConfig(micro_batch_size=4, grad_accum_steps=2))
+    with pytest.raises(SpecError, match=rf"^loss_fn: .*must return a scalar floating-point tensor attached to the "
+                                        rf"autograd graph .*; got .*{problem}"):
+        autofit.train_model(_mlp(), _batch, loss_fn, profile=profile, steps=1, device="cpu", log_every=0)
+
+
+LOSS_MODULE = '''
+import torch
+
+def _logits(model, batch):
+    out = model(batch[0])
+    return (out[0] if isinstance(out, tuple) else out).float()
+
+def vector(model, batch):
+    return _logits(model, batch).pow(2).mean(-1).flatten()
+
+def detached(model, batch):
+    return _logits(model, batch).pow(2).mean().detach()
+'''
+
+
+@pytest.mark.parametrize("case, problem", [("vector", "not a scalar"), ("detached", "detached from the autograd")])
+def test_autofit_train_with_a_loss_that_cannot_train_is_one_line_exit_2(tmp_path, case, problem):
+    (tmp_path / "losses47.py").write_text(LOSS_MODULE)
+    spec = write_spec(tmp_path, tiny_gpt_dict(loss={"python": f"losses47:{case}"}))
+    result = subprocess.run([sys.executable, "-m", "autofit", "train", str(spec),
+                             "--steps", "1", "--checkpoint-dir", str(tmp_path / "run")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=WAIT_S)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert lines == [line for line in lines if line.startswith("autofit: error: loss.python: losses47:")], lines
+    assert len(lines) == 1 and problem in lines[0] and "Traceback" not in result.stderr
+
+
+def _detached_loss(model, batch):
+    return model(batch[0]).pow(2).mean().detach()
+
+
+@pytest.mark.slow
+def test_tune_with_a_detached_loss_says_the_same(tmp_path):
+    # The trial child's SpecError comes back as an InputError: the same line, exit 2.
+    with pytest.raises(AutofitError, match=r"^loss_fn: _detached_loss must return a scalar floating-point tensor "
+                                           r"attached to the autograd graph .*; got a tensor detached") as caught:
+        autofit.tune(_mlp, _batch, _detached_loss, global_batch_size=8, memory_budget="256MiB", trials=2,
+                     device="cpu", search={"precisions": ["32-true"], "warmup_steps": 1, "measure_steps": 1},
+                     out_dir=tmp_path / "profiles", state_dir=tmp_path / "state", report=False)
+    assert caught.value.exit_code == 2
