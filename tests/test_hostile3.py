@@ -228,3 +228,40 @@ def test_tune_with_a_detached_loss_says_the_same(tmp_path):
                      device="cpu", search={"precisions": ["32-true"], "warmup_steps": 1, "measure_steps": 1},
                      out_dir=tmp_path / "profiles", state_dir=tmp_path / "state", report=False)
     assert caught.value.exit_code == 2
+
+
+# --- 4. public API arguments -----------------------------------------------------------------
+
+BAD_TIMEOUTS = {"nan": (float("nan"), "got nan"), "inf": (float("inf"), "got inf"), "True": (True, r"got True \(a bool\)"),
+                "str": ("60", r"got '60' \(a str\)"), "zero": (0, "got 0"), "negative": (-1.0, "got -1.0")}
+
+
+@pytest.mark.parametrize("case", BAD_TIMEOUTS)
+def test_tune_refuses_a_timeout_as_the_cli_does_before_any_work(case, tmp_path, monkeypatch):
+    value, said = BAD_TIMEOUTS[case]
+    monkeypatch.setattr("autofit.tuning.notebook.tune_spec", lambda *a, **k: pytest.fail("tuned"))
+    with pytest.raises(SpecError, match=rf"^timeout_s: must be a positive finite number of seconds, {said}$"):
+        autofit.tune(_mlp, _batch, global_batch_size=8, device="cpu", timeout_s=value,
+                     out_dir=tmp_path / "profiles", state_dir=tmp_path / "state", report=False)
+
+
+def test_the_cli_says_the_same_of_its_timeout(tmp_path):
+    spec = write_spec(tmp_path, tiny_gpt_dict())
+    result = subprocess.run([sys.executable, "-m", "autofit", "tune", str(spec), "--timeout", "nan"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=WAIT_S)
+    assert result.returncode == 2
+    assert result.stderr == "autofit: error: --timeout: must be a positive finite number of seconds, got nan\n"
+
+
+@pytest.mark.parametrize("call", ["tune", "train_model"])
+@pytest.mark.parametrize("value, said", [(True, r"got True \(a bool\)"), ("3", r"got '3' \(a str\)"),
+                                         (2.0, r"got 2.0 \(a float\)"), (0, "got 0")])
+def test_counts_are_checked_as_the_cli_checks_them(call, value, said, tmp_path, monkeypatch):
+    monkeypatch.setattr("autofit.tuning.notebook.tune_spec", lambda *a, **k: pytest.fail("tuned"))
+    profile = make_profile(parse_spec(tiny_gpt_dict(), source_dir=REPO), TrainConfig(micro_batch_size=4))
+    name, run = {"tune": ("trials", lambda: autofit.tune(_mlp, _batch, global_batch_size=8, device="cpu", trials=value,
+                                                         out_dir=tmp_path, state_dir=tmp_path, report=False)),
+                 "train_model": ("steps", lambda: autofit.train_model(_mlp(), _batch, profile=profile, steps=value,
+                                                                      device="cpu"))}[call]
+    with pytest.raises(SpecError, match=rf"^{name}: must be a positive integer, {said}$"):
+        run()
