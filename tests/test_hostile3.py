@@ -17,6 +17,7 @@ import yaml
 import autofit
 
 from autofit import load_profile
+from autofit.base.atomic import atomic_write_text, temp_prefix
 from autofit.base.errors import AutofitError, ProfileError, SpecError
 from autofit.config.spec import parse_spec
 from autofit.config.train_config import TrainConfig
@@ -265,3 +266,88 @@ def test_counts_are_checked_as_the_cli_checks_them(call, value, said, tmp_path, 
                                                                       device="cpu"))}[call]
     with pytest.raises(SpecError, match=rf"^{name}: must be a positive integer, {said}$"):
         run()
+
+
+# --- 6. interrupted writes leave no litter -----------------------------------------------------
+
+FORCED_MID_WRITE = '''
+import os, signal, sys
+from autofit.base import stopping
+from autofit.base.atomic import atomic_write
+
+def write(f):
+    f.write(b"x" * 4_000_000)
+    os.kill(os.getpid(), signal.SIGINT)   # the first stop: a flag, the write goes on
+    f.write(b"y" * 4_000_000)
+    os.kill(os.getpid(), signal.SIGTERM)  # the second: a forced exit, here, mid-write
+    f.write(b"z")
+
+stopping.install()
+atomic_write(sys.argv[1], write)
+'''
+
+
+def _ours(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_forced_exit_mid_write_removes_its_temp_file(tmp_path):
+    target = tmp_path / "checkpoint.pt"
+    result = subprocess.run([sys.executable, "-c", FORCED_MID_WRITE, str(target)], cwd=REPO, capture_output=True,
+                            text=True, timeout=WAIT_S)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert "stopped by SIGTERM (forced)" in result.stderr
+    assert _ours(tmp_path) == []
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _leftovers(folder: Path, name: str) -> dict[str, Path]:
+    """What an interrupted write leaves: of a dead process on this host, of the naming before
+    the pid was in it (an hour old), and two that must stay: a live writer's, and a fresh
+    one of unknown owner."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"dead": folder / f"{temp_prefix(name).replace(str(os.getpid()), str(_dead_pid()))}abcd_123.tmp",
+             "legacy": folder / f".{name}.q1w2e3r4.tmp",
+             "live": folder / f"{temp_prefix(name)}live_123.tmp",
+             "fresh": folder / f".{name}.fresh123.tmp"}
+    for path in paths.values():
+        path.write_bytes(b"partial")
+    os.utime(paths["legacy"], (time.time() - 7200, time.time() - 7200))
+    return paths
+
+
+def test_the_next_write_sweeps_dead_writers_temp_files(tmp_path):
+    paths = _leftovers(tmp_path, "checkpoint.pt")
+    atomic_write_text(tmp_path / "checkpoint.pt", "new")
+    assert _ours(tmp_path) == sorted(["checkpoint.pt", paths["live"].name, paths["fresh"].name])
+
+
+@pytest.mark.slow
+def test_serve_sweeps_its_state_folder_at_start(tmp_path):
+    paths = _leftovers(tmp_path / "state", "state.json")
+    proc, state_dir, log = _serve(tmp_path)
+    try:
+        _wait_running(proc, state_dir, log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 0
+    left = _ours(state_dir)
+    assert paths["dead"].name not in left and paths["legacy"].name not in left, left
+    assert paths["live"].name in left and "removed" in log.read_text()
+
+
+@pytest.mark.slow
+def test_train_sweeps_its_checkpoint_folder_at_start(tmp_path):
+    paths = _leftovers(tmp_path / "run", "checkpoint.pt")
+    spec = write_spec(tmp_path, tiny_gpt_dict())
+    result = subprocess.run([sys.executable, "-m", "autofit", "train", str(spec), "--steps", "1", "--device", "cpu",
+                             "--checkpoint-dir", str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=WAIT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    left = _ours(tmp_path / "run")
+    assert paths["dead"].name not in left and paths["legacy"].name not in left, left

@@ -24,6 +24,7 @@ from pathlib import Path
 from loguru import logger
 
 from autofit.base import stopping
+from autofit.base.atomic import sweep_stale_temps
 from autofit.base.errors import AutofitError, SpecError
 from autofit.base.paths import ensure_folder
 from autofit.config.spec import load_spec, ModelSpec
@@ -82,6 +83,10 @@ class Service:
             ensure_folder(folder, key)
         self._lock.acquire()
         try:
+            # A write the last run was killed in (SIGKILL, a power cut) left its temp file.
+            for folder in (self.config.state_dir, self.config.store_dir):
+                for path in sweep_stale_temps(folder):
+                    logger.info("removed {}, left by an interrupted write", path)
             self._load_state()
             signal.signal(signal.SIGTERM, self._on_stop)
             signal.signal(signal.SIGINT, self._on_stop)

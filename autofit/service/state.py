@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal, TypedDict
 
-from autofit.base.atomic import atomic_write_text, guarded_write
+from autofit.base.atomic import atomic_write_text, guarded_write, temp_prefix
 from autofit.base.documents import parse_json, read_text
 from autofit.base.errors import AutofitError
 from autofit.config.reader import read_as
@@ -279,7 +279,7 @@ class StateLock:
 
     def _locked_temp(self) -> tuple[IO[str], str]:
         """A fresh file in the state folder holding our pid, flocked by us; and its path."""
-        fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.{os.getpid()}.", suffix=".tmp", dir=self.path.parent)
+        fd, name = tempfile.mkstemp(prefix=temp_prefix(self.path.name), suffix=".tmp", dir=self.path.parent)
         lock_file = os.fdopen(fd, "w+")
         lock_file.write(f"{os.getpid()}\n")
         lock_file.flush()
