@@ -21,7 +21,10 @@ from autofit.base.atomic import atomic_write_text, temp_prefix
 from autofit.base.errors import AutofitError, ProfileError, SpecError
 from autofit.config.spec import parse_spec
 from autofit.config.train_config import TrainConfig
-from autofit.service.state import StateLock
+from autofit.search.study import make_study, storage_errors, StorageError
+from autofit.service.job import MAX_ATTEMPTS, TuneJob
+from autofit.service.state import PairState, StateLock
+import postgres
 from conftest import REPO, tiny_gpt_dict, write_spec
 from test_profile import make_profile
 
@@ -351,3 +354,50 @@ def test_train_sweeps_its_checkpoint_folder_at_start(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     left = _ours(tmp_path / "run")
     assert paths["dead"].name not in left and paths["legacy"].name not in left, left
+
+
+# --- 7. storage outages ----------------------------------------------------------------------------
+
+@pytest.fixture
+def lost_database(tmp_path):
+    """What a tune's storage call raises when its PostgreSQL server has gone away: a study is
+    opened on a server of its own (the session's is shared), the server is stopped, and the
+    study is asked for a trial."""
+    reason = postgres.unavailable_reason()
+    if reason:
+        pytest.skip(f"PostgreSQL: {reason}")
+    server = postgres.PostgresServer(postgres._server_bin()).start()
+    try:
+        study = make_study(study_name="outage", storage=server.database())
+        server._run("pg_ctl", "-D", str(server.data), "-m", "immediate", "-w", "-t", "30", "stop")
+        with pytest.raises(Exception) as caught:
+            study.ask()
+        yield caught.value
+    finally:
+        server.stop()
+
+
+def test_a_storage_outage_is_named_and_never_gives_a_pair_up(lost_database):
+    spec = parse_spec(tiny_gpt_dict(), source_dir=REPO)
+    pair = PairState(model="tiny", fingerprint="cpu-x", device="CPU")
+    for outage in range(1, MAX_ATTEMPTS + 3):  # longer than the attempts that fail a pair
+        job = TuneJob(key=pair.key, gpu=None, spec=spec, budget=None, trials=3, error=lost_database)
+        job.settle(pair, headroom=0.05)
+        assert pair.status == "retrying", pair.detail
+        assert pair.failure["attempts"] == 0 and pair.failure["kind"] == "storage unreachable"
+        assert pair.detail.startswith(f"storage unreachable ({outage} in a row, not counted as an attempt): ")
+        assert "invalid data" not in pair.detail
+    backoff_s = pair.failure["retry_after_unix_s"] - time.time()
+    assert backoff_s > 60 * 2 ** (MAX_ATTEMPTS - 1)  # backing off, as after crashes in a row
+    # A real crash after the outage still counts from where it was: 1 of 5.
+    TuneJob(key=pair.key, gpu=None, spec=spec, budget=None, trials=3, error=RuntimeError("boom")).settle(
+        pair, headroom=0.05)
+    assert pair.failure["attempts"] == 1 and pair.status == "retrying"
+
+
+def test_autofit_tune_names_a_storage_outage(lost_database):
+    with pytest.raises(StorageError, match=r"^--storage postgresql://postgres@127\.0\.0\.1:\d+/autofit_\w+: storage "
+                                           r"unreachable: .*; the study keeps every finished trial") as caught:
+        with storage_errors("postgresql://postgres@127.0.0.1:1/autofit_x"):
+            raise lost_database
+    assert "invalid data" not in str(caught.value)

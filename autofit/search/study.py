@@ -15,6 +15,7 @@ from autofit.base.errors import AutofitError, SpecError
 from autofit.base.redact import redact_text, redact_url
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
+from autofit.search.outage import storage_outage
 from autofit.search.shared import creation_lock
 
 RECORD_ATTR = "autofit"  # user attr holding a trial's record
@@ -163,6 +164,11 @@ def storage_errors(storage: str | None):
     try:
         yield
     except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError) as exc:
+        outage = storage_outage(exc)
+        if outage is not None:  # not damaged data: the database went away (a restart, the network)
+            raise StorageError(f"--storage {redact_url(storage)}: storage unreachable: {redact_text(outage)}; "
+                               f"the study keeps every finished trial: run the same command again to resume "
+                               f"once the database is back") from None
         root = exc
         while root.__cause__ is not None:  # optuna wraps SQLAlchemy, which wraps the driver
             root = root.__cause__
