@@ -1,12 +1,15 @@
 """Hostile input, round 3 (issue 47): a host at its limits, an operator's signals, a
 caller's mistakes. Each class is fixed at its root; each test here failed before the fix."""
 
+import errno
 import fcntl
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import autofit
 from autofit import load_profile
 from autofit.base.atomic import atomic_write_text, temp_prefix
 from autofit.base.errors import AutofitError, ProfileError, SpecError
+from autofit.cli import main as cli_main
 from autofit.config.spec import parse_spec
 from autofit.config.train_config import TrainConfig
 from autofit.search.study import make_study, storage_errors, StorageError
@@ -401,3 +405,95 @@ def test_autofit_tune_names_a_storage_outage(lost_database):
         with storage_errors("postgresql://postgres@127.0.0.1:1/autofit_x"):
             raise lost_database
     assert "invalid data" not in str(caught.value)
+
+
+# --- 5. the host at its limits ------------------------------------------------------------------
+
+def _tune_spec(tmp_path: Path) -> Path:
+    return write_spec(tmp_path, tiny_gpt_dict(search={"trials": 2, "precisions": ["32-true"], "warmup_steps": 1,
+                                                      "measure_steps": 1, "window_s": 0, "validate_steps": 2,
+                                                      "frontier_points": 1}))
+
+
+def _tune(tmp_path: Path, *, limit_address_space_bytes: int | None = None,
+          env: dict | None = None) -> subprocess.CompletedProcess:
+    def limit():
+        if limit_address_space_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_address_space_bytes, limit_address_space_bytes))
+
+    return subprocess.run([sys.executable, "-m", "autofit", "tune", str(_tune_spec(tmp_path)), "--device", "cpu",
+                           "--out", str(tmp_path / "profiles"), "--storage", f"sqlite:///{tmp_path}/study.db"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, preexec_fn=limit,
+                          env={**os.environ, **(env or {})})
+
+
+def _one_line(result: subprocess.CompletedProcess) -> str:
+    errors = [line for line in result.stderr.splitlines() if line.startswith("autofit: error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture
+def tiny_tmpdir(tmp_path):
+    """A TMPDIR with 8 KiB free: a tmpfs of that size (root only), else the test skips."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_no_space_in_tmpdir_is_named_exit_1(tmp_path, tiny_tmpdir):
+    result = _tune(tmp_path, env={"TMPDIR": str(tiny_tmpdir)})
+    assert result.returncode == 1
+    line = _one_line(result)
+    assert f"no space left in {tiny_tmpdir} (TMPDIR) (" in line and "KiB free) for the trial worker" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit_mib", [256, 400])
+def test_no_address_space_is_named_exit_1(tmp_path, limit_mib):
+    """At 256 MiB torch's own library cannot be mapped in the worker; at 400 MiB the worker
+    dies building the model (MemoryError, bad_alloc, OpenBLAS): the host's limit either way,
+    never "the model's or data's code"."""
+    result = _tune(tmp_path, limit_address_space_bytes=limit_mib * 2**20)
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = _one_line(result)
+    assert f"ran out of address space (ulimit -v: {limit_mib}.00 MiB)" in line, line
+
+
+def _refuse_fork(*args, **kwargs):
+    raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+
+def test_no_processes_left_is_named_exit_1(tmp_path, monkeypatch, capsys):
+    """`ulimit -u` cannot bind root (the tests' user here): the fork's refusal is raised as
+    Python raises it under the limit."""
+    monkeypatch.setattr(subprocess, "Popen", _refuse_fork)
+    code = cli_main(["tune", str(_tune_spec(tmp_path)), "--device", "cpu", "--out", str(tmp_path / "profiles"),
+                     "--storage", f"sqlite:///{tmp_path}/study.db"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "autofit: error: cannot start the trial worker: no more processes or threads for this user (ulimit -u: " \
+           in err and "Traceback" not in err, err
+
+
+def test_no_threads_left_is_named_exit_1(tmp_path, monkeypatch, capsys):
+    real_start = threading.Thread.start
+
+    def start(thread):
+        if thread.name.startswith("autofit-tune-deadline"):
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    code = cli_main(["tune", str(_tune_spec(tmp_path)), "--device", "cpu", "--out", str(tmp_path / "profiles"),
+                     "--storage", f"sqlite:///{tmp_path}/study.db"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "cannot start the tune's deadline watcher (a thread): no more processes or threads" in err, err

@@ -27,6 +27,7 @@ import optuna
 from loguru import logger
 
 from autofit.base.errors import AutofitError, NothingFitsError, TrialTimeoutError
+from autofit.base.resources import starting
 from autofit.config.spec import ModelSpec
 from autofit.device.budget import Budget
 from autofit.search.outage import storage_outage
@@ -112,10 +113,11 @@ class TuneJob:
     def start(self, *, store_dir: Path, storage: str) -> None:
         self.thread = threading.Thread(target=self._work, args=(store_dir, storage), name=f"tune-{self.gpu.slot}",
                                        daemon=True)
-        self.thread.start()
-        if self.guard is not None:
-            threading.Thread(target=self.guard.run, args=(self.done,), name=f"guard-{self.gpu.slot}",
-                             daemon=True).start()
+        with starting(f"the tune of {self.spec.name} (a thread)"):
+            self.thread.start()
+            if self.guard is not None:
+                threading.Thread(target=self.guard.run, args=(self.done,), name=f"guard-{self.gpu.slot}",
+                                 daemon=True).start()
 
     def stop(self, reason: str, *, retry: bool = False) -> None:
         """Kill the running trial child and end the search; the study keeps what finished.
