@@ -21,7 +21,9 @@ import autofit
 
 from autofit import load_profile
 from autofit.base.atomic import atomic_write_text, temp_prefix
-from autofit.base.errors import AutofitError, ProfileError, SpecError
+from autofit.base.errors import AutofitError, ProfileError, SpecError, UserCodeError
+from autofit.base.resources import ResourceError
+from autofit.workload.data import user_code
 from autofit.cli import main as cli_main
 from autofit.config.spec import parse_spec
 from autofit.config.train_config import TrainConfig
@@ -497,3 +499,13 @@ def test_no_threads_left_is_named_exit_1(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 1, err
     assert "cannot start the tune's deadline watcher (a thread): no more processes or threads" in err, err
+
+
+def test_a_full_disk_in_the_users_code_is_the_hosts_limit(tmp_path):
+    with pytest.raises(ResourceError, match=rf"^no space left in {tmp_path} \(.* free\) for data\.factory m:make "
+                                            rf"\(building the dataset\)"):
+        with user_code("data.factory", "m:make", "building the dataset"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "cache.bin"))
+    with pytest.raises(UserCodeError):  # a non-blocking socket's EAGAIN stays theirs
+        with user_code("data.factory", "m:make", "building the dataset"):
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")

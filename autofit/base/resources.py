@@ -56,7 +56,8 @@ def exhausted(exc: BaseException, what: str, *, folder: str | Path | None = None
     """`exc` as the ResourceError it is, or None when it is no exhaustion."""
     code = getattr(exc, "errno", None)
     if code in (errno.ENOSPC, errno.EDQUOT):
-        return no_space(folder or tempfile.gettempdir(), what)
+        named = getattr(exc, "filename", None)  # the file it could not write, where the OS said
+        return no_space(folder or (os.path.dirname(os.path.abspath(named)) if named else tempfile.gettempdir()), what)
     if code == errno.EAGAIN or (isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)):
         return _no_processes(what)
     if isinstance(exc, MemoryError) or code == errno.ENOMEM:
