@@ -268,6 +268,9 @@ class StateLock:
                                f"{exc.strerror or exc}") from None
         try:
             holder = self._install(temp)
+        except OSError as exc:
+            mine.close()
+            raise AutofitError(f"state_dir {self.path.parent}: cannot lock {self.path}: {exc.strerror or exc}") from None
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
