@@ -509,3 +509,13 @@ def test_a_full_disk_in_the_users_code_is_the_hosts_limit(tmp_path):
     with pytest.raises(UserCodeError):  # a non-blocking socket's EAGAIN stays theirs
         with user_code("data.factory", "m:make", "building the dataset"):
             raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+
+def test_a_name_at_the_file_systems_limit_still_has_a_temp_file_and_a_sweep(tmp_path):
+    name = "c" * 255  # the longest name the kernel takes: its temp file's name is cut to fit
+    dead = tmp_path / f"{temp_prefix(name).replace(str(os.getpid()), str(_dead_pid()))}abcd_123.tmp"
+    live = tmp_path / f"{temp_prefix(name)}live_123.tmp"
+    for path in (dead, live):
+        path.write_bytes(b"partial")
+    atomic_write_text(tmp_path / name, "new")
+    assert _ours(tmp_path) == sorted([name, live.name])

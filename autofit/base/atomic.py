@@ -107,14 +107,26 @@ _FOREIGN_STALE_S = 3600.0
 def temp_prefix(name: str) -> str:
     """The start of a temp file's name for the file `name` (mkstemp adds the rest); the pid
     is read when called, not at import: a forked child is another writer."""
-    return f".{name}.{os.getpid()}@{_HOST}."
+    return f".{_temp_stem(name)}.{os.getpid()}@{_HOST}."
+
+
+_NAME_MAX_BYTES = 255  # Linux's NAME_MAX
+_TAG_MAX_BYTES = len(f"..{2**22}@{'0' * 8}.{'X' * 8}.tmp")  # all but the stem, with the longest pid
+
+
+def _temp_stem(name: str) -> str:
+    """`name` as it appears in its temp files: cut (at a character boundary) so that a name
+    the file system takes still has a temp file it takes, however long the pid."""
+    encoded = name.encode("utf-8", "surrogateescape")
+    room = _NAME_MAX_BYTES - _TAG_MAX_BYTES
+    return name if len(encoded) <= room else encoded[:room].decode("utf-8", "ignore")
 
 
 def sweep_stale_temps(folder: str | Path, name: str | None = None) -> list[Path]:
     """Remove the temp files `atomic_write` left in `folder` (for the file `name`, or any)
     when their writer died before it could: this host's whose process is gone, and any
     older than an hour. Never raises: a folder we cannot list has nothing to sweep."""
-    pattern = _ANY_NAME if name is None else re.compile(_TEMP.format(name=re.escape(name)))
+    pattern = _ANY_NAME if name is None else re.compile(_TEMP.format(name=re.escape(_temp_stem(name))))
     removed = []
     try:
         with os.scandir(folder) as entries:
