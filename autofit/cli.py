@@ -19,6 +19,7 @@ import traceback
 
 from autofit.base import stopping
 from autofit.base.errors import AutofitError, EXIT_INCOMPLETE
+from autofit.base.resources import exhausted
 from autofit.base.logs import configure as configure_logging
 from autofit.base.output import reserved_stdout
 from autofit.base.version import VERSION
@@ -250,6 +251,14 @@ def _dispatch(args) -> int:
         # the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (OSError, ImportError, RuntimeError, MemoryError) as exc:
+        # The host at its limits in this process (no address space for torch's libraries, no
+        # thread): one line naming the limit, exit 1. Anything else keeps its traceback.
+        error = exhausted(exc, f"autofit {args.command}")
+        if error is None:
+            raise
+        print(f"autofit: error: {error}", file=sys.stderr)
+        return error.exit_code
 
 
 def _print_traceback(exc: AutofitError) -> None:

@@ -167,7 +167,8 @@ def test_own_loss_errors_are_one_line():
                      loss={"python": "byom_models:not_a_loss"})
     workload = build_workload(spec)
     with pytest.raises(SpecError, match=r"^loss\.python: byom_models:not_a_loss must return a scalar floating-point "
-                                        r"tensor \(the micro batch's mean loss\), got list\(float\)"):
+                                        r"tensor attached to the autograd graph \(the micro batch's mean loss\); "
+                                        r"got list\(float\)"):
         workload.loss_fn(workload.build_model(), workload.data.batch(2, torch.Generator()))
 
 

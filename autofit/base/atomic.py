@@ -8,15 +8,21 @@ a folder it may not write) is one `WriteError` naming the file, with the previou
 
 import contextlib
 import errno
+import functools
+import hashlib
 import json
 import math
 import os
+import re
+import socket
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
+from autofit.base import stopping
 from autofit.base.errors import WriteError
 
 
@@ -47,9 +53,13 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
     recorded = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        sweep_stale_temps(path.parent, path.name)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise _write_error(path, exc, existed) from None
+    # A second stop signal ends the process without unwinding (os._exit): the except below
+    # never runs, so the forced exit removes the temp file itself.
+    forced = stopping.on_force_exit(functools.partial(_remove, tmp))
     try:
         # mkstemp makes 0600 files; a profile written by the service's user must stay
         # readable to the training jobs of others, as a plain open() would have made it.
@@ -67,6 +77,8 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
         if cause is not None and isinstance(exc, Exception):
             raise _write_error(path, cause, existed) from None
         raise
+    finally:
+        stopping.forget(forced)
     with contextlib.suppress(OSError):
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -74,6 +86,79 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
         finally:
             os.close(dir_fd)
     return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+# Temp files are named `.NAME.PID@HOST.XXXXXXXX.tmp` (XXXXXXXX: mkstemp's), so a later process
+# can tell a dead writer's leftovers (SIGKILL, a power cut) from a live writer's file, on
+# this host; a folder shared over NFS may hold another host's live one.
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+_TEMP = r"\.(?P<name>{name})\.(?:(?P<pid>\d+)@(?P<host>[0-9a-f]{{8}})\.)?[a-z0-9_]{{8}}\.tmp"
+_ANY_NAME = re.compile(_TEMP.format(name=".+?"))
+# A temp of another host, or of the naming before the pid was in it: removed only when no
+# write could still be making it.
+_FOREIGN_STALE_S = 3600.0
+
+
+def temp_prefix(name: str) -> str:
+    """The start of a temp file's name for the file `name` (mkstemp adds the rest); the pid
+    is read when called, not at import: a forked child is another writer."""
+    return f".{_temp_stem(name)}.{os.getpid()}@{_HOST}."
+
+
+_NAME_MAX_BYTES = 255  # Linux's NAME_MAX
+_TAG_MAX_BYTES = len(f"..{2**22}@{'0' * 8}.{'X' * 8}.tmp")  # all but the stem, with the longest pid
+
+
+def _temp_stem(name: str) -> str:
+    """`name` as it appears in its temp files: cut (at a character boundary) so that a name
+    the file system takes still has a temp file it takes, however long the pid."""
+    encoded = name.encode("utf-8", "surrogateescape")
+    room = _NAME_MAX_BYTES - _TAG_MAX_BYTES
+    return name if len(encoded) <= room else encoded[:room].decode("utf-8", "ignore")
+
+
+def sweep_stale_temps(folder: str | Path, name: str | None = None) -> list[Path]:
+    """Remove the temp files `atomic_write` left in `folder` (for the file `name`, or any)
+    when their writer died before it could: this host's whose process is gone, and any
+    older than an hour. Never raises: a folder we cannot list has nothing to sweep."""
+    pattern = _ANY_NAME if name is None else re.compile(_TEMP.format(name=re.escape(_temp_stem(name))))
+    removed = []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                match = pattern.fullmatch(entry.name)
+                if match and _stale(match, entry):
+                    _remove(entry.path)
+                    removed.append(Path(entry.path))
+    except OSError:
+        pass
+    return removed
+
+
+def _stale(match: re.Match, entry: os.DirEntry) -> bool:
+    if match["pid"] is not None and match["host"] == _HOST:
+        return not _process_alive(int(match["pid"]))
+    try:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime > _FOREIGN_STALE_S
+    except OSError:
+        return False
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's (or no valid pid: left alone)
+    return True
 
 
 def _mode_for(path: Path) -> int:

@@ -59,3 +59,28 @@ def ensure_folder(folder: Path, what: str) -> Path:
     if not os.access(folder, os.W_OK):
         raise SpecError(f"{what}: {folder} is not writable")
     return folder
+
+
+# Linux's limits (NAME_MAX, PATH_MAX), in bytes: a longer name is refused by the kernel with
+# ENAMETOOLONG at the first stat, which would otherwise surface as an untyped OSError.
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4095
+
+
+def check_path_text(text: str, what: str, error: type[AutofitError] = AutofitError) -> None:
+    """`text` (a name or a path a store resolves) is one the file system can be asked
+    about: not empty, no control character, each part and the whole within the kernel's
+    limits. `error` naming `what` otherwise, before any file is looked at."""
+    shown = repr(text) if len(text) <= 60 else f"{text[:40]!r}... ({len(text):,} characters)"
+    if not text:
+        raise error(f"{what}: empty; give a model name or a profile file")
+    control = next((c for c in text if ord(c) < 32 or ord(c) == 127), None)
+    if control is not None:
+        raise error(f"{what}: {shown} contains the control character {control!r}")
+    encoded = text.encode("utf-8", "surrogateescape")
+    if len(encoded) > PATH_MAX_BYTES:
+        raise error(f"{what}: {shown} is {len(encoded):,} bytes long; a path is at most {PATH_MAX_BYTES:,}")
+    longest = max(encoded.split(b"/"), key=len)
+    if len(longest) > NAME_MAX_BYTES:
+        raise error(f"{what}: {shown} has a name of {len(longest):,} bytes; a file name is at most "
+                    f"{NAME_MAX_BYTES}")

@@ -84,6 +84,16 @@ def reset() -> None:
     signum = None
 
 
+def absorb_until_exit() -> None:
+    """Once a stop is done (children gone, state written): every later stop signal is
+    ignored until the process has exited. A Python handler would not do: the interpreter
+    puts the default action back while it shuts down, and a signal then kills the process
+    (exit 130/143 after "stopped"). SIG_IGN is left as it is. Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def install() -> dict:
     """Install the handlers (main thread only); returns the previous ones, to put back."""
     reset()

@@ -1,13 +1,13 @@
 """Checks of command-line arguments, in one place: every command (and the doctor) checks its
 counts, durations, folders and output files here, before any work, with one clear line.
-`--memory-budget` has its parser in `autofit.base.sizes.parse_budget`."""
+`--memory-budget` has its parser in `autofit.base.sizes.parse_budget`; counts and durations
+theirs in `autofit.config.arguments`, shared with the Python API."""
 
-import math
 from pathlib import Path
 
 from autofit.base.atomic import check_writable
 from autofit.base.errors import SpecError
-from autofit.config.spec import MAX_TIMEOUT_S
+from autofit.config.arguments import check_count, check_seconds  # noqa: F401 - the commands' import
 
 
 def parse_sets(pairs: list[str] | None) -> dict[str, str]:
@@ -19,27 +19,6 @@ def parse_sets(pairs: list[str] | None) -> dict[str, str]:
             raise SpecError(f"--set: expected KEY=VALUE, got {pair!r}")
         out[key.strip()] = value.strip()
     return out
-
-
-def check_count(name: str, value: int | None, *, minimum: int = 1, maximum: int | None = None) -> None:
-    """A command-line count (--steps, --trials): an integer in [minimum, maximum]."""
-    if value is None:
-        return
-    if value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise SpecError(f"{name}: must be {what}, got {value}")
-    if maximum is not None and value > maximum:
-        raise SpecError(f"{name}: at most {maximum:,}, got {value:,}")
-
-
-def check_seconds(name: str, value: float | None) -> None:
-    """A command-line duration: positive, finite (argparse's float() takes "nan" and "inf")."""
-    if value is None:
-        return
-    if not math.isfinite(value) or value <= 0:
-        raise SpecError(f"{name}: must be a positive finite number of seconds, got {value}")
-    if value > MAX_TIMEOUT_S:
-        raise SpecError(f"{name}: at most {MAX_TIMEOUT_S:.0f} s (a week), got {value:g}")
 
 
 def check_output_file(path: str | None, what: str) -> None:

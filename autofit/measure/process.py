@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from autofit.base.resources import exhausted_output
 from autofit.device.alloc_conf import set_expandable_segments
 
 PARENT_PID_ENV = "AUTOFIT_TRIAL_PARENT_PID"  # set by `child_env` for the child it starts
@@ -76,6 +77,9 @@ def failure_reason(ended: str, returncode: int | None, timeout_s: float, log_tai
     where = f"; last output: {last}" if last else ""
     if ended == "stopped":
         return "error", "stopped"
+    exhaustion = exhausted_output(log_tail, "a trial child") if ended != "timeout" else None
+    if exhaustion is not None:  # the host's limit: every next child would die of it too
+        raise exhaustion
     if ended == "lost":  # a pre-loaded worker died under its child (killed, or out of host memory)
         return "error", f"the trial worker died while the child ran{where}"
     if ended == "timeout":

@@ -28,6 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
+from autofit.base.resources import starting
 from autofit.measure.worker import POLL_S, stop_asked, task_log_tail, TaskOutcome, Worker, WorkerStopped
 from autofit.measure.worker_main import resolve
 from autofit.measure.messages import task
@@ -132,7 +133,8 @@ class Resident:
 
     def _open(self, deadline: float, stop_event) -> str | None:
         """Fork the child and take its connection; None, or how it ended before it connected."""
-        self.folder = Path(tempfile.mkdtemp(prefix="autofit-trial-serve-"))
+        with starting("a trial"):
+            self.folder = Path(tempfile.mkdtemp(prefix="autofit-trial-serve-"))
         try:
             return self._connect(deadline, stop_event)
         except BaseException:

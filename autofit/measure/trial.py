@@ -21,6 +21,7 @@ from pathlib import Path
 from loguru import logger
 
 from autofit.base.errors import DeviceError, InputError
+from autofit.base.resources import check_space, starting
 from autofit.config.spec import ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.measure.measurement import Measurement
@@ -117,7 +118,8 @@ def _measure_ranks(request: TrialRequest, config: TrainConfig, *, device: str, t
     """Several ranks: `torch.distributed.run` in a fresh process (its ranks too), each rank
     the trial child; their result files are merged."""
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
+    check_space(tempfile.gettempdir(), "a trial")
+    with starting("a trial's ranks (torchrun)"), tempfile.TemporaryDirectory(prefix="autofit-trial-") as tmp:
         request_path, result_path, log_path = Path(tmp, "request.json"), Path(tmp, "result.json"), Path(tmp, "log")
         if request.claim:
             request = dataclasses.replace(request, claim=False, claim_dir=tmp)

@@ -33,6 +33,7 @@ from loguru import logger
 
 from autofit.base import stopping
 from autofit.base.errors import InputError, TrialError, TrialTimeoutError
+from autofit.base.resources import check_space, exhausted_output, starting
 from autofit.measure.process import child_env, kill_group, wait_for_child
 from autofit.measure.wire import LineSocket
 
@@ -95,14 +96,16 @@ class Worker:
         model build run while the command opens its study."""
         if self.proc is not None or self.spawn:
             return
-        self.folder = Path(tempfile.mkdtemp(prefix="autofit-worker-"))
-        ours, theirs = socket.socketpair()
-        self._cleanup = stopping.on_force_exit(self._kill)
-        with open(self.folder / "log", "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "autofit.measure.worker_main", str(theirs.fileno()),
-                                          str(self.folder)],
-                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        check_space(tempfile.gettempdir(), "the trial worker")
+        with starting("the trial worker"):
+            self.folder = Path(tempfile.mkdtemp(prefix="autofit-worker-"))
+            ours, theirs = socket.socketpair()
+            self._cleanup = stopping.on_force_exit(self._kill)
+            with open(self.folder / "log", "wb") as log:
+                self.proc = subprocess.Popen([sys.executable, "-m", "autofit.measure.worker_main",
+                                              str(theirs.fileno()), str(self.folder)],
+                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         theirs.close()
         self.wire = LineSocket(ours)
         self._send({"preload": list(self.preload), "setup": self.setup, "payload": self.payload})
@@ -171,7 +174,8 @@ class Worker:
         except WorkerStopped:
             return TaskOutcome(ended="stopped", result=None, returncode=None, log_tail="",
                                wall_s=time.perf_counter() - started)
-        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        check_space(tempfile.gettempdir(), "a trial")  # a full TMPDIR kills the child before it can say so
+        with starting("a trial"), tempfile.TemporaryDirectory(prefix=prefix) as tmp:
             folder = self._task_folder = Path(tmp)
             # The task may need its folder (a trial claims its CUDA context there).
             (folder / "payload.json").write_text(json.dumps(payload | {"_folder": tmp}, default=str))
@@ -327,7 +331,10 @@ class Worker:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         code = self.proc.returncode
+        exhaustion = exhausted_output(self._log_text(), "the trial worker")
         self._lost()
+        if exhaustion is not None:  # the host's limit, not the model's or data's code
+            return exhaustion
         where = f"; last output: {tail}" if tail else ""
         if code is not None and code >= 0 and what == "its setup":
             return InputError(f"the trial worker exited with code {code} while loading the model and data "
@@ -336,9 +343,11 @@ class Worker:
         return TrialError(f"the trial worker {how} during {what}{where}")
 
     def _log_tail(self) -> str:
+        return next((line.strip() for line in reversed(self._log_text().splitlines()) if line.strip()), "")
+
+    def _log_text(self) -> str:
         path = None if self.folder is None else self.folder / "log"
-        text = path.read_text(errors="replace") if path is not None and path.exists() else ""
-        return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+        return path.read_text(errors="replace") if path is not None and path.exists() else ""
 
     def _lost(self) -> None:
         """The worker died (killed from outside, out of host memory): the next task starts another."""
@@ -368,7 +377,11 @@ def _signal_name(signum: int) -> str:
 
 
 def _raise_setup_error(error: dict) -> None:
-    """The setup failed: the user's input (their code raised) is exit 2, anything else exit 1."""
+    """The setup failed: the user's input (their code raised) is exit 2, anything else exit 1;
+    the host's limits (torch's libraries could not be mapped under ulimit -v) come first."""
+    exhaustion = exhausted_output(f"{error['error']}\n{error.get('traceback') or ''}", "the trial worker")
+    if exhaustion is not None:
+        raise exhaustion
     if error.get("input_error"):
         raise InputError(error["error"], traceback_text=error.get("traceback"))
     raise TrialError(f"the trial worker's setup failed: {error['error']}")

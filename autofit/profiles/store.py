@@ -20,7 +20,7 @@ from pathlib import Path
 from loguru import logger
 
 from autofit.base.errors import ProfileError
-from autofit.base.paths import default_store_dir
+from autofit.base.paths import check_path_text, default_store_dir
 from autofit.base.sizes import format_bytes
 from autofit.config.spec import ModelSpec
 from autofit.device.budget import Budget, budget_for
@@ -204,6 +204,9 @@ def locate(path_or_name: str | Path, *, store: ProfileStore | str | Path | None 
     that emulated budget (`tune --memory-budget`), else the whole device's; without it, a
     profile tuned under an emulated budget or for an emulated GPU is never handed out. A
     `Budget` is one a command already parsed."""
+    if not isinstance(path_or_name, (str, os.PathLike)):
+        raise ProfileError(f"profile: a model name or a profile file, got {type(path_or_name).__name__}")
+    check_path_text(os.fspath(path_or_name), "profile", ProfileError)
     store = _as_store(store)
     info = _device_info(device)
     if not isinstance(memory_budget, Budget):

@@ -13,8 +13,10 @@ import sqlalchemy.exc
 
 from autofit.base.errors import AutofitError, SpecError
 from autofit.base.redact import redact_text, redact_url
+from autofit.base.resources import exhausted, starting
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
+from autofit.search.outage import storage_outage
 from autofit.search.shared import creation_lock
 
 RECORD_ATTR = "autofit"  # user attr holding a trial's record
@@ -153,6 +155,9 @@ def make_study(*, study_name: str, storage: str | None, seed: int = 0) -> optuna
     except ImportError:  # a database driver missing for the URL's scheme
         raise SpecError(f"--storage {redact_url(storage)}: {driver_hint(storage)}") from None
     except Exception as exc:  # sqlalchemy: unknown scheme, unreachable or unwritable database
+        exhaustion = exhausted(exc, "opening the study storage")
+        if exhaustion is not None:  # the host, not the URL
+            raise exhaustion from None
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SpecError(f"--storage {redact_url(storage)}: cannot open the study storage: {redact_text(first)[:200]}") from None
 
@@ -164,6 +169,11 @@ def storage_errors(storage: str | None):
     try:
         yield
     except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError) as exc:
+        outage = storage_outage(exc)
+        if outage is not None:  # not damaged data: the database went away (a restart, the network)
+            raise StorageError(f"--storage {redact_url(storage)}: storage unreachable: {redact_text(outage)}; "
+                               f"the study keeps every finished trial: run the same command again to resume "
+                               f"once the database is back") from None
         root = exc
         while root.__cause__ is not None:  # optuna wraps SQLAlchemy, which wraps the driver
             root = root.__cause__
@@ -212,7 +222,8 @@ def heartbeat(study: optuna.Study, trial: optuna.Trial):
                 return
 
     thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
-    thread.start()
+    with starting("the trial's heartbeat (a thread)"):
+        thread.start()
     try:
         yield
     finally:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from autofit.base import stopping
+from autofit.base.atomic import sweep_stale_temps
 from autofit.base.errors import AutofitError, SpecError
 from autofit.base.paths import ensure_folder
 from autofit.config.spec import load_spec, ModelSpec
@@ -93,6 +95,10 @@ class Service:
             ensure_folder(folder, key)
         self._lock.acquire()
         try:
+            # A write the last run was killed in (SIGKILL, a power cut) left its temp file.
+            for folder in (self.config.state_dir, self.config.store_dir):
+                for path in sweep_stale_temps(folder):
+                    logger.info("removed {}, left by an interrupted write", path)
             self._load_state()
             self.monitor.start()
             signal.signal(signal.SIGTERM, self._on_stop)
@@ -119,6 +125,10 @@ class Service:
                 self.notifier.watchdog(healthy=self.monitor.healthy())
                 time.sleep(_TICK_S)
             self._shutdown()
+            # Our children are gone and the state is written: an operator's further
+            # SIGTERMs (or systemd's, or a Ctrl-C storm) must not turn the clean stop into
+            # 143 on the way out. Not earlier: a child started now would inherit SIG_IGN.
+            stopping.absorb_until_exit()
         finally:
             self.monitor.stop()  # the HTTP thread must not outlive the command
             self._lock.release()

@@ -14,6 +14,7 @@ How a tune ends decides what happens to its pair:
 | an input error found only now (`AutofitError`: the user's code raised, a spec key) | `retrying` | the same back-off and bound |
 | anything else raised (a crash) | `retrying` | the same back-off and bound |
 | stopped: another job on its GPU, or the GPU left | `retrying` | the same back-off, never given up on |
+| the study's storage unreachable (PostgreSQL down) | `retrying` | the same back-off, not an attempt, never given up on |
 | stopped: the service stops | `interrupted` | resumes at once on the next start |
 """
 
@@ -27,8 +28,10 @@ import optuna
 from loguru import logger
 
 from autofit.base.errors import AutofitError, NothingFitsError, TrialTimeoutError
+from autofit.base.resources import starting
 from autofit.config.spec import ModelSpec
 from autofit.device.budget import Budget
+from autofit.search.outage import storage_outage
 from autofit.search.shared import creation_lock
 from autofit.search.study import TrialRecord
 from autofit.profiles.profile import utc_now
@@ -43,6 +46,8 @@ RETRY_FIRST_S, RETRY_MAX_S = 60.0, 3600.0  # back-off after a tune that timed ou
 # Timeouts and crashes in a row before a pair is given up on (`failed`, final until its spec
 # changes or the service reloads): with the back-off, about half an hour of trying.
 MAX_ATTEMPTS = 5
+STORAGE_UNREACHABLE = "storage unreachable"  # a failure kind: the study's database went away
+_NOT_ATTEMPTS = ("interrupted", STORAGE_UNREACHABLE)  # endings that never give a pair up
 
 
 @dataclass(kw_only=True)
@@ -112,10 +117,11 @@ class TuneJob:
     def start(self, *, store_dir: Path, storage: str) -> None:
         self.thread = threading.Thread(target=self._work, args=(store_dir, storage), name=f"tune-{self.gpu.slot}",
                                        daemon=True)
-        self.thread.start()
-        if self.guard is not None:
-            threading.Thread(target=self.guard.run, args=(self.done,), name=f"guard-{self.gpu.slot}",
-                             daemon=True).start()
+        with starting(f"the tune of {self.spec.name} (a thread)"):
+            self.thread.start()
+            if self.guard is not None:
+                threading.Thread(target=self.guard.run, args=(self.done,), name=f"guard-{self.gpu.slot}",
+                                 daemon=True).start()
 
     def stop(self, reason: str, *, retry: bool = False) -> None:
         """Kill the running trial child and end the search; the study keeps what finished.
@@ -173,6 +179,10 @@ class TuneJob:
             pair.status, pair.detail, pair.failure = "nothing fits", str(self.error), None
             pair.nothing_fits = {"spec_hash": self.spec.spec_hash, "headroom": headroom, "message": str(self.error)}
             result = f"nothing fits (final): {self.error}"
+        elif (outage := storage_outage(self.error)) is not None:
+            # The database went away under the tune (a restart, the network): the study keeps
+            # what finished, and an outage is no attempt at the pair.
+            result = record_retry(pair, self.spec.spec_hash, STORAGE_UNREACHABLE, outage)
         else:
             # A timeout says nothing about the config; an AutofitError is the user's input found
             # bad only now (their code raised; the message names the spec key); a crash is the rest.
@@ -193,10 +203,12 @@ def record_retry(pair: PairState, spec_hash: str, kind: str, error: str, *, now_
     reloaded; interruptions (another job on the GPU) never give up. Returns it in words."""
     now_unix_s = time.time() if now_unix_s is None else now_unix_s
     last = pair.failure if pair.failure and pair.failure.get("spec_hash") == spec_hash else {}
-    attempts = last.get("attempts", last.get("count", 0)) + (kind != "interrupted")
-    interruptions = (last.get("interruptions", 0) + 1) if kind == "interrupted" else 0
-    streak = interruptions if kind == "interrupted" else attempts
-    final = kind != "interrupted" and attempts >= MAX_ATTEMPTS
+    counted = kind not in _NOT_ATTEMPTS
+    attempts = last.get("attempts", last.get("count", 0)) + counted
+    # Interruptions and outages in a row (of the same kind) set their own back-off.
+    interruptions = 0 if counted else (last.get("interruptions", 0) + 1 if last.get("kind") == kind else 1)
+    streak = attempts if counted else interruptions
+    final = counted and attempts >= MAX_ATTEMPTS
     retry_after_unix_s = None if final else now_unix_s + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (streak - 1))
     pair.failure = {"kind": kind, "error": error, "spec_hash": spec_hash, "attempts": attempts,
                     "max_attempts": MAX_ATTEMPTS, "interruptions": interruptions, "final": final,
@@ -213,6 +225,9 @@ def retry_text(failure: dict) -> str:
     if kind == "interrupted":
         return (f"interrupted ({failure.get('interruptions', 1)} in a row): {error}; resumes from its study, "
                 f"next try {next_try} once the GPU is idle")
+    if kind == STORAGE_UNREACHABLE:
+        return (f"storage unreachable ({failure.get('interruptions', 1)} in a row, not counted as an attempt): "
+                f"{error}; resumes from its study, next try {next_try}")
     head = (f"{kind}, attempt {failure.get('attempts', failure.get('count', 1))} of "
             f"{failure.get('max_attempts', MAX_ATTEMPTS)}: {error}")
     if failure.get("final"):

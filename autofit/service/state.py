@@ -10,16 +10,18 @@ counts, "nothing fits", failures and their back-off) survives restarts; the inve
 queue and running tunes describe the last moment the service was alive.
 """
 
+import contextlib
 import dataclasses
 import fcntl
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypedDict
+from typing import IO, Literal, TypedDict
 
-from autofit.base.atomic import atomic_write_text, guarded_write
+from autofit.base.atomic import atomic_write_text, guarded_write, temp_prefix
 from autofit.base.documents import parse_json, read_text
 from autofit.base.errors import AutofitError
 from autofit.config.reader import read_as
@@ -252,7 +254,15 @@ def iso_utc(unix_s: float) -> str:
 
 class StateLock:
     """One service per state folder: an flock, which the kernel drops when the process
-    dies, so a crash never leaves a stale lock behind."""
+    dies, so a crash never leaves a stale lock behind.
+
+    The holder's pid is in the file before the file is the lock: it is written and locked
+    in a temp file, which is then linked (or, over a dead holder's file, renamed) into
+    place. A second service that finds the lock held therefore always reads a pid, never
+    the empty file of a holder that has locked but not yet written."""
+
+    _RETRIES = 50  # a contender that read a lock file being replaced looks again
+    _RETRY_S = 0.02
 
     def __init__(self, state_dir: Path):
         self.path = Path(state_dir) / "autofit.lock"
@@ -261,30 +271,87 @@ class StateLock:
     def acquire(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock_file = open(self.path, "a+")
+            mine, temp = self._locked_temp()
         except OSError as exc:
             # A config error (a path the service's user may not write), not a crash: exit 2,
             # which the unit does not restart (RestartPreventExitStatus=2).
             raise AutofitError(f"state_dir {self.path.parent}: cannot create or lock {self.path}: "
                                f"{exc.strerror or exc}") from None
         try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock_file.seek(0)
-            holder = lock_file.read().strip() or "?"
-            lock_file.close()
+            holder = self._install(temp)
+        except OSError as exc:
+            mine.close()
+            raise AutofitError(f"state_dir {self.path.parent}: cannot lock {self.path}: {exc.strerror or exc}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+        if holder is not None:
+            mine.close()
             raise AutofitError(f"another autofit serve (pid {holder}) is already running with state folder "
-                               f"{self.path.parent} (lock {self.path})") from None
-        # The pid is for the error message above; the flock is the lock.
-        lock_file.seek(0)
-        lock_file.truncate()
+                               f"{self.path.parent} (lock {self.path})")
+        self._file = mine
+
+    def _locked_temp(self) -> tuple[IO[str], str]:
+        """A fresh file in the state folder holding our pid, flocked by us; and its path."""
+        fd, name = tempfile.mkstemp(prefix=temp_prefix(self.path.name), suffix=".tmp", dir=self.path.parent)
+        lock_file = os.fdopen(fd, "w+")
         lock_file.write(f"{os.getpid()}\n")
         lock_file.flush()
-        self._file = lock_file
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new inode: nobody else has it
+        return lock_file, name
+
+    def _install(self, temp: str) -> str | None:
+        """Put our locked file in place: None once it is the lock, else the live holder's pid."""
+        holder = "?"
+        for _ in range(self._RETRIES):
+            try:
+                os.link(temp, self.path)
+                return None
+            except FileExistsError:
+                pass
+            try:
+                current = open(self.path)
+            except FileNotFoundError:
+                continue
+            with current:
+                try:
+                    fcntl.flock(current, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = current.read().strip() or "?"
+                    if _same_file(current, self.path) and _alive(holder):
+                        return holder
+                    time.sleep(self._RETRY_S)  # replaced under us, or its holder just died: again
+                    continue
+                if not _same_file(current, self.path):
+                    continue  # replaced between our open and our flock
+                # Its holder is gone (the kernel dropped the flock): ours replaces it, in one
+                # rename, while we hold the old one's lock so no third service takes it.
+                os.rename(temp, self.path)
+                return None
+        return holder
 
     def release(self) -> None:
         if self._file is not None:
-            # The file stays: deleting a lock file lets a third process lock a fresh inode.
+            # The file stays: the next service replaces it in one rename (see `_install`).
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+def _same_file(opened, path: Path) -> bool:
+    """`opened` is still the file at `path` (not one a rename replaced)."""
+    try:
+        return os.fstat(opened.fileno()).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _alive(pid: str) -> bool:
+    """The pid read from a held lock names a live process (not a holder that just died)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's service
+    return True

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from autofit.base.atomic import atomic_write
+from autofit.base.atomic import atomic_write, sweep_stale_temps
 from autofit.base.errors import AutofitError
 from autofit.config.spec import ModelSpec
 from autofit.config.train_config import TrainConfig
@@ -217,6 +217,9 @@ class Checkpoints:
         self.runner = runner
         self.sharded = runner.config.distributed
         self.path = None if folder is None else folder / ("checkpoint" if self.sharded else "checkpoint.pt")
+        if folder is not None and distributed.current_rank() == 0:
+            for path in sweep_stale_temps(folder):  # of a run killed mid-write (SIGKILL, a power cut)
+                logger.info("removed {}, left by an interrupted checkpoint write", path)
 
     def save(self, step: int, history: dict) -> None:
         if self.path is None:

@@ -39,6 +39,7 @@ from autofit.base.errors import DeviceError, ProfileError
 from autofit.config.train_config import TrainConfig
 from autofit.device.precision import check_supported, PrecisionPolicy, process_flags, set_process_flags
 from autofit.workload import Batch, batch_size_of, split_batch
+from autofit.workload.binding import check_loss
 from autofit.train import distributed
 from autofit.train.knobs import apply_config, apply_optimizer_hooks, prepare_batch, trainable_parameters
 from autofit.train.optim import implementation
@@ -136,6 +137,7 @@ class TrainingPlan:
         an accumulation window, i.e. it is time for `step()`."""
         # Dividing by the window length makes the accumulated gradient the global batch's
         # mean, exactly as `Runner.step` does.
+        check_loss(loss, "the loss given to plan.backward() / plan.step()")
         self.scaler.scale(loss / self.grad_accum_steps).backward()
         self._micro_batches += 1
         return self._micro_batches >= self.grad_accum_steps
@@ -193,7 +195,7 @@ class TrainingPlan:
     def _accumulate(self, batch: Batch, loss_fn) -> bool:
         def forward_backward(micro_batch) -> torch.Tensor:
             with self.autocast():
-                loss = loss_fn(self.model, self.to_device(micro_batch))
+                loss = check_loss(loss_fn(self.model, self.to_device(micro_batch)), loss_fn)
             self.backward(loss)
             return loss.detach().float()
 

@@ -14,6 +14,7 @@ from autofit.config.spec import ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.precision import check_supported, PrecisionPolicy
 from autofit.workload import split_batch, TextData, Workload
+from autofit.workload.binding import check_loss
 from autofit.workload.text import count_tokens
 from autofit.train import distributed
 from autofit.train.knobs import (apply_config, apply_optimizer_hooks, micro_batch_floor, prepare_batch,
@@ -141,7 +142,7 @@ class Runner:
             i, micro_batch = indexed
             with distributed.no_sync(self.model, self.config, last=i == n_micro - 1):
                 with self.policy.autocast(self.device.type):
-                    loss = self.loss_fn(self.model, micro_batch)
+                    loss = check_loss(self.loss_fn(self.model, micro_batch), self.loss_fn)
                 # Mean over micro batches == mean over the global batch: accumulation is
                 # exact, and DDP/FSDP2 average the ranks' gradients. A token loss weighs each
                 # micro batch by its share of the global batch's labelled tokens.

@@ -30,7 +30,8 @@ from torch.utils._pytree import tree_leaves
 from autofit.base.errors import SpecError
 from autofit.base.logs import adopt_default_handler
 from autofit.base.paths import default_state_dir, default_store_dir, sqlite_storage
-from autofit.config.spec import OBJECT_SOURCE, parse_spec
+from autofit.config.arguments import check_count, check_seconds
+from autofit.config.spec import MAX_TRIALS, OBJECT_SOURCE, parse_spec
 from autofit.device.budget import budget_for
 from autofit.device.probe import select_device
 from autofit.workload.data import FunctionData
@@ -70,6 +71,8 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
     The study (state_dir) and the profile (out_dir, default ./profiles) are keyed by the
     model's class, the shapes of its parameters and of a sample batch, so running the same
     cell again resumes the study instead of measuring again."""
+    check_seconds("timeout_s", timeout_s)  # as `autofit tune --timeout`: before any work
+    check_count("trials", trials, maximum=MAX_TRIALS)
     adopt_default_handler()  # the CLI's log lines, not loguru's default ones
     objects = {"model": model, "batch_fn": batch_fn, "loss_fn": loss_fn}
     optimizer_section = optimizer or {}

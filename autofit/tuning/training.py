@@ -30,7 +30,8 @@ from autofit.base.errors import AutofitError, NothingFitsError, SpecError
 from autofit.base.logs import adopt_default_handler
 from autofit.base.paths import default_store_dir, ensure_folder
 from autofit.base.sizes import format_bytes
-from autofit.config.spec import ModelSpec, PROBE_SKIPPED
+from autofit.config.arguments import check_count
+from autofit.config.spec import MAX_STEPS, ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.budget import Budget, budget_for
 from autofit.device.memory import MemoryGrewError
@@ -123,8 +124,7 @@ def train_module(model: nn.Module, batch_fn: Callable, loss_fn: Callable | None,
                  optimizer_args: dict | None) -> nn.Module:
     """`autofit.train_model`'s run (its docstring says what each argument does): the plan of
     `profile.apply` stepped `steps` times on `batch_fn`'s batches; returns the plan's model."""
-    if not isinstance(steps, int) or steps < 1:
-        raise SpecError(f"autofit.train_model: steps must be a positive integer, got {steps!r}")
+    check_count("steps", steps, maximum=MAX_STEPS)  # as `autofit train --steps`
     adopt_default_handler()
     workload = make_workload(model, batch_fn, loss_fn, name=profile.model.name, probe_batch_dim=False)
     generator = torch.Generator().manual_seed(seed)

@@ -25,6 +25,7 @@ from loguru import logger
 from autofit.base.errors import (InputError, NothingFitsError, OutOfTimeError, ProfileError, SpecError, TrialError,
                                  TrialTimeoutError)
 from autofit.base.redact import redact_url
+from autofit.base.resources import starting
 from autofit.base.sizes import format_bytes
 from autofit.base.version import VERSION
 from autofit.config.spec import ModelSpec
@@ -298,7 +299,8 @@ class _Tune:
                     return
 
         watcher = threading.Thread(target=loop, name="autofit-tune-deadline", daemon=True)
-        watcher.start()
+        with starting("the tune's deadline watcher (a thread)"):
+            watcher.start()
         cleanup.callback(watcher.join)
         cleanup.callback(done.set)
 

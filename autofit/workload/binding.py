@@ -248,7 +248,43 @@ class UserLoss:
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         with user_code(self.key_path, self.target, "computing the loss"):
             loss = self.fn(model, batch, **self.args)
-        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
-            raise SpecError(f"{self.key_path}: {self.target} must return a scalar floating-point tensor "
-                            f"(the micro batch's mean loss), got {_describe(loss)}")
-        return loss
+        return check_loss(loss, self)
+
+
+# ---- the one check of a loss before its backward ---------------------------------------------
+
+def check_loss(loss: Any, loss_fn: Callable | str) -> torch.Tensor:
+    """`loss` if it can train: a scalar floating-point tensor attached to the autograd graph.
+    Else one SpecError naming the loss function and what is wrong, rather than torch's own
+    error from inside `backward` (or an AttributeError on a float). Attribute reads only:
+    no device sync in the step."""
+    problem = _loss_problem(loss)
+    if problem is not None:
+        raise SpecError(f"{loss_source(loss_fn)} must return a scalar floating-point tensor attached to the "
+                        f"autograd graph (the micro batch's mean loss); got {problem}")
+    return loss
+
+
+def loss_source(loss_fn: Callable | str) -> str:
+    """How errors name a loss: the spec key and function, or the API's `loss_fn`."""
+    if isinstance(loss_fn, str):
+        return loss_fn
+    if isinstance(loss_fn, ModelLoss):
+        return f"{loss_fn.key_path}: the loss of {loss_fn.target}"
+    if isinstance(loss_fn, UserLoss):
+        return f"{loss_fn.key_path}: {loss_fn.target}"
+    return f"loss_fn: {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}"
+
+
+def _loss_problem(loss: Any) -> str | None:
+    if not isinstance(loss, torch.Tensor):
+        number = isinstance(loss, (int, float)) and not isinstance(loss, bool)
+        return f"a Python {type(loss).__name__} ({loss!r}), which has no gradient" if number else _describe(loss)
+    if loss.ndim != 0:
+        return f"a tensor of shape [{', '.join(map(str, loss.shape))}] (not a scalar: reduce it, e.g. .mean())"
+    if not loss.is_floating_point():
+        return f"a {str(loss.dtype).removeprefix('torch.')} tensor (not floating-point: it has no gradient)"
+    if not loss.requires_grad:
+        return ("a tensor detached from the autograd graph (computed under torch.no_grad(), .detach()ed, "
+                "or from no trainable parameter)")
+    return None

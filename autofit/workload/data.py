@@ -7,6 +7,7 @@ batch during tuning would hide an out-of-memory error in training.
 """
 
 import contextlib
+import errno
 import importlib
 import inspect
 import sys
@@ -19,6 +20,7 @@ import torch
 from torch.utils.data import default_collate
 
 from autofit.base.errors import AutofitError, SpecError, UserCodeError
+from autofit.base.resources import exhausted
 from autofit.device.oom import is_oom
 
 Batch = dict[str, torch.Tensor] | tuple[torch.Tensor, ...]
@@ -239,6 +241,12 @@ def user_code(key_path: str, target: str, doing: str):
     except Exception as exc:
         if is_oom(exc):
             raise
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+            # The host's limit reached inside their code (a full disk, ulimit -v): not their bug.
+            # (A MemoryError is out of memory, a result: is_oom above.)
+            exhaustion = exhausted(exc, f"{key_path} {target} ({doing})")
+            if exhaustion is not None:
+                raise exhaustion from exc
         message = (str(exc).strip().splitlines() or [""])[0][:300]
         raise UserCodeError(f"{key_path}: {target} raised {type(exc).__name__}"
                             f"{': ' + message if message else ''} while {doing}") from exc
