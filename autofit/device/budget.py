@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from autofit.base.errors import SpecError
 from autofit.base.sizes import parse_budget
+from autofit.device.host import host_budget_bytes
 from autofit.device.probe import DeviceInfo, usable_budget_bytes
 
 
@@ -23,6 +24,8 @@ class Budget:
     # The whole tune's wall time (--time-budget): probe, estimates, trials, validation,
     # writing; None: the spec's search.time_budget.
     tune_time_s: float | None = None
+    # The pinned host bytes offloaded configs may keep (`autofit.device.host`); None: not checked.
+    host_bytes: int | None = None
 
     @property
     def emulated(self) -> bool:
@@ -32,7 +35,8 @@ class Budget:
 
 
 def budget_for(device: DeviceInfo, memory_budget: str | int | None, *, headroom: float, time_s: float | None = None,
-               tune_time_s: float | None = None, what: str = "--memory-budget", error: type = SpecError) -> Budget:
+               tune_time_s: float | None = None, what: str = "--memory-budget", error: type = SpecError,
+               host_memory_budget: str | int | None = None) -> Budget:
     """The one edge parser: `memory_budget` (`24GiB`, `0.8` of the device, bytes, or None)
     on `device`, less other processes' memory and `headroom`. A budget above the device is
     refused (emulating a larger card measures nothing); errors are `error`s naming `what`."""
@@ -40,4 +44,4 @@ def budget_for(device: DeviceInfo, memory_budget: str | int | None, *, headroom:
                              total_bytes=device.memory_total_bytes, device_name=device.name, what=what, error=error)
     return Budget(usable_bytes=usable_budget_bytes(device, headroom=headroom, memory_budget=requested),
                   requested_bytes=requested, time_s=time_s,
-                  tune_time_s=tune_time_s)
+                  tune_time_s=tune_time_s, host_bytes=host_budget_bytes(host_memory_budget))

@@ -10,6 +10,7 @@ optimizer state exists only from the first `optimizer.step()` on. Known blind sp
 the search corrects them: docs/estimator.md.
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -33,6 +34,7 @@ from autofit.train.runner import Runner
 from autofit.train.user_optim import count_state, CountedState, OptimizerStateError
 from autofit.measure.estimate_shard import per_rank
 from autofit.measure.estimated import EstimateError, MemoryEstimate
+from autofit.measure.host_estimate import host_counter, host_split, traced
 
 ESTIMATED_STEPS = 2  # optimizer state exists from the first optimizer.step() on
 # Memory is the same for every micro batch after the second: the first allocates the
@@ -116,7 +118,9 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     # tracker's dispatch mode, and compiling per estimate would cost more than a trial.
     # Fused kernels usually keep fewer intermediates; the calibration, fitted per compile
     # setting, learns the difference from measured trials.
-    small_config = config.replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1, compile=False)
+    small_config = traced(config).replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1,
+                                          compile=False)
+    counter = host_counter(config, device_kind)  # offloaded activations: on the host, off the device trace
     # Real (meta) tensors are let in: a model's constant tensors become fake on first use.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = LiveBytesTracker(record=device_kind == "cuda")
@@ -155,7 +159,7 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
                 runner.config = small_config.replace(grad_accum_steps=len(real))
                 with fake_mode:
                     batch = [_to_fake(fake_mode, mb) for mb in real]
-                with fake_mode, tracker:
+                with fake_mode, tracker, counter.counting() if counter else contextlib.nullcontext():
                     tracker.track(t for mb in batch for t in tree_leaves(mb))
                     runner.step(batch)
                     del batch
@@ -194,8 +198,8 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     if guard.note:
         logger.info("estimate {} {}: {}", spec.name, config.short(), guard.note)
     if config.world_size == 1:
-        return one
-    return per_rank(one, runner.model, config, device_kind)
+        return host_split(one, config, device_kind, counter)
+    return host_split(per_rank(one, runner.model, config, device_kind), config, device_kind, counter)
 
 
 class _OptimizerGuard:

@@ -32,6 +32,7 @@ from autofit.device.peak import mfu
 from autofit.device.probe import DeviceInfo, with_memory_budget
 from autofit.measure import asks
 from autofit.measure.estimated import EstimateError, MemoryEstimate
+from autofit.measure.host_fit import predicted_fit_bytes
 from autofit.measure.measurement import Measurement
 from autofit.measure.trial import measure, raise_input_error, trial_worker
 from autofit.measure.worker import StopAfter, Worker
@@ -240,6 +241,7 @@ class _Tune:
         if objects is not None and nproc > 1:  # ranks rebuild the workload from a spec file
             raise SpecError("a model given as a Python object is tuned in one process: nproc must be 1")
         self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget.usable_bytes, out_dir, storage
+        self.host_budget_bytes = budget.host_bytes
         emulated_budget_bytes, timeout_s = budget.requested_bytes, budget.time_s
         self.execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
         if emulated_budget_bytes is not None:
@@ -606,9 +608,10 @@ class _Tune:
         budget: the allocator frees its cache before it gives up); 0 (unknown: measure it) for
         a config the estimator cannot run."""
         try:
-            return estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
-                                   worker=self.trial_worker, stop_event=self.halt,
-                                   capacity_bytes=self.budget_bytes).fit_bytes
+            one = estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
+                                  worker=self.trial_worker, stop_event=self.halt, capacity_bytes=self.budget_bytes)
+            return predicted_fit_bytes(one, config, budget_bytes=self.budget_bytes,
+                                       host_budget_bytes=self.host_budget_bytes)
         except EstimateError as exc:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0
