@@ -9,6 +9,7 @@ import pytest
 from autofit.base.errors import SpecError
 from autofit.config.spec import parse_spec
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import budget_for
 from autofit.device.host import HOST_RESERVE_FRACTION, host_budget_bytes, resident_bytes
 from autofit.device.probe import cpu_device
 from autofit.measure.estimate import estimate_memory
@@ -88,15 +89,18 @@ def test_a_config_over_the_host_budget_is_refused_with_the_reason():
     assert "offload-act" in why and "4.00 KiB" in why and "--host-memory-budget" in why
 
 
-def test_the_host_budget_is_read_as_the_card_budget_is_and_keeps_a_reserve():
+def test_the_host_budget_is_read_as_the_card_budget_is_and_keeps_a_reserve(monkeypatch):
     available = 64 << 30
-    assert host_budget_bytes(None, available_bytes=available) == int(available * (1 - HOST_RESERVE_FRACTION))
-    assert host_budget_bytes("8GiB", available_bytes=available) == int((8 << 30) * (1 - HOST_RESERVE_FRACTION))
-    assert host_budget_bytes("0.5", available_bytes=available) == int(available * 0.5 * (1 - HOST_RESERVE_FRACTION))
+    monkeypatch.setattr("autofit.device.budget.host_available_bytes", lambda: available)
+    cuda, keep = _cuda(), 1 - HOST_RESERVE_FRACTION
+    assert budget_for(cuda, None, headroom=0.0).host_bytes == int(available * keep)
+    assert budget_for(cuda, None, headroom=0.0, host_memory_budget="8GiB").host_bytes == int((8 << 30) * keep)
+    assert budget_for(cuda, None, headroom=0.0, host_memory_budget="0.5").host_bytes == int(available * 0.5 * keep)
+    assert budget_for(cpu_device(), None, headroom=0.0).host_bytes is None  # the card's budget is the host's
     with pytest.raises(SpecError, match="--host-memory-budget: 128GiB is more than"):
-        host_budget_bytes("128GiB", available_bytes=available)
+        budget_for(cuda, None, headroom=0.0, host_memory_budget="128GiB")
     with pytest.raises(SpecError, match="cannot hold even one trial process"):
-        host_budget_bytes(resident_bytes() - 1, available_bytes=available)
+        host_budget_bytes(resident_bytes() - 1, available)
 
 
 def test_a_tune_with_a_host_budget_of_1kib_is_refused_with_one_line(tmp_path):

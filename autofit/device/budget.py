@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from autofit.base.errors import SpecError
 from autofit.base.sizes import parse_budget
-from autofit.device.host import host_budget_bytes
+from autofit.device.host import host_available_bytes, host_budget_bytes
 from autofit.device.probe import DeviceInfo, usable_budget_bytes
 
 
@@ -44,4 +44,16 @@ def budget_for(device: DeviceInfo, memory_budget: str | int | None, *, headroom:
                              total_bytes=device.memory_total_bytes, device_name=device.name, what=what, error=error)
     return Budget(usable_bytes=usable_budget_bytes(device, headroom=headroom, memory_budget=requested),
                   requested_bytes=requested, time_s=time_s,
-                  tune_time_s=tune_time_s, host_bytes=host_budget_bytes(host_memory_budget))
+                  tune_time_s=tune_time_s, host_bytes=_host_bytes(device, host_memory_budget, error))
+
+
+def _host_bytes(device: DeviceInfo, host_memory_budget: str | int | None, error: type) -> int | None:
+    """The host budget (`autofit.device.host`): read where offloading acts (CUDA) or where one
+    is asked for; None elsewhere (on the CPU the card's budget is the host's)."""
+    if host_memory_budget is None and device.kind != "cuda":
+        return None
+    available_bytes = host_available_bytes()
+    requested = parse_budget(None if host_memory_budget is None else str(host_memory_budget),
+                             total_bytes=available_bytes, device_name="the host's available memory",
+                             what="--host-memory-budget", error=error)
+    return host_budget_bytes(requested, available_bytes)

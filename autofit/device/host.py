@@ -2,8 +2,8 @@
 else the host's available memory as /proc/meminfo's MemAvailable reads it), parsed by the
 same size parser as `--memory-budget`.
 
-    host_budget_bytes("8GiB")    # what offloaded configs may pin; SpecError for 1KiB
-    host_budget_bytes(None)      # the host's available memory less the reserve
+    host_budget_bytes(8 << 30, host_available_bytes())   # what offloaded configs may pin
+    host_budget_bytes(None, host_available_bytes())      # the available memory less the reserve
 
 A tune never takes the host down: the out-of-memory killer is not a result, it takes the tune
 (and whatever else runs here) with it. So a config over this budget is refused before it runs
@@ -11,7 +11,7 @@ A tune never takes the host down: the out-of-memory killer is not a result, it t
 """
 
 from autofit.base.errors import SpecError
-from autofit.base.sizes import format_bytes, parse_budget
+from autofit.base.sizes import format_bytes
 from autofit.device.probe import _meminfo_bytes
 
 # Left to the system, the page cache and the tune's own processes: MemAvailable counts
@@ -37,18 +37,15 @@ def resident_bytes() -> int:
     return 0
 
 
-def host_budget_bytes(text: str | int | None, *, available_bytes: int | None = None,
+def host_budget_bytes(requested_bytes: int | None, available_bytes: int, *,
                       what: str = "--host-memory-budget") -> int:
-    """The pinned host bytes a config may keep: `text` (`8GiB`, `0.5` of the available memory,
-    bytes) or, when None, the available memory; less HOST_RESERVE_FRACTION either way. A
-    budget above the available memory is refused (emulating a larger host measures nothing),
-    and so is one that cannot hold a trial process at all."""
-    available = host_available_bytes() if available_bytes is None else available_bytes
-    requested = parse_budget(None if text is None else str(text), total_bytes=available,
-                             device_name="the host's available memory", what=what)
+    """The pinned host bytes a config may keep: `requested_bytes` (`--host-memory-budget`, parsed
+    by `autofit.device.budget.budget_for` against `available_bytes`) or, when None, the available
+    memory; less HOST_RESERVE_FRACTION either way. One that cannot hold a trial process at all
+    is refused."""
     floor_bytes = resident_bytes()
-    if requested is not None and requested < floor_bytes:
-        raise SpecError(f"{what}: {format_bytes(requested)} cannot hold even one trial process (this one holds "
-                        f"{format_bytes(floor_bytes)} resident, a trial that and torch besides); give more, or leave "
-                        f"it out to use the host's available memory ({format_bytes(available)})")
-    return int((available if requested is None else requested) * (1.0 - HOST_RESERVE_FRACTION))
+    if requested_bytes is not None and requested_bytes < floor_bytes:
+        raise SpecError(f"{what}: {format_bytes(requested_bytes)} cannot hold even one trial process (this one "
+                        f"holds {format_bytes(floor_bytes)} resident, a trial that and torch besides); give more, or "
+                        f"leave it out to use the host's available memory ({format_bytes(available_bytes)})")
+    return int((available_bytes if requested_bytes is None else requested_bytes) * (1.0 - HOST_RESERVE_FRACTION))
