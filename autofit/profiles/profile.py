@@ -182,6 +182,9 @@ class SearchSummary:
     # What each knob the winner changed from the baseline is worth: its speed over the
     # measured config that differs in that knob alone (tuning/ablation.py); None: no such twin.
     knob_shares: dict[str, float | None] = field(default_factory=dict)
+    # The winner's offloading (tuning/offload_record.py): the knobs, the pinned host bytes, its
+    # step time and the fastest measured config without offloading; {}: nothing offloaded.
+    offload: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -45,6 +45,7 @@ from autofit.profiles.profile import device_from_info, Profile, ProfileModel, Se
 from autofit.profiles.store import ProfileStore
 from autofit.tuning.ablation import knob_shares
 from autofit.tuning.frontier import build_frontier, median_run, total_peak
+from autofit.tuning.offload_record import offload_record
 from autofit.tuning.report import format_trial_line, trials_table, write_html_report
 from autofit.tuning.space import device_for_ranks, search_space, study_name
 from autofit.tuning.speedup import BUSY_CORES, foreign_load, keeps_winner, measure_speedup, Speedup
@@ -627,6 +628,15 @@ class _Tune:
                 raise
             return 0  # halted (a stop, the budget's end): nothing more is measured, whatever it predicts
 
+    def host_bytes(self, config) -> int:
+        """The pinned host bytes the estimator predicts for `config` (0 where it cannot run it)."""
+        try:
+            return estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
+                                   worker=self.trial_worker, stop_event=self.halt,
+                                   capacity_bytes=self.budget_bytes).host_bytes
+        except EstimateError:
+            return 0
+
     def report_trial(self, record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
         logger.info(format_trial_line(record, best, considered, self.max_trials, self.budget_bytes))
         if self.on_trial is not None:
@@ -679,6 +689,8 @@ class _Tune:
             validated=chosen.validated, unvalidated=chosen.unvalidated, baseline_kind="one-liner",
             speedup_over_32_true=over_32_true(result, chosen.winner, self.demoted),
             **self._worth(result, chosen, frontier[-1].measured.samples_per_s),
+            offload=offload_record(chosen.winner.config, frontier[-1].measured.step_time_s, result.records,
+                                   self.host_bytes),
         )
         return Profile(
             model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
