@@ -159,3 +159,15 @@ def test_on_cuda_offloading_is_a_lean_seed_group_not_a_refinement_and_on_the_cpu
     cpu = _space(cpu_device(), {"offload_activations": [False, True]})
     assert cpu.offload_activations == cpu.offload_optimizer == (False,)
     assert _space(_cuda(), {"offload_optimizer": [False]}).offload_optimizer == (False,)
+
+
+
+def test_the_torchao_internals_the_step_time_copy_uses_are_there():
+    """Loud when torchao changes them: the subclass re-copies each queued gradient at step time
+    through the optimizer's own stream, map and queue (`offload._stepped_after_clipping`)."""
+    import inspect
+
+    torchao_optim = pytest.importorskip("torchao.optim")
+    source = inspect.getsource(torchao_optim.CPUOffloadOptimizer)
+    for name in ("self.queue", "self.param_d2h_map", "self.stream", "self.device", "p_host.grad.copy_"):
+        assert name in source, name

@@ -249,7 +249,13 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
             # (fsdp_offload), and DDP's buckets are not what it hooks.
             rules=(Rule(value=True, parallelisms=("ddp", "fsdp"),
                         why="the CPU-offloaded optimizer runs in one process only, got parallelism "
-                            "{parallelism} (under fsdp use fsdp_offload)"),),
+                            "{parallelism} (under fsdp use fsdp_offload)"),
+                   # torchao copies each gradient to the host on a side stream as backward makes
+                   # it; GradScaler's unscale reads the host gradients before those copies are
+                   # waited for (in torchao's step).
+                   Rule(value=True, precisions=("16-mixed",),
+                        why="GradScaler would unscale the host gradients before their copies land; "
+                            "use bf16-mixed or bf16-true with offload_optimizer")),
             exports=Exports(env="AUTOFIT_OFFLOAD_OPTIMIZER", names_optimizer=True,
                             hf_note="offload_optimizer: the optimizer's state and its step were on the CPU "
                                     "(torchao.optim.CPUOffloadOptimizer); TrainingArguments has no slot: pass "

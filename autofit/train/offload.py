@@ -130,4 +130,27 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     # The implementation switches are the device's: the CPU step picks its own (fused AdamW).
     device_only = {"fused", "foreach", "capturable", "differentiable"}
     groups = [{k: v for k, v in g.items() if k not in device_only} for g in optimizer.param_groups]
-    return CPUOffloadOptimizer(groups, type(optimizer))
+    return _stepped_after_clipping(CPUOffloadOptimizer)(groups, type(optimizer))
+
+
+@functools.cache
+def _stepped_after_clipping(base: type) -> type:
+    """torchao's optimizer whose step copies each gradient to the host again first. Its
+    backward hook copies a gradient as soon as backward makes it, before the runner clips the
+    device's gradients (`optimizer_step`): without the second copy the CPU step would take
+    unclipped gradients. The second copy costs one more transfer of the gradients a step.
+    torchao's own stream, map and queue are used (tests/test_offload.py fails when they move)."""
+
+    class SteppedAfterClipping(base):
+        @torch.no_grad()
+        def step(self, closure=None):
+            backend = getattr(torch, self.device)
+            self.stream.wait_stream(backend.current_stream())  # after the clipping
+            with backend.stream(self.stream):
+                for p_device in self.queue:
+                    self.param_d2h_map[p_device].grad.copy_(p_device.grad, non_blocking=True)
+            for p_device in self.queue:
+                self.queue[p_device] = self.stream.record_event()
+            return super().step(closure)
+
+    return SteppedAfterClipping
