@@ -103,6 +103,9 @@ class _FakeOffloadOptimizer:
     def __init__(self, params, optimizer_class, **kwargs):
         self.groups, self.optimizer_class, self.kwargs = list(params), optimizer_class, kwargs
 
+    def step(self, closure=None):
+        pass
+
 
 def test_the_optimizer_hook_hands_torchao_the_built_optimizers_groups(monkeypatch):
     torchao_optim = pytest.importorskip("torchao.optim")
@@ -110,11 +113,13 @@ def test_the_optimizer_hook_hands_torchao_the_built_optimizers_groups(monkeypatc
     model = _model()
     built = torch.optim.AdamW([{"params": [model.wte.weight], "weight_decay": 0.1},
                                {"params": [model.ln_f.weight], "weight_decay": 0.0}], lr=3e-4, fused=False)
+    built.param_groups[0]["triton"] = True  # optimi's switch on CUDA (bf16-true): the CPU step has none
     wrapped = apply_optimizer_hooks(built, TrainConfig(micro_batch_size=2, offload_optimizer=True))
     assert isinstance(wrapped, _FakeOffloadOptimizer) and wrapped.optimizer_class is torch.optim.AdamW
+    assert type(wrapped).step is not _FakeOffloadOptimizer.step  # the step copies the clipped gradients
     assert [g["params"] for g in wrapped.groups] == [[model.wte.weight], [model.ln_f.weight]]
     assert [(g["weight_decay"], g["lr"]) for g in wrapped.groups] == [(0.1, 3e-4), (0.0, 3e-4)]
-    assert not any("fused" in g or "foreach" in g for g in wrapped.groups)  # the CPU step picks its own
+    assert not any({"fused", "foreach", "triton"} & set(g) for g in wrapped.groups)  # the CPU step picks its own
     assert apply_optimizer_hooks(built, TrainConfig(micro_batch_size=2)) is built
 
 

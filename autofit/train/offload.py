@@ -128,7 +128,7 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         raise OptimizerMissingError("offload_optimizer needs torchao: pip install 'autofit[offload]' "
                                     "(or pip install torchao)") from None
     # The implementation switches are the device's: the CPU step picks its own (fused AdamW).
-    device_only = {"fused", "foreach", "capturable", "differentiable"}
+    device_only = {"fused", "foreach", "capturable", "differentiable", "triton"}  # triton: optimi on CUDA
     groups = [{k: v for k, v in g.items() if k not in device_only} for g in optimizer.param_groups]
     return _stepped_after_clipping(CPUOffloadOptimizer)(groups, type(optimizer))
 
