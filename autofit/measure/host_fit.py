@@ -23,7 +23,7 @@ def predicted_fit_bytes(one: MemoryEstimate, config: TrainConfig, *, budget_byte
     """What the memory model holds against the card's budget: `one.fit_bytes`, or, for a
     config over the host budget, one byte over the card's, so that it is refused (never run)
     like a config the card cannot hold; the reason is logged."""
-    why = host_refusal(config, one.host_bytes, host_budget_bytes)
+    why = None if host_budget_bytes is None else host_refusal(config, one.host_bytes, host_budget_bytes)
     if why is None:
         return one.fit_bytes
     logger.info("refused before it runs: {}", why)
