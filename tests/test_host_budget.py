@@ -67,6 +67,17 @@ def test_the_offloaded_optimizer_keeps_its_state_and_host_copies_on_the_host(spe
     assert offloaded.fit_bytes == plain.fit_bytes - plain.optimizer_bytes
 
 
+def test_fsdp2s_offload_policy_keeps_each_ranks_shards_on_the_host(spec):
+    def at(**knobs):
+        return _estimate(spec, TrainConfig(precision="bf16-mixed", micro_batch_size=1, world_size=2,
+                                           parallelism="fsdp", **knobs))
+
+    plain, offloaded = at(), at(fsdp_offload=True)
+    assert offloaded.host_bytes == plain.model_state_bytes > 0
+    assert offloaded.model_state_bytes == 0
+    assert offloaded.peak_bytes == plain.peak_bytes - plain.model_state_bytes
+
+
 def test_offload_is_planned_where_nothing_without_it_fits_the_card_and_not_past_the_host(spec):
     space = search_space(spec, _cuda(), analysis=ANALYSIS)
     leanest_plain = _estimate(spec, space.config("bf16-mixed", 1, space.max_checkpoint_blocks))

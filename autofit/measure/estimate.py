@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
 from autofit.base.errors import AutofitError, UserCodeError
-from autofit.config.knobs import DEVICE_KINDS
+from autofit.config.knobs import coherent, DEVICE_KINDS
 from autofit.config.spec import divisors, ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.allocator import replay, workspace_events
@@ -96,7 +96,9 @@ def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     """Memoised in this process: the search, `max_micro_batch_size` and the CLI ask for the
     same configurations again, and each answer costs a fake training step (~0.5 s)."""
     # Precisions that hold tensors of the same sizes have one estimate (bf16-mixed's is fp16's).
-    config = config.replace(precision=same_tensors(config.precision))
+    same = same_tensors(config.precision)
+    if coherent(config.to_dict() | {"precision": same}):  # not where a knob refuses it (offload_optimizer: 16-mixed)
+        config = config.replace(precision=same)
     if device_kind != "cuda" or config.world_size > 1:
         capacity_bytes = None  # no caching allocator replayed: the cap changes nothing
     key = (spec.spec_hash, str(spec.source_dir), config, device_kind, compute_capability, capacity_bytes)

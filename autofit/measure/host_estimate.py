@@ -29,8 +29,8 @@ def host_counter(config: TrainConfig, device_kind: str) -> HostCounter | None:
 
 def traced(config: TrainConfig) -> TrainConfig:
     """The config the fake step runs: the plain optimizer stands in for torchao's (CUDA only),
-    whose state `host_split` then moves."""
-    return config.replace(offload_optimizer=False)
+    and the one-process step for FSDP2's offloaded shards; `host_split` then moves their state."""
+    return config.replace(offload_optimizer=False, fsdp_offload=False)
 
 
 def host_split(one: MemoryEstimate, config: TrainConfig, device_kind: str,
@@ -40,15 +40,16 @@ def host_split(one: MemoryEstimate, config: TrainConfig, device_kind: str,
     host, and the parameter and gradient on the card too; FSDP2's policy keeps the shards,
     their gradients and the state on the host only)."""
     host_bytes = 0 if counter is None else counter.peak_bytes
-    moved_bytes = 0
+    moved = {}  # MemoryEstimate field -> the bytes of it that leave the card
     if device_kind == "cuda" and config.offload_optimizer:
         host_bytes += 2 * one.gradients_bytes + one.optimizer_bytes
-        moved_bytes += one.optimizer_bytes
+        moved = {"optimizer_bytes": one.optimizer_bytes}
     if device_kind == "cuda" and config.fsdp_offload:
         host_bytes += one.model_state_bytes
-        moved_bytes += one.model_state_bytes
+        moved = {name: getattr(one, name) for name in ("parameters_bytes", "gradients_bytes", "optimizer_bytes")}
     if not host_bytes:
         return one
+    moved_bytes = sum(moved.values())
 
     def less(n_bytes: int) -> int:
         return max(0, n_bytes - moved_bytes) if n_bytes else 0
@@ -57,4 +58,4 @@ def host_split(one: MemoryEstimate, config: TrainConfig, device_kind: str,
         one, host_bytes=host_bytes, peak_bytes=less(one.peak_bytes),
         allocated_peak_bytes=less(one.allocated_peak_bytes), reserved_peak_bytes=less(one.reserved_peak_bytes),
         capped_reserved_peak_bytes=less(one.capped_reserved_peak_bytes),
-        optimizer_bytes=one.optimizer_bytes - min(one.optimizer_bytes, moved_bytes))
+        **{name: getattr(one, name) - n_bytes for name, n_bytes in moved.items()})
