@@ -130,6 +130,9 @@ class KnobDef:
     # leaders that fit without it: a lean group's seeds are only the points no plain seed
     # reaches (`autofit.search.seeding.lazy_seed_lists`), so it is tried where nothing else fits.
     last_resort: bool = False
+    # False: the estimator's fake step runs it at its default (its library needs a CUDA stream
+    # or process group) and its memory is moved from its layout (`autofit.measure.host_estimate`).
+    fake_step: bool = True
     # Away from its default the trained weights differ from a plain job's (other numerics or
     # another loss computation): the validation's plain reference keeps it at its default.
     changes_math: bool
@@ -243,7 +246,7 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
                 "so a config checkpoints some blocks and offloads the others; on CUDA where nothing "
                 "fits without it"),
     KnobDef(name="offload_optimizer", type=bool, values=(False, True), choices="offload_optimizer",
-            role=Role.MEMORY, devices=("cuda",), default_on=("cuda",), last_resort=True,
+            role=Role.MEMORY, devices=("cuda",), default_on=("cuda",), last_resort=True, fake_step=False,
             holds_more=(False, True), tags={True: "offload-opt"}, changes_math=False,
             # torchao's CPUOffloadOptimizer holds one process's plain tensors; FSDP2 has its own
             # (fsdp_offload), and DDP's buckets are not what it hooks.
@@ -268,7 +271,7 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
             doc="the optimizer's state and its step on the CPU (torchao CPUOffloadOptimizer), one "
                 "process; on CUDA where nothing fits without it"),
     KnobDef(name="fsdp_offload", type=bool, values=(False, True), choices="fsdp_offload",
-            role=Role.MEMORY, devices=("cuda",), default_on=("cuda",), last_resort=True,
+            role=Role.MEMORY, devices=("cuda",), default_on=("cuda",), last_resort=True, fake_step=False,
             holds_more=(False, True), tags={True: "fsdp-offload"}, changes_math=False,
             rules=(Rule(value=True, parallelisms=("none", "ddp"),
                         why="CPUOffloadPolicy is FSDP2's, got parallelism {parallelism}"),),

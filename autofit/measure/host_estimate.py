@@ -16,6 +16,7 @@ the fake step runs the plain optimizer, whose state is then moved to the host.
 
 import dataclasses
 
+from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
 from autofit.measure.estimated import MemoryEstimate
 from autofit.train.offload import HostCounter
@@ -30,7 +31,7 @@ def host_counter(config: TrainConfig, device_kind: str) -> HostCounter | None:
 def traced(config: TrainConfig) -> TrainConfig:
     """The config the fake step runs: the plain optimizer stands in for torchao's (CUDA only),
     and the one-process step for FSDP2's offloaded shards; `host_split` then moves their state."""
-    return config.replace(offload_optimizer=False, fsdp_offload=False)
+    return config.replace(**{k.name: k.default for k in KNOBS.values() if not k.fake_step})
 
 
 def host_split(one: MemoryEstimate, config: TrainConfig, device_kind: str,
