@@ -92,6 +92,9 @@ def _add_tune(sub) -> None:
                    help="the whole tune's wall time: 90s, 5min, 1h or seconds (default: search.time_budget, 5min); "
                         "at its end (or on Ctrl-C / SIGTERM) the best config measured so far is the profile, "
                         "validated if there was time; exit 5 when it was not")
+    p.add_argument("--host-memory-budget", metavar="SIZE",
+                   help="8GiB, 0.5 (of the host's available memory) or bytes: what offloaded configs may pin in host "
+                        "memory, a smaller host emulated (default: the available memory, less a reserve)")
     p.add_argument("--timeout", type=float, help="stop the search loop (not validation) after this many seconds; "
                                                  "--time-budget bounds the whole tune")
     p.add_argument("--storage", help="Optuna storage URL shared by several workers (default: SQLite in the state folder)")

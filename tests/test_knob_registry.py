@@ -103,6 +103,15 @@ def test_the_config_writes_out_the_registry_fields_in_its_order():
         assert name not in {k.choices for k in KNOBS.values()}
 
 
+def _runs_with(knob) -> dict:
+    """A config's fields where every value of `knob` runs: its axis on, and a strategy its
+    rules allow (FSDP2's offload policy needs FSDP2)."""
+    base = {"micro_batch_size": 4, **({knob.active_with: 1} if knob.active_with else {})}
+    if any(knob.refusal(v, "32-true", "none") for v in knob.values):
+        base |= {"parallelism": "fsdp", "world_size": 2}
+    return base
+
+
 @pytest.mark.parametrize("name", list(KNOBS))
 def test_each_knob_is_exported_as_its_row_says(name):
     # Every value away from the default reaches the env export (where the row names a
@@ -110,7 +119,7 @@ def test_each_knob_is_exported_as_its_row_says(name):
     from autofit.profiles.export import hf_notes, lightning_notes, to_env, to_hf_training_args
 
     knob = KNOBS[name]
-    base = {"micro_batch_size": 4, **({knob.active_with: 1} if knob.active_with else {})}
+    base = _runs_with(knob)
     for value in knob.values[1:]:
         config = TrainConfig(**base, **{name: value})
         env = to_env(config)
@@ -158,7 +167,7 @@ def test_each_knob_names_its_apply_hook(name):
 @pytest.mark.parametrize("name", list(KNOBS))
 def test_each_knob_round_trips_and_is_left_out_at_its_default(name):
     knob = KNOBS[name]
-    base = {"micro_batch_size": 4, **({knob.active_with: 1} if knob.active_with else {})}
+    base = _runs_with(knob)
     assert name not in TrainConfig(**base).to_dict()
     for value in knob.values[1:]:
         config = TrainConfig(**base, **{name: value})

@@ -30,7 +30,8 @@ EXIT_NO_CLAIM = 4  # the profile is written, but no speed-up could be measured (
 def tune_command(spec_path: str | Path, *, device: str | None = None, memory_budget: str | None = None,
                  trials: int | None = None, timeout_s: float | None = None, storage: str | None = None,
                  out_dir: str | Path | None = None, state_dir: str | Path | None = None,
-                 report: bool = True, nproc: int = 1, time_budget: str | float | None = None) -> TuneOutcome:
+                 report: bool = True, nproc: int = 1, time_budget: str | float | None = None,
+                 host_memory_budget: str | None = None) -> TuneOutcome:
     """`autofit tune`: probe, budget, search, validate, save. `time_budget` (`90s`, `5min`,
     seconds) bounds the whole tune from this call on (loading the spec, importing torch and
     probing count); default search.time_budget. Not from the process start: a caller that runs
@@ -48,7 +49,7 @@ def tune_command(spec_path: str | Path, *, device: str | None = None, memory_bud
                         f"({spec.train.global_batch_size}), got {nproc}")
     info = select_device(device)
     budget = budget_for(info, memory_budget, headroom=spec.search.memory_headroom, time_s=timeout_s,
-                        tune_time_s=time_budget_s)
+                        tune_time_s=time_budget_s, host_memory_budget=host_memory_budget)
     if storage is None:
         folder = ensure_folder(Path(state_dir) if state_dir is not None else default_state_dir(), "--state-dir")
         storage = sqlite_storage(folder)
@@ -73,7 +74,7 @@ def main(args) -> int:
     outcome = tune_command(args.spec, device=args.device, memory_budget=args.memory_budget, trials=args.trials,
                            timeout_s=args.timeout, storage=args.storage, out_dir=args.out,
                            state_dir=args.state_dir, report=not args.no_report, nproc=args.nproc,
-                           time_budget=args.time_budget)
+                           time_budget=args.time_budget, host_memory_budget=args.host_memory_budget)
     if args.json:
         answer(json.dumps(outcome.summary(), default=str))
     else:

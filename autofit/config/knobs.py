@@ -125,6 +125,14 @@ class KnobDef:
     # calibration is fitted per value; None without it: configs must match on it.
     holds_more: tuple | None = None
     calibrated_apart: bool = False
+    # A memory knob that costs speed wherever it acts (host traffic: offloading). The device
+    # turning it on (`default_on`) makes it a seed group of its own, never a refinement of
+    # leaders that fit without it: a lean group's seeds are only the points no plain seed
+    # reaches (`autofit.search.seeding.lazy_seed_lists`), so it is tried where nothing else fits.
+    last_resort: bool = False
+    # False: the estimator's fake step runs it at its default (its library needs a CUDA stream
+    # or process group) and its memory is moved from its layout (`autofit.measure.host_estimate`).
+    fake_step: bool = True
     # Away from its default the trained weights differ from a plain job's (other numerics or
     # another loss computation): the validation's plain reference keeps it at its default.
     changes_math: bool
@@ -219,6 +227,63 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
             applied_by="autofit.train.runner:Runner.__init__",
             doc="LM heads: head + cross-entropy in chunks, the full logits never exist; on CUDA a "
                 "refinement of the leaders for heads of 32768+ tokens, elsewhere opt-in"),
+    # Offloading (autofit.train.offload): each moves memory from the card to pinned host
+    # memory, which the host budget holds (autofit.measure.host_estimate); inert on the CPU,
+    # where host and device are one memory.
+    KnobDef(name="offload_activations", type=bool, values=(False, True), choices="offload_activations",
+            role=Role.MEMORY, devices=("cuda",), default_on=("cuda",), last_resort=True,
+            holds_more=(False, True), tags={True: "offload-act"}, changes_math=False,
+            exports=Exports(env="AUTOFIT_OFFLOAD_ACTIVATIONS", model_setup=True,
+                            hf_note="offload_activations: the activations each block not checkpointed saves for "
+                                    "backward were kept in pinned host memory (torch.autograd.graph.save_on_cpu("
+                                    "pin_memory=True) around the block's forward); TrainingArguments has no slot: "
+                                    "call autofit.train.knobs.apply_config(model, profile.config) (freezing, "
+                                    "checkpointing and offloading as measured) before building the Trainer",
+                            lightning_note="offload_activations: each block not checkpointed keeps its saved "
+                                           "activations in pinned host memory (save_on_cpu)"),
+            applied_by="autofit.train.knobs:offload_activations",
+            doc="the activations of the blocks not checkpointed kept in pinned host memory (save_on_cpu), "
+                "so a config checkpoints some blocks and offloads the others; on CUDA where nothing "
+                "fits without it"),
+    KnobDef(name="offload_optimizer", type=bool, values=(False, True), choices="offload_optimizer",
+            role=Role.MEMORY, devices=("cuda",), default_on=("cuda",), last_resort=True, fake_step=False,
+            holds_more=(False, True), tags={True: "offload-opt"}, changes_math=False,
+            # torchao's CPUOffloadOptimizer holds one process's plain tensors; FSDP2 has its own
+            # (fsdp_offload), and DDP's buckets are not what it hooks.
+            rules=(Rule(value=True, parallelisms=("ddp", "fsdp"),
+                        why="the CPU-offloaded optimizer runs in one process only, got parallelism "
+                            "{parallelism} (under fsdp use fsdp_offload)"),
+                   # torchao copies each gradient to the host on a side stream as backward makes
+                   # it; GradScaler's unscale reads the host gradients before those copies are
+                   # waited for (in torchao's step).
+                   Rule(value=True, precisions=("16-mixed",),
+                        why="GradScaler would unscale the host gradients before their copies land; "
+                            "use bf16-mixed or bf16-true with offload_optimizer")),
+            exports=Exports(env="AUTOFIT_OFFLOAD_OPTIMIZER", names_optimizer=True,
+                            hf_note="offload_optimizer: the optimizer's state and its step were on the CPU "
+                                    "(torchao.optim.CPUOffloadOptimizer); TrainingArguments has no slot: pass "
+                                    "optimizers=(CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, "
+                                    "lr=...), None) to the Trainer",
+                            lightning_note="offload_optimizer: return torchao.optim.CPUOffloadOptimizer("
+                                           "self.parameters(), torch.optim.AdamW, lr=...) from "
+                                           "configure_optimizers(), the CPU step autofit measured"),
+            applied_by="autofit.train.knobs:offload_optimizer",
+            doc="the optimizer's state and its step on the CPU (torchao CPUOffloadOptimizer), one "
+                "process; on CUDA where nothing fits without it"),
+    KnobDef(name="fsdp_offload", type=bool, values=(False, True), choices="fsdp_offload",
+            role=Role.MEMORY, devices=("cuda",), default_on=("cuda",), last_resort=True, fake_step=False,
+            holds_more=(False, True), tags={True: "fsdp-offload"}, changes_math=False,
+            rules=(Rule(value=True, parallelisms=("none", "ddp"),
+                        why="CPUOffloadPolicy is FSDP2's, got parallelism {parallelism}"),),
+            exports=Exports(env="AUTOFIT_FSDP_OFFLOAD",
+                            hf_note="fsdp_offload: FSDP2 ran with CPUOffloadPolicy (sharded parameters, "
+                                    "gradients and the optimizer step on the CPU); with the Trainer set "
+                                    "fsdp_config={{'offload_params': True}} under FSDP2",
+                            lightning_note="fsdp_offload: FSDPStrategy(cpu_offload=True), or fully_shard(..., "
+                                           "offload_policy=CPUOffloadPolicy()) in configure_model()"),
+            applied_by="autofit.train.distributed:wrap_model",
+            doc="under FSDP2, CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on "
+                "the CPU; on CUDA where nothing fits without it"),
     KnobDef(name="checkpoint_policy", type=str, values=CHECKPOINT_POLICIES, choices="checkpoint_policies",
             after="checkpoint_blocks", active_with="checkpoint_blocks", calibrated_apart=True,
             tags={"selective": "sel"}, changes_math=False,

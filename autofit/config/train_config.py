@@ -40,6 +40,9 @@ class TrainConfig:
     # The knobs without an axis to follow, in registry order.
     optimizer_bits: int = 32  # knob: the optimizer's moments in 32 or 8 bits
     chunked_loss: bool = False  # knob: LM head + cross-entropy in chunks
+    offload_activations: bool = False  # knob: blocks not checkpointed save activations to pinned host memory
+    offload_optimizer: bool = False  # knob: optimizer state and step on the CPU (torchao)
+    fsdp_offload: bool = False  # knob: FSDP2's CPUOffloadPolicy
     compile: bool = False  # knob: torch.compile of each block
     expandable_segments: bool = False  # knob: the CUDA allocator's expandable segments
     cudnn_benchmark: bool = False  # knob: cuDNN's autotuner

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from autofit.base.errors import SpecError
 from autofit.base.sizes import parse_budget
+from autofit.device.host import host_available_bytes, host_budget_bytes
 from autofit.device.probe import DeviceInfo, usable_budget_bytes
 
 
@@ -23,6 +24,8 @@ class Budget:
     # The whole tune's wall time (--time-budget): probe, estimates, trials, validation,
     # writing; None: the spec's search.time_budget.
     tune_time_s: float | None = None
+    # The pinned host bytes offloaded configs may keep (`autofit.device.host`); None: not checked.
+    host_bytes: int | None = None
 
     @property
     def emulated(self) -> bool:
@@ -33,7 +36,7 @@ class Budget:
 
 def budget_for(device: DeviceInfo, memory_budget: str | int | None, *, headroom: float, time_s: float | None = None,
                tune_time_s: float | None = None, what: str = "--memory-budget", above_total: bool = False,
-               error: type = SpecError) -> Budget:
+               error: type = SpecError, host_memory_budget: str | int | None = None) -> Budget:
     """The one edge parser: `memory_budget` (`24GiB`, `0.8` of the device, bytes, or None)
     on `device`, less other processes' memory and `headroom`. A budget above the device is
     refused (emulating a larger card measures nothing) unless `above_total` (a profile
@@ -43,4 +46,16 @@ def budget_for(device: DeviceInfo, memory_budget: str | int | None, *, headroom:
                              above_total=above_total, error=error)
     return Budget(usable_bytes=usable_budget_bytes(device, headroom=headroom, memory_budget=requested),
                   requested_bytes=requested, time_s=time_s,
-                  tune_time_s=tune_time_s)
+                  tune_time_s=tune_time_s, host_bytes=_host_bytes(device, host_memory_budget, error))
+
+
+def _host_bytes(device: DeviceInfo, host_memory_budget: str | int | None, error: type) -> int | None:
+    """The host budget (`autofit.device.host`): read where offloading acts (CUDA) or where one
+    is asked for; None elsewhere (on the CPU the card's budget is the host's)."""
+    if host_memory_budget is None and device.kind != "cuda":
+        return None
+    available_bytes = host_available_bytes()
+    requested = parse_budget(None if host_memory_budget is None else str(host_memory_budget),
+                             total_bytes=available_bytes, device_name="the host's available memory",
+                             what="--host-memory-budget", error=error)
+    return host_budget_bytes(requested, available_bytes)

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
 from autofit.base.errors import AutofitError, UserCodeError
-from autofit.config.knobs import DEVICE_KINDS
+from autofit.config.knobs import coherent, DEVICE_KINDS
 from autofit.config.spec import divisors, ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
 from autofit.device.allocator import replay, workspace_events
@@ -35,6 +35,7 @@ from autofit.train.user_optim import count_state, CountedState, OptimizerStateEr
 from autofit.measure.cuda_attention import CudaAttention
 from autofit.measure.estimate_shard import per_rank
 from autofit.measure.estimated import EstimateError, MemoryEstimate
+from autofit.measure.host_estimate import host_counter, host_split, traced
 
 ESTIMATED_STEPS = 2  # optimizer state exists from the first optimizer.step() on
 # Memory is the same for every micro batch after the second: the first allocates the
@@ -96,7 +97,9 @@ def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     """Memoised in this process: the search, `max_micro_batch_size` and the CLI ask for the
     same configurations again, and each answer costs a fake training step (~0.5 s)."""
     # Precisions that hold tensors of the same sizes have one estimate (bf16-mixed's is fp16's).
-    config = config.replace(precision=same_tensors(config.precision))
+    same = same_tensors(config.precision)
+    if coherent(config.to_dict() | {"precision": same}):  # not where a knob refuses it (offload_optimizer: 16-mixed)
+        config = config.replace(precision=same)
     if device_kind != "cuda" or config.world_size > 1:
         capacity_bytes = None  # no caching allocator replayed: the cap changes nothing
     key = (spec.spec_hash, str(spec.source_dir), config, device_kind, compute_capability, capacity_bytes)
@@ -118,7 +121,9 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     # tracker's dispatch mode, and compiling per estimate would cost more than a trial.
     # Fused kernels usually keep fewer intermediates; the calibration, fitted per compile
     # setting, learns the difference from measured trials.
-    small_config = config.replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1, compile=False)
+    small_config = traced(config).replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1,
+                                          compile=False)
+    counter = host_counter(config, device_kind)  # offloaded activations: on the host, off the device trace
     # Real (meta) tensors are let in: a model's constant tensors become fake on first use.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = LiveBytesTracker(record=device_kind == "cuda")
@@ -160,7 +165,7 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
                 runner.config = small_config.replace(grad_accum_steps=len(real))
                 with fake_mode:
                     batch = [_to_fake(fake_mode, mb) for mb in real]
-                with fake_mode, tracker, attention:
+                with fake_mode, tracker, attention, counter.counting() if counter else contextlib.nullcontext():
                     tracker.track(t for mb in batch for t in tree_leaves(mb))
                     runner.step(batch)
                     del batch
@@ -199,8 +204,8 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     if guard.note:
         logger.info("estimate {} {}: {}", spec.name, config.short(), guard.note)
     if config.world_size == 1:
-        return one
-    return per_rank(one, runner.model, config, device_kind)
+        return host_split(one, config, device_kind, counter)
+    return host_split(per_rank(one, runner.model, config, device_kind), config, device_kind, counter)
 
 
 class _OptimizerGuard:

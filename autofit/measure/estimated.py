@@ -44,6 +44,9 @@ class MemoryEstimate:
     capacity_bytes: int | None = None
     capped_reserved_peak_bytes: int = 0
     allocator_retries: int = 0  # num_alloc_retries the capped replay needed: the cap is near
+    # Offloading (autofit.measure.host_estimate): pinned host bytes the config keeps (offloaded
+    # activations, the optimizer's host copies and state); the device figures above exclude them.
+    host_bytes: int = 0
 
     @property
     def fit_bytes(self) -> int:
@@ -80,6 +83,8 @@ class MemoryEstimate:
             if self.capacity_bytes is not None:
                 out["bytes"] |= {"capacity": self.capacity_bytes, "reserved_peak_under_cap": self.fit_bytes}
                 out["allocator_retries"] = self.allocator_retries
+        if self.host_bytes:
+            out["bytes"]["host"] = self.host_bytes
         if self.note:
             out["note"] = self.note
         if self.optimizer_counted:

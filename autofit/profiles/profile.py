@@ -187,6 +187,9 @@ class SearchSummary:
     # The GPU kind (fingerprint) whose configs for the same spec were measured first
     # (`search.warm`, the service's new kinds); "" for a cold start.
     warm_start_from: str = ""
+    # The winner's offloading (tuning/offload_record.py): the knobs, the pinned host bytes, its
+    # step time and the fastest measured config without offloading; {}: nothing offloaded.
+    offload: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

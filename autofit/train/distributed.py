@@ -13,6 +13,7 @@ and the rendezvous; this module only reads them.
 import atexit
 import contextlib
 import datetime as dt
+import functools
 import os
 import shutil
 import sys
@@ -144,12 +145,18 @@ def wrap_model(model: nn.Module, config: TrainConfig, device: torch.device) -> n
         # gathered at a time; the root unit holds embeddings, final norm and head.
         from torch.distributed.device_mesh import init_device_mesh
 
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
         mesh = init_device_mesh(device.type, (current_world_size(),))
+        # fsdp_offload: the shards, their gradients and the optimizer step live on the host;
+        # each unit's parameters come to the device for its forward and backward only.
+        shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=config.reshard_after_forward,
+                                  offload_policy=CPUOffloadPolicy() if config.fsdp_offload else OffloadPolicy())
         stack = find_block_stack(model)
         for block in stack[1] if stack is not None else []:
-            fully_shard(block, mesh=mesh, reshard_after_forward=config.reshard_after_forward)
+            shard(block)
         # (FSDP2 itself keeps the root unit gathered after forward: backward needs it first.)
-        fully_shard(model, mesh=mesh, reshard_after_forward=config.reshard_after_forward)
+        shard(model)
         return model
     return model
 

@@ -16,6 +16,7 @@ from autofit.config.knobs import CHECKPOINT_POLICIES, KNOBS
 from autofit.config.train_config import MicroBatchFloor, TrainConfig
 from autofit.device.alloc_conf import ALLOC_CONF_ENV, set_expandable_segments
 from autofit.device.compiler_cache import use_inductor_cache
+from autofit.train.offload import offload_activations, offload_optimizer
 from autofit.workload import Batch, batch_to
 from autofit.workload.blocks import Blocks, find_block_stack
 
@@ -266,10 +267,24 @@ class _CudnnBenchmark(KnobHook):
         apply_cudnn_benchmark(value)
 
 
+class _OffloadActivations(KnobHook):
+    def model(self, model: nn.Module, value) -> None:
+        # After checkpointing (apply_config): the checkpointed blocks keep their inputs only.
+        _, stack = _require_stack(model, "offload_activations")
+        offload_activations(model, [i for i, b in enumerate(stack) if isinstance(b, CheckpointWrapper)])
+
+
+class _OffloadOptimizer(KnobHook):
+    def optimizer(self, optimizer: torch.optim.Optimizer, value) -> torch.optim.Optimizer:
+        return offload_optimizer(optimizer)
+
+
 # The hook objects of the registry's knobs applied here, keyed by knob name. A knob applied
 # elsewhere (the optimizer's implementation, the loss, the data, the allocator) names its
 # place in its row's `applied_by`.
 HOOKS: dict[str, KnobHook] = {
+    "offload_activations": _OffloadActivations(),
+    "offload_optimizer": _OffloadOptimizer(),
     "compile": _Compile(),  # last of the model entries: a checkpointed block is compiled with it
     "cudnn_benchmark": _CudnnBenchmark(),
 }

@@ -56,11 +56,13 @@ def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], *, config: 
     if config.optimizer_bits == 8:
         return _eight_bit(spec, groups)
     if get_policy(config.precision).param_dtype != torch.float32:
-        return _compensated(spec, groups, device)
+        return _compensated(spec, groups, torch.device("cpu") if config.fsdp_offload else device)
     # On CUDA the fused kernels: fastest, and no foreach temporaries the size of all
     # gradients. On a CPU one tensor at a time: the foreach path's temporaries would count
     # against the budget for no speed-up there.
-    impl = {"fused": True} if device.type == "cuda" else {"foreach": False}
+    # (Under fsdp_offload the shards it steps are on the host.)
+    on_card = device.type == "cuda" and not config.fsdp_offload
+    impl = {"fused": True} if on_card else {"foreach": False}
     if spec.name == "adamw":
         return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, **impl)
     if spec.name == "adam":

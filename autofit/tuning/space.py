@@ -79,7 +79,7 @@ def search_space(spec: ModelSpec, device: DeviceInfo, nproc: int = 1, analysis: 
         **choices,
         # The memory knobs the device turned on, not the spec: refinements of the leaders.
         refined=tuple(k.name for k in spec_knobs() if k.role == "memory" and not getattr(spec.search, k.choices)
-                      and len(choices[k.choices]) > 1),
+                      and len(choices[k.choices]) > 1 and not k.last_resort),
     )
 
 

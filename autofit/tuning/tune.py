@@ -35,6 +35,7 @@ from autofit.device.probe import DeviceInfo, with_memory_budget
 from autofit.device.support import require_opt_in_packages
 from autofit.measure import asks
 from autofit.measure.estimated import EstimateError, MemoryEstimate
+from autofit.measure.host_fit import predicted_fit_bytes
 from autofit.measure.measurement import Measurement
 from autofit.measure.trial import measure, raise_input_error, trial_worker
 from autofit.measure.worker import StopAfter, Worker
@@ -48,6 +49,7 @@ from autofit.profiles.profile import device_from_info, Profile, ProfileModel, Se
 from autofit.profiles.store import ProfileStore
 from autofit.tuning.ablation import knob_shares
 from autofit.tuning.frontier import build_frontier, median_run, total_peak
+from autofit.tuning.offload_record import offload_record
 from autofit.tuning.report import format_trial_line, trials_table, write_html_report
 from autofit.tuning.space import device_for_ranks, search_space, study_name
 from autofit.tuning.speedup import BUSY_CORES, foreign_load, keeps_winner, measure_speedup, Speedup
@@ -250,6 +252,7 @@ class _Tune:
         if objects is not None and nproc > 1:  # ranks rebuild the workload from a spec file
             raise SpecError("a model given as a Python object is tuned in one process: nproc must be 1")
         self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget.usable_bytes, out_dir, storage
+        self.host_budget_bytes = budget.host_bytes
         emulated_budget_bytes, timeout_s = budget.requested_bytes, budget.time_s
         self.execute_on = execute_on or ("cpu" if device.kind == "cpu" else str(device.index))
         if emulated_budget_bytes is not None:
@@ -625,9 +628,10 @@ class _Tune:
         budget: the allocator frees its cache before it gives up); 0 (unknown: measure it) for
         a config the estimator cannot run."""
         try:
-            return estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
-                                   worker=self.trial_worker, stop_event=self.halt,
-                                   capacity_bytes=self.budget_bytes).fit_bytes
+            one = estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
+                                  worker=self.trial_worker, stop_event=self.halt, capacity_bytes=self.budget_bytes)
+            return predicted_fit_bytes(one, config, budget_bytes=self.budget_bytes,
+                                       host_budget_bytes=self.host_budget_bytes)
         except EstimateError as exc:
             logger.warning("{}; {} is measured without a prediction", exc, config.short())
             return 0
@@ -642,6 +646,15 @@ class _Tune:
             if not self.halted():
                 raise
             return 0  # halted (a stop, the budget's end): nothing more is measured, whatever it predicts
+
+    def host_bytes(self, config) -> int:
+        """The pinned host bytes the estimator predicts for `config` (0 where it cannot run it)."""
+        try:
+            return estimate_memory(self.spec, config, device_kind="cuda" if self.device.kind == "cuda" else "cpu",
+                                   worker=self.trial_worker, stop_event=self.halt,
+                                   capacity_bytes=self.budget_bytes).host_bytes
+        except EstimateError:
+            return 0
 
     def report_trial(self, record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
         logger.info(format_trial_line(record, best, considered, self.max_trials, self.budget_bytes))
@@ -695,6 +708,8 @@ class _Tune:
             validated=chosen.validated, unvalidated=chosen.unvalidated, baseline_kind=self.floor,
             speedup_over_32_true=over_32_true(result, chosen.winner, self.demoted), warm_start_from=self.warm_from,
             **self._worth(result, chosen, frontier[-1].measured.samples_per_s),
+            offload=offload_record(chosen.winner.config, frontier[-1].measured.step_time_s, result.records,
+                                   self.host_bytes),
         )
         return Profile(
             model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
