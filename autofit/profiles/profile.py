@@ -187,6 +187,10 @@ class SearchSummary:
     # The GPU kind (fingerprint) whose configs for the same spec were measured first
     # (`search.warm`, the service's new kinds); "" for a cold start.
     warm_start_from: str = ""
+    # The whole tune's time budget and why it was that: given (--time-budget,
+    # search.time_budget) or sized to train.steps at the floor's speed; None: profiles from before.
+    time_budget_s: float | None = None
+    time_budget_why: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
