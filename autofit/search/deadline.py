@@ -19,6 +19,12 @@ SEARCH_SHARE = 0.6
 # trial at a micro batch far past the throughput's peak (a 21.7 s step) otherwise spends the
 # whole share on 5 steps, and nothing is left to look anywhere else.
 TRIAL_SHARE = 0.25
+# Before a tune's first trial, memory estimates may take it this far into its budget: the
+# first trial (the one-liner) then starts within the first quarter, however dear an estimate
+# is (GPT-2 XL's took 4-9 s: 14 of them spent a 120 s budget's whole search share and no trial
+# ran). Past it the first trial runs unestimated: an OOM is a result, and its shortfall is
+# what the estimates would have told.
+FIRST_ESTIMATES_SHARE = 0.25
 # A budget sized to the training it serves (`sized_to_training`): this share of the training's
 # predicted time at the one-liner's speed, within these bounds. A long run can afford
 # compiling its leaders; a run of a few seconds is not worth 5 minutes of tuning.
@@ -59,6 +65,10 @@ class Deadline:
     def search_s(self) -> float | None:
         """How long the search loop may run: its share of the budget."""
         return None if self.budget_s is None else self.search_share * self.budget_s
+
+    def first_estimates_s(self) -> float | None:
+        """How far into the budget estimates may run before the first trial (`FIRST_ESTIMATES_SHARE`)."""
+        return None if self.budget_s is None else FIRST_ESTIMATES_SHARE * self.budget_s
 
     def trial_cap_s(self) -> float | None:
         """The most one trial's steps may take (`TRIAL_SHARE` of the search's share)."""
