@@ -19,7 +19,7 @@ from autofit.measure.measurement import Measurement
 from autofit.profiles.profile import Profile
 from autofit.search import SearchResult, TrialRecord
 from autofit.search.health import LossCurveCheck
-from autofit.tuning.tune import _Chosen, _loaded, _Tune, tune, TuneSetup
+from autofit.tuning.tune import _Chosen, _deadline, _loaded, _Tune, tune, TuneSetup
 from conftest import run_cli, TINY_GPT_ARGS, tiny_gpt_dict, write_spec
 
 SEARCH = {"precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 6, "patience": 6,
@@ -239,6 +239,8 @@ def test_a_budget_not_given_is_sized_to_train_steps_at_the_one_liners_speed(tmp_
     of 8 samples take steps * 0.09 s, of which 3%, within 1 and 20 minutes, is the budget."""
     simulated(validation_blocks=False)
     setup = dataclasses.replace(_setup(tmp_path, time_budget_s=None), spec=_sized_spec(tmp_path, steps))
+    deadline, _, sized = _deadline(setup)  # provisional: its first trial held to the least it may become
+    assert (deadline.budget_s, deadline.first_estimates_s(), sized) == (300.0, 15.0, True)
     search = tune(setup).profile.search
     assert search.time_budget_s == budget_s
     assert search.time_budget_why.startswith(f"3% of {steps} steps at the floor's 88.89 samples/s")
@@ -249,7 +251,9 @@ def test_a_given_budget_is_not_resized(tmp_path, simulated):
     spec = _sized_spec(tmp_path, 200_000, time_budget="2min")
     in_spec = tune(dataclasses.replace(_setup(tmp_path, time_budget_s=None), spec=spec)).profile.search
     assert (in_spec.time_budget_s, in_spec.time_budget_why.split(" ")[0]) == (120.0, "search.time_budget")
-    given = tune(dataclasses.replace(_setup(tmp_path, time_budget_s=90.0), spec=_sized_spec(tmp_path, 200_000)))
+    given_setup = dataclasses.replace(_setup(tmp_path, time_budget_s=90.0), spec=_sized_spec(tmp_path, 200_000))
+    assert _deadline(given_setup)[0].first_estimates_s() == 22.5  # a quarter of the budget given
+    given = tune(given_setup)
     assert (given.profile.search.time_budget_s, given.profile.search.time_budget_why) == (90.0, "--time-budget")
 
 

@@ -39,6 +39,9 @@ class Deadline:
     clock: Callable[[], float] = time.monotonic
     search_share: float = SEARCH_SHARE
     start: float | None = None  # on `clock`; None: now
+    # What the first estimates' share is of, where not `budget_s`: a provisional budget sized
+    # later (`resize`) holds its first trial to the least it may be sized to.
+    first_estimates_of_s: float | None = None
 
     def __post_init__(self):
         if self.start is None:
@@ -68,7 +71,8 @@ class Deadline:
 
     def first_estimates_s(self) -> float | None:
         """How far into the budget estimates may run before the first trial (`FIRST_ESTIMATES_SHARE`)."""
-        return None if self.budget_s is None else FIRST_ESTIMATES_SHARE * self.budget_s
+        of_s = self.budget_s if self.first_estimates_of_s is None else self.first_estimates_of_s
+        return None if of_s is None else FIRST_ESTIMATES_SHARE * of_s
 
     def trial_cap_s(self) -> float | None:
         """The most one trial's steps may take (`TRIAL_SHARE` of the search's share)."""

@@ -38,7 +38,7 @@ from autofit.measure.measurement import Measurement
 from autofit.measure.trial import measure, raise_input_error, trial_worker
 from autofit.measure.worker import StopAfter, Worker
 from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, Tuner
-from autofit.search.deadline import Deadline, sized_to_training
+from autofit.search.deadline import Deadline, SIZED_MIN_S, sized_to_training
 from autofit.search.health import LossCurveCheck, reference_for, REFERENCE_TRIAL_STEPS
 from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
 from autofit.search.warm import warm_starts, WarmStart
@@ -176,8 +176,7 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     spec = setup.spec
     require_opt_in_packages(spec)
-    budget_s, budget_why, sized = _time_budget(setup)
-    deadline = Deadline(budget_s, start=setup.started)
+    deadline, budget_why, sized = _deadline(setup)
     run = _Tune(spec, device=setup.device, budget=setup.budget, out_dir=Path(setup.out_dir), storage=setup.storage,
                 execute_on=setup.execute_on, max_trials=setup.trials or spec.search.trials, stop_event=stop_event,
                 on_trial=on_trial, nproc=setup.nproc, guard=guard, worker=setup.worker or socket.gethostname(),
@@ -215,18 +214,21 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
         return run.write(result, chosen, frontier, report=setup.report)
 
 
-def _time_budget(setup: TuneSetup) -> tuple[float, str, bool]:
-    """(the whole tune's seconds, why, whether the floor's trial sizes it later). A budget
-    given (--time-budget, search.time_budget) stands; a spec that gives train.steps and no
-    budget starts from the default and is sized to that training once the one-liner (or the
-    fallback) is measured (`_Tune.size_budget`)."""
+def _deadline(setup: TuneSetup) -> tuple[Deadline, str, bool]:
+    """(the whole tune's deadline, why its budget, whether the floor's trial sizes it later). A
+    budget given (--time-budget, search.time_budget) stands; a spec that gives train.steps and
+    no budget starts from the default and is sized to that training once the one-liner (or the
+    fallback) is measured (`_Tune.size_budget`); until then its first trial is held to the
+    least budget it may be sized to (`Deadline.first_estimates_s`)."""
     if setup.budget.tune_time_s is not None:
-        return setup.budget.tune_time_s, "--time-budget", False
+        return Deadline(setup.budget.tune_time_s, start=setup.started), "--time-budget", False
     given_s = setup.spec.search.time_budget_s
     if given_s is not None:
-        return given_s, "search.time_budget (or its default, where the spec gives no train.steps)", False
-    return DEFAULT_TIME_BUDGET_S, (f"the default {DEFAULT_TIME_BUDGET_S:g} s: no floor was measured to size it to "
-                                   f"{setup.spec.train.steps} steps of training"), True
+        why = "search.time_budget (or its default, where the spec gives no train.steps)"
+        return Deadline(given_s, start=setup.started), why, False
+    why = (f"the default {DEFAULT_TIME_BUDGET_S:g} s: no floor was measured to size it to "
+           f"{setup.spec.train.steps} steps of training")
+    return Deadline(DEFAULT_TIME_BUDGET_S, start=setup.started, first_estimates_of_s=SIZED_MIN_S), why, True
 
 
 @dataclass
