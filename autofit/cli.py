@@ -89,7 +89,8 @@ def _add_tune(sub) -> None:
                         "torchrun; budgets are per rank (default: 1)")
     p.add_argument("--trials", type=int, help="most configurations to consider (default: search.trials)")
     p.add_argument("--time-budget", metavar="DURATION",
-                   help="the whole tune's wall time: 90s, 5min, 1h or seconds (default: search.time_budget, 5min); "
+                   help="the whole tune's wall time: 90s, 5min, 1h or seconds (default: search.time_budget, else 3%% of "
+                        "train.steps at the one-liner's speed within 1-20min, else 5min); "
                         "at its end (or on Ctrl-C / SIGTERM) the best config measured so far is the profile, "
                         "validated if there was time; exit 5 when it was not")
     p.add_argument("--host-memory-budget", metavar="SIZE",

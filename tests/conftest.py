@@ -31,8 +31,10 @@ def tiny_gpt_dict(**sections) -> dict:
         # frontier_points 1: no extra validation runs per tune (each is a child process);
         # tests/test_frontier.py covers the frontier.
         # window_s 0: exactly measure_steps timed steps (a 2 s window per trial would slow the suite).
+        # time_budget: the tests' tunes keep the 5 minutes they were written for (a spec with
+        # train.steps and no budget is sized to its training: tests/test_anytime_tune.py).
         "search": {"trials": 12, "warmup_steps": 1, "measure_steps": 2, "window_s": 0, "validate_steps": 3,
-                   "frontier_points": 1},
+                   "frontier_points": 1, "time_budget": "5min"},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(spec.get(key), dict):

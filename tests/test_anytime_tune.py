@@ -19,7 +19,7 @@ from autofit.measure.measurement import Measurement
 from autofit.profiles.profile import Profile
 from autofit.search import SearchResult, TrialRecord
 from autofit.search.health import LossCurveCheck
-from autofit.tuning.tune import _Chosen, _loaded, _Tune, tune, TuneSetup
+from autofit.tuning.tune import _Chosen, _deadline, _loaded, _Tune, tune, TuneSetup
 from conftest import run_cli, TINY_GPT_ARGS, tiny_gpt_dict, write_spec
 
 SEARCH = {"precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 6, "patience": 6,
@@ -61,7 +61,7 @@ def _tune(tmp_path, *, time_budget_s: float, stop_event=None, write_on_stop: boo
     return tune(_setup(tmp_path, time_budget_s=time_budget_s, write_on_stop=write_on_stop), stop_event=stop_event)
 
 
-def _setup(tmp_path, *, time_budget_s: float, write_on_stop: bool = True) -> TuneSetup:
+def _setup(tmp_path, *, time_budget_s: float | None, write_on_stop: bool = True) -> TuneSetup:
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search=SEARCH)))
     return TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6, tune_time_s=time_budget_s),
                      out_dir=tmp_path / "profiles", storage=None, report=False, write_on_stop=write_on_stop)
@@ -200,9 +200,61 @@ def test_durations_parse_with_units_and_refuse_nonsense():
 
 
 def test_search_time_budget_in_the_spec_has_a_documented_default(tmp_path):
-    assert load_spec(write_spec(tmp_path, tiny_gpt_dict())).search.time_budget_s == 300.0
+    """5 minutes without train.steps; with it and no budget, None: sized to that training."""
+    no_steps = tiny_gpt_dict(train={"global_batch_size": 8})
+    no_steps["train"] = {"global_batch_size": 8}
+    del no_steps["search"]["time_budget"]
+    assert load_spec(write_spec(tmp_path, no_steps)).search.time_budget_s == 300.0
+    sized = _sized_spec(tmp_path, 10)
+    assert sized.search.time_budget_s is None and "time_budget" not in sized.to_dict()["search"]
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(search={"time_budget": "2min"})))
     assert spec.search.time_budget_s == 120.0
+
+
+def test_sized_to_training_is_three_percent_of_it_within_one_and_twenty_minutes():
+    from autofit.search.deadline import Deadline, sized_to_training
+
+    budget_s, why = sized_to_training(200_000, 8, 80.0)  # 20000 s of training
+    assert budget_s == 600.0 and why.startswith("3% of 200000 steps") and "at least" not in why
+    assert sized_to_training(200, 8, 80.0) == (60.0, sized_to_training(200, 8, 80.0)[1])
+    assert "at least 60 s" in sized_to_training(200, 8, 80.0)[1]
+    assert sized_to_training(10**7, 8, 80.0)[0] == 1200.0 and "at most 1200 s" in sized_to_training(10**7, 8, 80.0)[1]
+    deadline = Deadline(300.0, clock=lambda: 10.0)
+    deadline.resize(600.0)
+    assert deadline.budget_s == 600.0 and deadline.search_s() == 360.0 and deadline.left_s() == 600.0
+
+
+def _sized_spec(tmp_path, steps: int, **search):
+    """`steps` of training and no time budget (unless `search` gives one)."""
+    search = {k: v for k, v in SEARCH.items()} | search
+    raw = tiny_gpt_dict(search=search, train={"steps": steps})
+    if "time_budget" not in search:
+        del raw["search"]["time_budget"]
+    return load_spec(write_spec(tmp_path, raw))
+
+
+@pytest.mark.parametrize("steps, budget_s", [(10, 60.0), (200_000, 540.0), (10**7, 1200.0)])
+def test_a_budget_not_given_is_sized_to_train_steps_at_the_one_liners_speed(tmp_path, simulated, steps, budget_s):
+    """The CPU's one-liner (32-true at micro batch 8) runs 100 * 8/9 samples/s here: `steps`
+    of 8 samples take steps * 0.09 s, of which 3%, within 1 and 20 minutes, is the budget."""
+    simulated(validation_blocks=False)
+    setup = dataclasses.replace(_setup(tmp_path, time_budget_s=None), spec=_sized_spec(tmp_path, steps))
+    deadline, _, sized = _deadline(setup)  # provisional: its first trial held to the least it may become
+    assert (deadline.budget_s, deadline.first_estimates_s(), sized) == (300.0, 15.0, True)
+    search = tune(setup).profile.search
+    assert search.time_budget_s == budget_s
+    assert search.time_budget_why.startswith(f"3% of {steps} steps at the floor's 88.89 samples/s")
+
+
+def test_a_given_budget_is_not_resized(tmp_path, simulated):
+    simulated(validation_blocks=False)
+    spec = _sized_spec(tmp_path, 200_000, time_budget="2min")
+    in_spec = tune(dataclasses.replace(_setup(tmp_path, time_budget_s=None), spec=spec)).profile.search
+    assert (in_spec.time_budget_s, in_spec.time_budget_why.split(" ")[0]) == (120.0, "search.time_budget")
+    given_setup = dataclasses.replace(_setup(tmp_path, time_budget_s=90.0), spec=_sized_spec(tmp_path, 200_000))
+    assert _deadline(given_setup)[0].first_estimates_s() == 22.5  # a quarter of the budget given
+    given = tune(given_setup)
+    assert (given.profile.search.time_budget_s, given.profile.search.time_budget_why) == (90.0, "--time-budget")
 
 
 def test_a_bad_time_budget_is_one_line_and_exit_2(tmp_path):

@@ -163,8 +163,10 @@ class SearchSpec:
     trial_timeout_s: float = 600.0
     # The whole tune's wall time (`search.time_budget`, `autofit tune --time-budget`): probe,
     # estimates, trials, re-measures, validation, frontier and writing. At its end the best
-    # config measured so far is the profile (validated if there was time).
-    time_budget_s: float = DEFAULT_TIME_BUDGET_S
+    # config measured so far is the profile (validated if there was time). None (a spec that
+    # gives train.steps and no time_budget): sized to that training once the one-liner's speed
+    # is measured (`search.deadline.sized_to_training`).
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
     # The smallest micro batch searched. None: 16 (at most the global batch) for a model with
     # BatchNorm, whose statistics are the micro batch's, else no floor. A value at or above
     # the global batch excludes accumulation (the exact math of one batch).
@@ -215,7 +217,9 @@ class ModelSpec:
         for k in spec_knobs():  # none named: the device decides, and the key stays absent
             if not out["search"][k.choices]:
                 del out["search"][k.choices]
-        out["search"]["time_budget"] = out["search"].pop("time_budget_s")  # the key a spec writes
+        time_budget_s = out["search"].pop("time_budget_s")
+        if time_budget_s is not None:  # None: sized to train.steps, as a spec without the key reads
+            out["search"]["time_budget"] = time_budget_s  # the key a spec writes
         return out
 
     @property
@@ -318,8 +322,10 @@ def parse_spec(raw: Any, *, source_dir: Path) -> ModelSpec:
         model=_model(top.section("model")),
         data=_data(top.section("data", required=False), source_dir),
         optimizer=parse_optimizer(top.section("optimizer", required=False)),
-        train=_train(top.section("train")),
-        search=_search(top.section("search", required=False)),
+        train=_train(train := top.section("train")),
+        # A training length given and no time budget: the tune's budget is sized to it.
+        search=_search(top.section("search", required=False),
+                       time_budget_default=None if "steps" in train.raw else DEFAULT_TIME_BUDGET_S),
         source_dir=source_dir,
         loss=_loss(top.section("loss", required=False)),
         schema=schema,
@@ -515,7 +521,7 @@ _OPT_IN_DEFAULTS = {"min_micro_batch_size": None, "loss_curve_rtol": 0.01} | {
     k.choices: list(k.spec_default) for k in spec_knobs()}
 
 
-def _search(r: "Reader") -> SearchSpec:
+def _search(r: "Reader", *, time_budget_default: float | None = DEFAULT_TIME_BUDGET_S) -> SearchSpec:
     precisions = r.get("precisions", list, default=list(PRECISIONS))
     for i, p in enumerate(precisions):
         if p not in PRECISIONS:
@@ -541,15 +547,17 @@ def _search(r: "Reader") -> SearchSpec:
                                  maximum=MAX_TIMEOUT_S),
         min_micro_batch_size=r.positive_int("min_micro_batch_size", default=None, maximum=MAX_GLOBAL_BATCH_SIZE),
         **{k.choices: _choices(r, k.choices, k.values, default=k.spec_default) for k in spec_knobs()},
-        time_budget_s=_duration(r, "time_budget", default=DEFAULT_TIME_BUDGET_S),
+        time_budget_s=_duration(r, "time_budget", default=time_budget_default),
         loss_curve_rtol=r.number("loss_curve_rtol", default=0.01, minimum=0.0, exclusive=True, maximum=1.0),
     )
     r.finish()
     return search
 
 
-def _duration(r: "Reader", key: str, *, default: float) -> float:
+def _duration(r: "Reader", key: str, *, default: float | None) -> float | None:
     value = r.get(key, (str, float), default=default)
+    if value is None:
+        return None
     try:
         return parse_duration(value, what=r._path(key))
     except ValueError as exc:

@@ -190,6 +190,10 @@ class SearchSummary:
     # The winner's offloading (tuning/offload_record.py): the knobs, the pinned host bytes, its
     # step time and the fastest measured config without offloading; {}: nothing offloaded.
     offload: dict = field(default_factory=dict)
+    # The whole tune's time budget and why it was that: given (--time-budget,
+    # search.time_budget) or sized to train.steps at the floor's speed; None: profiles from before.
+    time_budget_s: float | None = None
+    time_budget_why: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -25,7 +25,7 @@ from autofit.measure.measurement import Measurement
 from autofit.search import _finish, choice, fallback, seeding
 from autofit.search.deadline import Deadline
 from autofit.search.health import health_problem, REFERENCE_PRECISIONS
-from autofit.search.memory import MemoryModel, record_budget
+from autofit.search.memory import EstimateDeferred, MemoryModel, record_budget
 from autofit.search.plan import Plan
 from autofit.search.shared import StudyLocks
 from autofit.search.space import SearchSpace
@@ -107,6 +107,10 @@ class Tuner:
         # (the planning and estimates between count: they too come before the next trial).
         self.trial_costs_s: list[float] = []
         self._measured_until: float | None = None
+        # No trial of the study has been measured yet: estimates wait on it only so long
+        # (`_first_trial_waits`). The dearest estimate so far says what the next may cost.
+        self.awaiting_first_trial, self._said_deferred = False, False
+        self.dearest_estimate_s = 0.0
         self.plan: Plan | None = None  # the search's own plan, while it runs
 
     def records(self) -> list[TrialRecord]:
@@ -125,6 +129,7 @@ class Tuner:
             logger.info("resuming study {}: {} finished trials are not run again ({} measured under this budget){}",
                         self.study.study_name, len(records), resumed, _ages(records, self.session_start))
         best = _best(records, self.budget_bytes)
+        self.awaiting_first_trial = not any(r.measurement is not None for r in records)
         # Patience carries over a resume: a study that had stopped improving stays stopped.
         since_best = sum(1 for r in records if self._holds(r) and (best is None or r.number > best.number))
         progress = _Progress(best=best, since_best=since_best, start=start)
@@ -468,8 +473,29 @@ class Tuner:
         def gated(config: TrainConfig) -> int:
             if self._searching_since is not None and self._timed_out(self._searching_since):
                 raise _SearchTimeUp
-            return estimate(config)
+            if self._first_trial_waits():
+                raise EstimateDeferred
+            began = self.clock()
+            try:
+                return estimate(config)
+            finally:
+                self.dearest_estimate_s = max(self.dearest_estimate_s, self.clock() - began)
         return gated
+
+    def _first_trial_waits(self) -> bool:
+        """Before the study's first trial, one more estimate (as dear as the dearest so far)
+        would take the tune past `Deadline.first_estimates_s`: it is deferred, so the first
+        trial starts within the first quarter of any budget."""
+        share_s = self.deadline.first_estimates_s()
+        if not self.awaiting_first_trial or share_s is None:
+            return False
+        waits = self.deadline.elapsed_s() + self.dearest_estimate_s > share_s
+        if waits and not self._said_deferred:
+            self._said_deferred = True
+            logger.info("estimates deferred until the first trial: {:.0f}s of the {:g}s budget spent before it "
+                        "(estimates up to {:.1f}s each)", self.deadline.elapsed_s(), self.deadline.budget_s,
+                        self.dearest_estimate_s)
+        return waits
 
     def _stop_text(self) -> str:
         """Why a stop came: the time budget (a tune may set its stop at the deadline), else a stop request."""
@@ -556,6 +582,9 @@ class Tuner:
                              predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
                              reason=measurement.reason, budget_bytes=self.budget_bytes, worker=self.worker,
                              measured_at=time.time())
+        # After the record: a first trial run unestimated stays so (its OOM blocks what needs
+        # more, and a deferred estimate after it would delay the next trial); later ones run.
+        self.awaiting_first_trial = False
         if record.status == "ok" and record.peak_memory_bytes is not None and record.peak_memory_bytes > self.budget_bytes:
             record = record.replace(status="oom", reason="peak exceeded the budget")
         if record.status == "ok":

@@ -28,6 +28,11 @@ from autofit.search.study import TrialRecord
 # Margin on the budget: wide while nothing is measured (the estimator's own error), narrow
 # once the fit is anchored by measurements.
 UNCALIBRATED_MARGIN = 0.10
+
+
+class EstimateDeferred(Exception):
+    """An estimate not run now (the first trial comes first, `Tuner._gated`): the config's
+    bytes are unknown until it is asked again, and nothing is cached."""
 CALIBRATED_MARGIN = 0.02
 # An affine fit needs points whose estimates differ by more than this fraction; closer
 # points say nothing about the slope.
@@ -129,9 +134,13 @@ class MemoryModel:
         self._estimates: dict[TrainConfig, int] = {}
 
     def predicted_peak(self, config: TrainConfig) -> int:
-        """The estimator's bytes (cached: each is a fake training step)."""
+        """The estimator's bytes (cached: each is a fake training step); 0 (unknown: it fits
+        unless an OOM or the fit says otherwise) for an estimate deferred."""
         if config not in self._estimates:
-            self._estimates[config] = int(self.estimate(config))
+            try:
+                self._estimates[config] = int(self.estimate(config))
+            except EstimateDeferred:
+                return 0
         return self._estimates[config]
 
     def fit(self, config: TrainConfig, records: list[TrialRecord]) -> Fit:

@@ -28,7 +28,7 @@ from autofit.base.redact import redact_url
 from autofit.base.resources import starting
 from autofit.base.sizes import format_bytes
 from autofit.base.version import VERSION
-from autofit.config.spec import ModelSpec
+from autofit.config.spec import DEFAULT_TIME_BUDGET_S, ModelSpec
 from autofit.device.budget import Budget
 from autofit.device.peak import mfu
 from autofit.device.probe import DeviceInfo, with_memory_budget
@@ -40,7 +40,7 @@ from autofit.measure.measurement import Measurement
 from autofit.measure.trial import measure, raise_input_error, trial_worker
 from autofit.measure.worker import StopAfter, Worker
 from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, Tuner
-from autofit.search.deadline import Deadline
+from autofit.search.deadline import Deadline, SIZED_MIN_S, sized_to_training
 from autofit.search.health import LossCurveCheck, reference_for, REFERENCE_TRIAL_STEPS
 from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
 from autofit.search.warm import warm_starts, WarmStart
@@ -171,19 +171,21 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
     """Search, validate and save. An emulated GPU runs its trials on the CPU under its
     budget; an emulated budget keys a study apart from the full card's. `guard` (the
     service's `service.guard.TrialGuard`) watches every trial child.
-    The budget's `tune_time_s` bounds the whole tune (default: search.time_budget), counted
+    The budget's `tune_time_s` bounds the whole tune (default: search.time_budget, else sized to
+    train.steps once the one-liner is measured: `_time_budget`), counted
     from `setup.started` (time.monotonic; when the command was called, so its imports and
     probe count too): at its end, or on a stop, the profile is the best config measured so
     far, validated if there was time (`TuneOutcome.incomplete` says what is missing).
     Raises NothingFitsError when no configuration fits or none gives a usable result."""
     spec = setup.spec
     require_opt_in_packages(spec)
-    deadline = Deadline(setup.budget.tune_time_s or spec.search.time_budget_s, start=setup.started)
+    deadline, budget_why, sized = _deadline(setup)
     run = _Tune(spec, device=setup.device, budget=setup.budget, out_dir=Path(setup.out_dir), storage=setup.storage,
                 execute_on=setup.execute_on, max_trials=setup.trials or spec.search.trials, stop_event=stop_event,
                 on_trial=on_trial, nproc=setup.nproc, guard=guard, worker=setup.worker or socket.gethostname(),
                 objects=setup.objects, deadline=deadline, trial_worker=setup.trial_worker,
-                grace_s=FIRST_ANSWER_GRACE_S if setup.write_on_stop else 0.0, warm=setup.warm)
+                grace_s=FIRST_ANSWER_GRACE_S if setup.write_on_stop else 0.0, warm=setup.warm,
+                budget_why=budget_why, size_budget=sized)
     with contextlib.ExitStack() as cleanup:  # the study's locks and the worker are released however it ends
         run.watch(cleanup)
         try:
@@ -213,6 +215,23 @@ def tune(setup: TuneSetup, *, stop_event: threading.Event | None = None,
             run.raise_for_the_services_stop(setup, "while validating the frontier")
             frontier = run.frontier(result, chosen, runs=False)
         return run.write(result, chosen, frontier, report=setup.report)
+
+
+def _deadline(setup: TuneSetup) -> tuple[Deadline, str, bool]:
+    """(the whole tune's deadline, why its budget, whether the floor's trial sizes it later). A
+    budget given (--time-budget, search.time_budget) stands; a spec that gives train.steps and
+    no budget starts from the default and is sized to that training once the one-liner (or the
+    fallback) is measured (`_Tune.size_budget`); until then its first trial is held to the
+    least budget it may be sized to (`Deadline.first_estimates_s`)."""
+    if setup.budget.tune_time_s is not None:
+        return Deadline(setup.budget.tune_time_s, start=setup.started), "--time-budget", False
+    given_s = setup.spec.search.time_budget_s
+    if given_s is not None:
+        why = "search.time_budget (or its default, where the spec gives no train.steps)"
+        return Deadline(given_s, start=setup.started), why, False
+    why = (f"the default {DEFAULT_TIME_BUDGET_S:g} s: no floor was measured to size it to "
+           f"{setup.spec.train.steps} steps of training")
+    return Deadline(DEFAULT_TIME_BUDGET_S, start=setup.started, first_estimates_of_s=SIZED_MIN_S), why, True
 
 
 @dataclass
@@ -248,7 +267,8 @@ class _Tune:
                  storage: str | None, execute_on: str | None, max_trials: int,
                  stop_event: threading.Event | None, on_trial, nproc: int,
                  guard, worker: str, objects: Path | None = None, deadline: Deadline,
-                 trial_worker: Worker | None = None, grace_s: float = 0.0, warm: WarmStart | None = None):
+                 trial_worker: Worker | None = None, grace_s: float = 0.0, warm: WarmStart | None = None,
+                 budget_why: str = "", size_budget: bool = False):
         if objects is not None and nproc > 1:  # ranks rebuild the workload from a spec file
             raise SpecError("a model given as a Python object is tuned in one process: nproc must be 1")
         self.spec, self.budget_bytes, self.out_dir, self.storage = spec, budget.usable_bytes, out_dir, storage
@@ -260,6 +280,9 @@ class _Tune:
         self.device, self.emulated_budget_bytes = device_for_ranks(device, nproc), emulated_budget_bytes
         self.max_trials, self.timeout_s, self.nproc = max_trials, timeout_s, nproc
         self.deadline = deadline
+        # Why the time budget is what it is, and whether the floor's first measured trial is
+        # still to size it (`size_budget`).
+        self.budget_why, self.budget_unsized = budget_why, size_budget
         # Set on a stop or at the budget's end (`watch`): the measurements' and waits' stop.
         self.halt = threading.Event()
         self.stop_event, self.on_trial, self.guard, self.worker = stop_event, on_trial, guard, worker
@@ -658,8 +681,22 @@ class _Tune:
 
     def report_trial(self, record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
         logger.info(format_trial_line(record, best, considered, self.max_trials, self.budget_bytes))
+        self.size_budget(record)
         if self.on_trial is not None:
             self.on_trial(record, best, considered)
+
+    def size_budget(self, record: TrialRecord) -> None:
+        """The first floor measured (the one-liner, or the fallback where it did not fit) sizes
+        a budget the user did not give to the training it serves: its speed predicts that
+        training's time (`deadline.sized_to_training`)."""
+        floors = (self.tuner.one_liner, self.tuner.fallback)
+        if not self.budget_unsized or record.status != "ok" or not record.samples_per_s or record.config not in floors:
+            return
+        train = self.spec.train
+        budget_s, self.budget_why = sized_to_training(train.steps, train.global_batch_size, record.samples_per_s)
+        self.deadline.resize(budget_s)
+        self.budget_unsized = False
+        logger.info("time budget: {:.0f} s, {}", budget_s, self.budget_why)
 
     def _read_demotions(self) -> tuple:
         """Training that ran out of memory under an earlier profile demoted its micro batch: the
@@ -707,6 +744,7 @@ class _Tune:
             workers=_workers(result.records), validated_by=self.worker,
             validated=chosen.validated, unvalidated=chosen.unvalidated, baseline_kind=self.floor,
             speedup_over_32_true=over_32_true(result, chosen.winner, self.demoted), warm_start_from=self.warm_from,
+            time_budget_s=round(self.deadline.budget_s, 1), time_budget_why=self.budget_why,
             **self._worth(result, chosen, frontier[-1].measured.samples_per_s),
             offload=offload_record(chosen.winner.config, frontier[-1].measured.step_time_s, result.records,
                                    self.host_bytes),
