@@ -284,7 +284,9 @@ def _loss_problem(loss: Any) -> str | None:
         return f"a tensor of shape [{', '.join(map(str, loss.shape))}] (not a scalar: reduce it, e.g. .mean())"
     if not loss.is_floating_point():
         return f"a {str(loss.dtype).removeprefix('torch.')} tensor (not floating-point: it has no gradient)"
-    if not loss.requires_grad:
+    # Where the caller turned gradients off (the batch-dimension probe, an evaluation) no loss
+    # can be attached; under the step's grad mode a detached loss is the loss's own fault.
+    if not loss.requires_grad and torch.is_grad_enabled():
         return ("a tensor detached from the autograd graph (computed under torch.no_grad(), .detach()ed, "
                 "or from no trainable parameter)")
     return None
