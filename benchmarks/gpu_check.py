@@ -28,7 +28,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -273,8 +273,14 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the CPU analogs at tiny scale, on the CPU")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
     parser.add_argument("--record", type=Path, help="the record to write and resume (default: in --out)")
+    parser.add_argument("--work", type=Path, help="where tunes and training write (default: beside the record)")
+    # A lease shorter than the parts' minutes: the same steps, smaller (recorded in the record's scale).
+    for name, kind in (("time_budget", str), ("train_steps", int), ("window_s", float), ("loss_steps", int)):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"override the scale's {name}")
     args = parser.parse_args(argv)
     parts, scale = (TINY, CPU) if args.tiny else (PARTS, CARD)
+    scale = replace(scale, **{k: getattr(args, k) for k in ("time_budget", "train_steps", "window_s", "loss_steps")
+                              if getattr(args, k) is not None})
     if args.parts:
         names = args.parts.split(",")
         unknown = sorted(set(names) - {p.name for p in parts})
@@ -295,7 +301,7 @@ def main(argv=None) -> int:
         started = time.monotonic()
         out = record["parts"].setdefault(part.name, {})
         # Beside the record, not in a temp folder: a part resumed after its tune trains its profile.
-        folder = args.record_path.with_name(f"{args.record_path.stem}-work") / part.name
+        folder = (args.work or args.record_path.with_name(f"{args.record_path.stem}-work")) / part.name
         folder.mkdir(parents=True, exist_ok=True)
         run_part(part, scale, folder, out, save=lambda: _save(record, args.record_path))
         out |= {"done": True, "wall_s": round(time.monotonic() - started + out.get("wall_s", 0), 1)}
