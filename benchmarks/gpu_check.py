@@ -152,6 +152,7 @@ def _tune(spec: Path, budget: str | None, scale: Scale, folder: Path) -> dict:
     got = _run([sys.executable, "-m", "autofit", "tune", str(spec), "--time-budget", scale.time_budget,
                 "--state-dir", str(folder / "state"), "--out", str(folder / "profiles"), "--no-report", "--json"]
                + _budget_args(budget) + scale.device, 1200)
+    (folder / "tune.log").write_text(got["stderr"])  # the whole log, beside the tune's state
     summary = _last_json(got)
     trials = summary.get("trials", [])
     return {"rc": got["rc"], "wall_s": got["wall_s"], "stderr_tail": got["stderr"][-4000:],
@@ -277,8 +278,15 @@ def main(argv=None) -> int:
     # A lease shorter than the parts' minutes: the same steps, smaller (recorded in the record's scale).
     for name, kind in (("time_budget", str), ("train_steps", int), ("window_s", float), ("loss_steps", int)):
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"override the scale's {name}")
+    parser.add_argument("--hand-loops", help="comma-separated hand loops to run (default: each part's own)")
+    parser.add_argument("--no-train", action="store_true", help="skip the loss check and the long train")
     args = parser.parse_args(argv)
     parts, scale = (TINY, CPU) if args.tiny else (PARTS, CARD)
+    if args.hand_loops is not None or args.no_train:
+        loops = None if args.hand_loops is None else tuple(n for n in args.hand_loops.split(",") if n)
+        parts = tuple(replace(p, hand_loops=p.hand_loops if loops is None else tuple(n for n in p.hand_loops
+                                                                                     if n in loops),
+                              train=p.train and not args.no_train) for p in parts)
     scale = replace(scale, **{k: getattr(args, k) for k in ("time_budget", "train_steps", "window_s", "loss_steps")
                               if getattr(args, k) is not None})
     if args.parts:

@@ -94,7 +94,8 @@ def _free(device: torch.device) -> None:
 def _timed(spec, device, name: str, micro: int, accum: int, window_s: float, budget_bytes: int | None) -> dict:
     torch.manual_seed(spec.train.seed)
     workload = build_workload(spec)
-    model = workload.build_model().to(device).train()
+    with torch.device(device):  # as the runner builds (random init on a GPU: seconds, not a minute)
+        model = workload.build_model().to(device).train()
     if name.startswith("fallback"):
         _checkpoint_every_block(model)
     optimizer = _optimizer(spec, model, device, eight_bit=name.endswith("8bit"))

@@ -10,7 +10,9 @@ import torch
 from autofit.measure.child import run_request
 from autofit.device.support import same_tensors
 from autofit.measure import asks
-from autofit.measure.estimate import _simulate, estimate_memory, EstimateError, max_micro_batch_size
+from autofit.device.allocator import replay
+from autofit.measure.estimate import (_built_on_the_card, _simulate, estimate_memory, EstimateError,
+                                      max_micro_batch_size)
 from autofit.measure.resident import Resident
 from autofit.measure.trial import trial_worker
 from autofit.config.train_config import TrainConfig
@@ -131,6 +133,29 @@ def test_device_kind_cuda_uses_the_fused_optimizer_and_skips_construction(tiny_s
     assert cuda.peak_bytes <= cpu.peak_bytes + 24 * tiny_spec.model.args["n_layer"]
     with pytest.raises(ValueError, match="device_kind"):
         estimate_memory(tiny_spec, config, device_kind="tpu")
+
+
+def test_a_cuda_estimate_counts_the_fp32_build_a_16_bit_model_is_cast_from(tiny_spec):
+    """On a GPU the runner builds the model on the card in fp32, then casts it one tensor at a
+    time (`distributed.build_device`). With every block frozen and one sample the step needs
+    less than that build: the build is the allocated peak."""
+    config = TrainConfig(precision="bf16-true", micro_batch_size=1, grad_accum_steps=8,
+                         freeze_blocks=tiny_spec.model.args["n_layer"])
+    e = estimate_memory(tiny_spec, config, device_kind="cuda")
+    fp32_build_bytes = 2 * e.parameters_bytes
+    assert e.allocated_peak_bytes >= fp32_build_bytes + e.workspace_bytes
+    # 32-true is built as it runs: no cast, no transient.
+    full = estimate_memory(tiny_spec, config.replace(precision="32-true"), device_kind="cuda")
+    assert full.parameters_bytes == fp32_build_bytes
+
+
+def test_the_card_build_holds_the_fp32_model_once_while_casting():
+    MiB = 2**20
+    events = [("a", 10 * MiB), ("b", 10 * MiB), ("b", None)]
+    assert _built_on_the_card(events, torch.float32) == events
+    peaks = replay(_built_on_the_card(events, torch.bfloat16))
+    # 40 MiB of fp32, then a's 10 MiB copy before its original goes.
+    assert peaks.allocated_peak_bytes == 50 * MiB
 
 
 def test_a_model_fake_tensors_cannot_run_is_a_clear_error(tmp_path):

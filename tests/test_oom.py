@@ -4,7 +4,7 @@ the search's memory model as a lower bound on that config's peak."""
 import torch
 
 from autofit.config.train_config import TrainConfig
-from autofit.device.memory import check_growth, LiveBytesTracker
+from autofit.device.memory import cap_cuda_memory, check_growth, LiveBytesTracker
 from autofit.device.oom import needed_bytes
 from autofit.measure.measurement import Measurement
 from autofit.measure.trial import _read_result
@@ -94,3 +94,20 @@ def test_the_bytes_an_oom_needed_bound_its_groups_fit_from_below():
     assert model.corrected_peak(one, told) >= 14 * GiB
     assert model.fits(half, silent) and not model.fits(half, told)
     assert model.fits(least, told)
+
+
+def test_the_cap_of_a_bare_cuda_device_goes_to_the_current_one(monkeypatch):
+    """torch.cuda.set_per_process_memory_fraction refuses a device without an index ("cuda"):
+    the H100 run of benchmarks/hand_loops.py failed there before any loop ran."""
+    calls = []
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: calls.append(("props", index)) or Properties)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, index: calls.append(("cap", fraction, index)))
+    cap_cuda_memory(torch.device("cuda"), 20 * 2**30)
+    cap_cuda_memory(torch.device("cuda", 1), 100 * 2**30)
+    assert calls == [("props", 3), ("cap", 0.25, 3), ("props", 1), ("cap", 1.0, 1)]

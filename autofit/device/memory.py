@@ -140,8 +140,10 @@ def cuda_memory_stats(device: torch.device) -> CudaMemoryStats:
 def cap_cuda_memory(device: torch.device, budget_bytes: int) -> None:
     """Cap PyTorch's allocator so a config runs out of memory where a card of
     `budget_bytes` would (the emulation of a smaller GPU on a bigger one)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    # set_per_process_memory_fraction takes an index: a bare "cuda" is the current device.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), index)
 
 
 class _MallInfo2(ctypes.Structure):

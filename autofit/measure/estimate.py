@@ -48,8 +48,9 @@ def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = 
                     capacity_bytes: int | None = None) -> MemoryEstimate:
     """Peak bytes of training `spec` with `config`, on a device of kind `device_kind`.
 
-    "cpu" predicts what a CPU trial tracks, model construction included. "cuda" leaves out
-    construction (the model is built in host memory, then moved), uses the fused optimizer
+    "cpu" predicts what a CPU trial tracks, model construction included. "cuda" counts the
+    construction as the runner does it there (built on the card in fp32, then cast one tensor
+    at a time: `distributed.build_device`), uses the fused optimizer
     the runner picks on CUDA, and adds the card's allocated and reserved peaks (caching
     allocator, cuBLAS workspaces sized for `compute_capability`, default Hopper's);
     `capacity_bytes` (the allocator's cap) replays reserved under it, with PyTorch's retry,
@@ -152,7 +153,7 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
             # value for; a disabled scaler differs only by a few scalars.
             runner.scaler = torch.amp.GradScaler("cpu", enabled=False)
             if device_kind == "cuda":
-                tracker.reset_peak()  # a GPU run builds the model in host memory
+                tracker.reset_peak()  # the step's tensor peak; the card's peaks add the build (_on_the_card)
                 construction_events = len(tracker.events)
             for step in range(ESTIMATED_STEPS):
                 # Batches come from the real data source (it may read files or call numpy),
@@ -200,7 +201,7 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
         one = dataclasses.replace(one, optimizer_counted=runner.optimizer.count.how)
     if device_kind == "cuda" and config.world_size == 1:
         one = _on_the_card(one, tracker.events, construction_events, config, real[0], compute_capability,
-                           capacity_bytes)
+                           capacity_bytes, runner.policy.param_dtype)
     if guard.note:
         logger.info("estimate {} {}: {}", spec.name, config.short(), guard.note)
     if config.world_size == 1:
@@ -272,18 +273,35 @@ def _note_cuda_error(exc: BaseException) -> None:
         _cuda_poisoned = True
 
 
+def _built_on_the_card(events: list, param_dtype: torch.dtype) -> list:
+    """The construction's allocations (`events`: each tensor in the precision's dtype) as the
+    runner makes them on a GPU: the model built in fp32, then cast to a 16-bit dtype one tensor
+    at a time, each fp32 original freed after its copy, so the whole fp32 model is live once.
+    Integer buffers, which are not cast, count as if they were: a few bytes."""
+    if param_dtype.itemsize >= 4:
+        return events
+    built = [(("fp32", i), 2 * n) for i, (_, n) in enumerate(events) if n is not None]
+    cast = []
+    for i, (key, n) in enumerate(events):
+        cast += [(key, n), (("fp32", i), None)] if n is not None else [(key, n)]
+    return built + cast
+
+
 def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, config: TrainConfig,
-                 micro_batch, compute_capability: str | None, capacity_bytes: int | None) -> MemoryEstimate:
+                 micro_batch, compute_capability: str | None, capacity_bytes: int | None,
+                 param_dtype: torch.dtype) -> MemoryEstimate:
     """The step's trace through the caching allocator's rules, after the cuBLAS/cuBLASLt
-    workspaces the trial's first matmuls allocate and keep, and the inputs of the micro
-    batches that were not simulated (on the card before the first forward); with no cap,
-    and under `capacity_bytes` where given."""
+    workspaces the trial's first matmuls allocate and keep, the model's construction on the
+    card, and the inputs of the micro batches that were not simulated (on the card before the
+    first forward); with no cap, and under `capacity_bytes` where given. The peaks count the
+    construction: a trial's peak statistics are reset before it builds the model."""
     workspaces = workspace_events(compute_capability)
     idle = [(("input", i, j), t.numel() * t.element_size())
             for i in range(config.grad_accum_steps - min(config.grad_accum_steps, _MICRO_BATCHES))
             for j, t in enumerate(tree_leaves(micro_batch)) if isinstance(t, torch.Tensor)]
-    trace = workspaces + events[:construction_events] + idle + events[construction_events:]
-    peaks = replay(trace, count_from=len(workspaces) + construction_events)
+    trace = workspaces + _built_on_the_card(events[:construction_events], param_dtype) + idle \
+        + events[construction_events:]
+    peaks = replay(trace, count_from=len(workspaces))
     workspace_bytes = sum(n for _, n in workspaces)
     one = dataclasses.replace(one, allocated_peak_bytes=peaks.allocated_peak_bytes,
                               reserved_peak_bytes=peaks.reserved_peak_bytes, workspace_bytes=workspace_bytes)
@@ -291,7 +309,7 @@ def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, co
         return one
     capped = peaks
     if peaks.reserved_peak_bytes > capacity_bytes:  # under the cap the replay is the same: no retry
-        capped = replay(trace, count_from=len(workspaces) + construction_events, capacity_bytes=capacity_bytes)
+        capped = replay(trace, count_from=len(workspaces), capacity_bytes=capacity_bytes)
     # An OOM even after the retry: the larger of what the refused segment asked for and the
     # uncapped peak, so that the figure is over the cap and never below today's.
     under_cap = capped.reserved_peak_bytes if capped.fits else max(capped.reserved_peak_bytes,

@@ -3,6 +3,7 @@ profile plans (`autofit.train.plan`). `Runner` builds the model with a `TrainCon
 and runs optimizer steps; `optimizer_step` is the end of every step, whoever runs it.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +82,9 @@ class Runner:
         # Every rank builds the same initial weights from the seed: DDP and FSDP2 both
         # start from identical replicas (DDP also broadcasts rank 0's to be sure).
         torch.manual_seed(spec.train.seed)
-        model = apply_config(workload.build_model(), config)
+        where = distributed.build_device(config, device)
+        with torch.device(where) if where is not None else contextlib.nullcontext():
+            model = apply_config(workload.build_model(), config)
         self.model = distributed.place_model(model, config, device, self.policy.param_dtype)
         self.model.train()
         self.params = trainable_parameters(self.model)
