@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from autofit.config.train_config import TrainConfig
 from autofit.config.spec import SearchSpec
-from autofit.search import SearchSpace, Tuner, make_study
+from autofit.search import FULL_PRECISION_SLOWDOWN, SearchSpace, Tuner, make_study
 from autofit.search.deadline import Deadline, SEARCH_SHARE
 from autofit.search.health import REFERENCE_TRIAL_STEPS
 from autofit.search.memory import MemoryModel
@@ -350,7 +350,8 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
     warm = translate(warm_from, timed.space(), lambda c: memory.fits(c, [])) if warm_from else ()
     tuner = Tuner(timed.space(), study=study, budget_bytes=landscape.budget_bytes, measure=measure, starts=warm,
                   estimate=timed.estimate, max_trials=trials, patience=patience, deadline=deadline,
-                  one_liner=ONE_LINER_GPU if anytime else (), measure_reference=timed.measure_reference if anytime else None)
+                  one_liner=ONE_LINER_GPU if anytime else (), measure_reference=timed.measure_reference if anytime else None,
+                  full_precision_slowdown=FULL_PRECISION_SLOWDOWN["cuda"])  # the landscapes are GPUs
     result = tuner.run()
     chosen = result.ranked[0].config if result.ranked else None
     worth = chosen is not None and landscape.works(chosen)

@@ -139,3 +139,40 @@ def test_a_deferred_estimate_is_unknown_and_not_cached():
     memory, config = MemoryModel(estimate, budget_bytes=10**6), LLAMA.one_liner_of()
     assert memory.predicted_peak(config) == 0  # deferred: unknown
     assert memory.predicted_peak(config) == 5000 == memory.predicted_peak(config)  # asked again, then cached
+
+
+@pytest.mark.parametrize("landscape", MEMORY_BOUND, ids=lambda l: l.name)
+def test_where_memory_decides_few_trials_run_out_of_memory_and_no_slow_reference_outruns_the_budget(landscape):
+    """The H100 run of llama-1b-gqa at 24 GiB (benchmarks/results/2026-11-28-h100-gpu-check-
+    llama-640c409*): estimates of 5-8 s, the first trial run unestimated ran out of memory, then
+    a halving its estimate put over the budget ran too (a second OOM), then a 32-true reference
+    (6x slower steps) spent half the search and was killed. Here: the first trial's OOM gets its
+    estimate and calibrates the fit, and a full precision's trial is priced before it runs
+    (`Tuner.full_precision_slowdown`), so it is skipped where it cannot end in time."""
+    dear, _ = _first_measured(landscape, estimate_s=9.0)
+    search(dear, 0, budget_s=120.0, anytime=True)
+    ooms = [c for c in dear.calls if dear.peak_bytes(c) > dear.budget_bytes]
+    assert len(ooms) <= 2, [c.short() for c in ooms]
+    full = [c for c in dear.calls if c.precision == "32-true"]
+    assert not full or dear.clock() <= 120.0 + 1e-6, ([c.short() for c in full], dear.clock())
+
+
+def test_a_full_precision_trial_is_priced_from_the_16_bit_ones_before_its_own_run():
+    tuner = _tuner(LLAMA, 120.0)
+    tuner._searching_since = 0.0  # the search loop runs; 72 s of it left
+    space = LLAMA.space()
+    sixteen = _record(0, space.config("bf16-mixed", 4, LLAMA.n_blocks), LLAMA.global_batch_size / 6.0)  # 6 s a step
+    reference = space.config("32-true", 4, LLAMA.n_blocks)
+    tuner.full_precision_slowdown = 1.0  # priced as the 16-bit step: 4 steps, 24 s
+    assert tuner._affordable(reference, [sixteen])
+    tuner.full_precision_slowdown = 5.0  # 120 s: past the search's share
+    assert not tuner._affordable(reference, [sixteen])
+    assert tuner._affordable(space.config("bf16-mixed", 4, LLAMA.n_blocks), [sixteen])
+
+
+def test_a_first_trial_run_unestimated_that_runs_out_of_memory_gets_its_estimate():
+    """Its OOM then bounds the fit, which judges the next configs with the calibrated margin."""
+    dear, _ = _first_measured(LLAMA, estimate_s=20.0)  # the second would pass the first quarter
+    result = _tuner(dear, 120.0).run()
+    first = min(result.records, key=lambda r: r.number)
+    assert first.status == "oom" and first.predicted_peak_bytes > 0

@@ -655,6 +655,9 @@ class _StubTuner:
 
     halted = should_stop
 
+    def reference_affordable(self, config, records):
+        return True
+
     def measure_now(self, config, records, *, repeat=False, unless_busy=False):
         record = _ok(len(self._records), config, self._measure(config), repeat=repeat).replace(measured_at=time.time())
         self._records.append(record)

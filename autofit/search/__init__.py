@@ -10,11 +10,11 @@
 """
 
 from autofit.search.health import FIRST_LOSS_RTOL, health_problem, MEAN_LOSS_RTOL, reference_for, REFERENCE_PRECISIONS
-from autofit.search.loop import Tuner
+from autofit.search.loop import FULL_PRECISION_SLOWDOWN, Tuner
 from autofit.search.memory import MemoryModel
 from autofit.search.space import Knob, SearchSpace
 from autofit.search.study import make_study, read_records, SearchResult, TrialRecord
 
-__all__ = ["FIRST_LOSS_RTOL", "MEAN_LOSS_RTOL", "REFERENCE_PRECISIONS", "Knob", "MemoryModel", "SearchResult",
+__all__ = ["FIRST_LOSS_RTOL", "FULL_PRECISION_SLOWDOWN", "MEAN_LOSS_RTOL", "REFERENCE_PRECISIONS", "Knob", "MemoryModel", "SearchResult",
            "SearchSpace", "TrialRecord", "Tuner", "health_problem", "make_study", "read_records",
            "reference_for"]

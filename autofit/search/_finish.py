@@ -47,6 +47,8 @@ class Tuner(Protocol):
 
     def fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]: ...
 
+    def reference_affordable(self, config: TrainConfig, records: list[TrialRecord]) -> bool: ...
+
 BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
 # References measured at most after a search: an OOM refits the model (the next frontier
 # point is smaller), and contenders at several freezing depths need one each.
@@ -60,7 +62,7 @@ def ensure_reference(tuner: Tuner) -> None:
     with fp32 optimizer state predicted to fit at that depth, i.e. the largest micro batch
     with the fewest checkpointed blocks. Called before the contenders' race and after it
     (a config that joined the race may be the winner)."""
-    attempts, depth = 0, None
+    attempts, depth, why = 0, None, "fits"
     while attempts < REFERENCE_ATTEMPTS:
         records = tuner.records()
         depth, micro = _unreferenced(tuner, records)
@@ -69,8 +71,17 @@ def ensure_reference(tuner: Tuner) -> None:
         reference = seeding.reference_point(tuner.space, tuner.fits(records), depth, micro)
         if reference is None or tuner.known(reference, records) is not None:
             break
+        if not tuner.reference_affordable(reference, records):
+            # A full precision's slow steps (several times a 16-bit step on a GPU) would spend
+            # the time the re-measures and validation need: judged without one.
+            why = f"is affordable in the time left ({reference.short()})"
+            break
         tuner.references.add(reference)  # measured for its losses: a few steps
-        if tuner.measure_now(reference, records, unless_busy=True) is None:
+        measured = tuner.measure_now(reference, records, unless_busy=True)
+        if measured is not None and measured.status in ("timeout", "error"):
+            why = f"could be measured ({reference.short()}: {measured.status})"
+            break  # not an OOM, which refits the model: the same reference would come back
+        if measured is None:
             # Another worker sharing the study is measuring it (its result is the reference;
             # if that worker dies, the trial comes back to be measured here), or has just
             # measured it: the loop reads the records again.
@@ -81,9 +92,9 @@ def ensure_reference(tuner: Tuner) -> None:
         attempts += 1
     if depth is not None and depth not in tuner.warned_no_reference:
         tuner.warned_no_reference.add(depth)  # ensured before and after the race: said once
-        logger.warning("no full-precision reference (fp32 optimizer state) fits at freezing depth {}: numeric "
+        logger.warning("no full-precision reference (fp32 optimizer state) {} at freezing depth {}: numeric "
                        "health of 16-bit precisions and 8-bit optimizer state there is checked for finite losses, "
-                       "scaler skips and the first loss only (no mean-loss comparison)", depth)
+                       "scaler skips and the first loss only (no mean-loss comparison)", why, depth)
 
 
 def _unreferenced(tuner: Tuner, records: list[TrialRecord]) -> tuple[int | None, int | None]:

@@ -40,6 +40,12 @@ TINY_SHARE = 0.25
 # The fewest optimizer steps a trial runs (a warm-up step and the window's minimum): with a
 # predicted step time, the least a trial can cost.
 LEAST_TRIAL_STEPS = 4
+# A full-precision (fp32, no TF32) step over a 16-bit one, before a full-precision trial has
+# said: on a GPU its matmuls leave the tensor cores (H100 dense: 67 against 990 TFLOP/s); GPT-2
+# small measured 6.5x on an H100 (32-true with 6 of 12 blocks checkpointed against bf16-mixed:
+# benchmarks/results/2026-11-28-h100-gpu-check-a6c9ec0.json), 5x without the recompute. A CPU
+# runs 16 bits no faster than 32: no prior (1).
+FULL_PRECISION_SLOWDOWN = {"cuda": 5.0}
 # What a compiled trial's compiling costs before one of this search has compiled (then: the
 # longest it measured). Inductor compiles a transformer's training step from a cold cache in
 # tens of seconds (30-40 s per graph on a 2-core CPU, docs/benchmarks.md); a compile twin
@@ -73,8 +79,12 @@ class Tuner:
                  should_stop: Callable[[], bool] | None = None, starts: tuple[TrainConfig, ...] = (),
                  locks: StudyLocks | None = None, worker: str | None = None, deadline: Deadline | None = None,
                  one_liner: tuple[str, ...] = (),
-                 measure_reference: Callable[[TrainConfig], Measurement] | None = None):
+                 measure_reference: Callable[[TrainConfig], Measurement] | None = None,
+                 full_precision_slowdown: float = 1.0):
         self.space, self.study, self.budget_bytes = space, study, budget_bytes
+        # Before a full-precision trial has run: its step predicted this many times the 16-bit
+        # steps measured (`_affordable`); the device's prior (`FULL_PRECISION_SLOWDOWN`).
+        self.full_precision_slowdown = full_precision_slowdown
         # Without locks (a study of this process alone): ones that serialise its threads.
         self.locks = locks or StudyLocks(None, study.study_name)
         self.worker = worker  # recorded in each of its trials
@@ -329,19 +339,22 @@ class Tuner:
         search_s = self.deadline.search_s()
         return math.inf if search_s is None else search_s / (LEAST_TRIAL_STEPS * step_s)
 
-    def _affordable(self, config: TrainConfig, records: list[TrialRecord], spare_s: float = 0.0) -> bool:
+    def _affordable(self, config: TrainConfig, records: list[TrialRecord], spare_s: float = 0.0,
+                    left_s: float | None = None) -> bool:
         """The least a trial of `config` can cost fits in the search's time left:
         `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials of its
         speed class (the fastest of their samples/s, scaled down in proportion where `config`'s
         micro batch is smaller than theirs, unless it is the look from below), and a compiled
-        config's compiling (`compile_cost_s`), with `spare_s` more left over. A trial that runs
-        past the search's share eats the time the re-measures and validation need; one that
-        runs past the budget gives nothing. Without a measured trial, or without a budget, any
+        config's compiling (`compile_cost_s`), with `spare_s` more left over (of `left_s`, the
+        search's time left by default). A full precision with no trial of its own is predicted
+        from the 16-bit trials, `full_precision_slowdown` times slower. A trial that runs past
+        the search's share eats the time the re-measures and validation need; one that runs
+        past the budget gives nothing. Without a measured trial, or without a budget, any
         config is affordable."""
         search_s = self.deadline.search_s()
-        if search_s is None or self._searching_since is None:
+        if search_s is None or (self._searching_since is None and left_s is None):
             return True
-        left_s = search_s - self.deadline.elapsed_s() - spare_s
+        left_s = (search_s - self.deadline.elapsed_s() if left_s is None else left_s) - spare_s
         # Its own precision's trials; the 16-bit precisions run at about one speed, so their
         # trials predict one another (a full precision's do not: tf32 may be 2x 32-true).
         # A smaller micro batch is predicted slower in proportion (a GPU's way), but for the look
@@ -355,6 +368,10 @@ class Tuner:
                   for r in records if r.status == "ok" and r.samples_per_s > 0
                   and (r.config.precision == config.precision
                        or not {r.config.precision, config.precision} & set(REFERENCE_PRECISIONS))]
+        if not speeds and config.precision in REFERENCE_PRECISIONS:
+            speeds = [r.samples_per_s * scale(r) / self.full_precision_slowdown
+                      for r in records if r.status == "ok" and r.samples_per_s > 0
+                      and r.config.precision not in REFERENCE_PRECISIONS]
         if not speeds:
             return True
         least_s = LEAST_TRIAL_STEPS * self.space.global_batch_size / max(speeds)
@@ -516,6 +533,15 @@ class Tuner:
     def ensure_reference(self) -> None:
         _finish.ensure_reference(self)
 
+    def reference_affordable(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
+        """After the search: a reference's least cost fits in half of the budget's time left
+        (the rest re-measures and validates). With a budget and nothing measured, none is: its
+        losses would judge nothing, and its slow steps would spend what a floor needs."""
+        left_s = self.deadline.left_s()
+        if left_s is None:
+            return True
+        return any(r.status == "ok" for r in records) and self._affordable(config, records, left_s=left_s / 2)
+
     def remeasure_contenders(self) -> tuple[float | None, int]:
         return _finish.remeasure_contenders(self)
 
@@ -582,9 +608,15 @@ class Tuner:
                              predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
                              reason=measurement.reason, budget_bytes=self.budget_bytes, worker=self.worker,
                              measured_at=time.time())
-        # After the record: a first trial run unestimated stays so (its OOM blocks what needs
-        # more, and a deferred estimate after it would delay the next trial); later ones run.
+        # After the record: a first trial run unestimated stays so where it ran (a deferred
+        # estimate after it would delay the next trial); later ones run.
         self.awaiting_first_trial = False
+        if record.status == "oom" and not record.predicted_peak_bytes:
+            # Its estimate now, though: an OOM with an estimate bounds the fit (what the estimator
+            # predicts for it needed more than the budget), so the configs planned next are
+            # judged by a calibrated fit, not by the uncalibrated margin that lets configs
+            # predicted over the budget run (on the H100, a second OOM trial: 29 s for 5 s here).
+            record = record.replace(predicted_peak_bytes=self.memory.predicted_peak(config))
         if record.status == "ok" and record.peak_memory_bytes is not None and record.peak_memory_bytes > self.budget_bytes:
             record = record.replace(status="oom", reason="peak exceeded the budget")
         if record.status == "ok":

@@ -39,7 +39,7 @@ from autofit.measure.host_fit import predicted_fit_bytes
 from autofit.measure.measurement import Measurement
 from autofit.measure.trial import measure, raise_input_error, trial_worker
 from autofit.measure.worker import StopAfter, Worker
-from autofit.search import make_study, SearchResult, SearchSpace, TrialRecord, Tuner
+from autofit.search import FULL_PRECISION_SLOWDOWN, make_study, SearchResult, SearchSpace, TrialRecord, Tuner
 from autofit.search.deadline import Deadline, SIZED_MIN_S, sized_to_training
 from autofit.search.health import LossCurveCheck, reference_for, REFERENCE_TRIAL_STEPS
 from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
@@ -376,7 +376,8 @@ class _Tune:
                            timeout_s=self.timeout_s, on_trial=self.report_trial, should_stop=self.should_stop,
                            starts=starts, locks=self.locks, worker=self.worker, deadline=self.deadline,
                            one_liner=ONE_LINER_CUDA if self.device.kind == "cuda" else ONE_LINER_CPU,
-                           measure_reference=self.run_reference)
+                           measure_reference=self.run_reference,
+                           full_precision_slowdown=FULL_PRECISION_SLOWDOWN.get(self.device.kind, 1.0))
         # A resumed study may hold an answer already: then no trial gets the first one's grace.
         self.answered = any(r.status == "ok" for r in self.tuner.records())
 
