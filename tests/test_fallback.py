@@ -176,3 +176,14 @@ def test_a_first_trial_run_unestimated_that_runs_out_of_memory_gets_its_estimate
     result = _tuner(dear, 120.0).run()
     first = min(result.records, key=lambda r: r.number)
     assert first.status == "oom" and first.predicted_peak_bytes > 0
+
+
+def test_where_nothing_ran_in_the_searchs_share_the_fallback_is_measured_in_the_rest():
+    """gpt2large at 120 s with estimates of 9 s: the one-liner and the fallback's first halving
+    ran out of memory, and the estimates that would plan the next halving spent the search's
+    share. The rest of the budget, kept to validate, had nothing to validate: the tune ended
+    with nothing (exit 3). The fallback halved on each OOM, without estimates, fits in it."""
+    dear, _ = _first_measured(MEMORY_BOUND[4], estimate_s=9.0)
+    run = search(dear, 0, budget_s=120.0, anytime=True)
+    assert run.chosen is not None and run.over_fallback >= 1.0, (run.chosen, [c.short() for c in dear.calls])
+    assert dear.clock() <= 120.0 + 1e-6

@@ -68,7 +68,12 @@ def ensure_reference(tuner: Tuner) -> None:
         depth, micro = _unreferenced(tuner, records)
         if depth is None:
             return
-        reference = seeding.reference_point(tuner.space, tuner.fits(records), depth, micro)
+        # Priced before it is planned: planning costs estimates, and the price depends only on
+        # the precision and the micro batch (`Tuner._affordable`).
+        precision = next(p for p in REFERENCE_PRECISIONS if p in tuner.space.precisions)
+        priced = tuner.space.config(precision, micro or tuner.space.micro_batch_sizes[-1], 0, depth)
+        reference = priced if not tuner.reference_affordable(priced, records) else seeding.reference_point(
+            tuner.space, tuner.fits(records), depth, micro)
         if reference is None or tuner.known(reference, records) is not None:
             break
         if not tuner.reference_affordable(reference, records):

@@ -121,6 +121,7 @@ class Tuner:
         # (`_first_trial_waits`). The dearest estimate so far says what the next may cost.
         self.awaiting_first_trial, self._said_deferred = False, False
         self.dearest_estimate_s = 0.0
+        self._blind = False  # no estimates at all (`_floor_when_nothing_ran`): the time is the trials'
         self.plan: Plan | None = None  # the search's own plan, while it runs
 
     def records(self) -> list[TrialRecord]:
@@ -385,12 +386,38 @@ class Tuner:
         _, _, start = searched
         noise, rounds = None, 0
         if not self.halted():
+            self._floor_when_nothing_ran()
             self.ensure_reference()
             if not self._timed_out(start) and not self.halted():  # out of time: validation still compares
                 noise, rounds = self.remeasure_contenders()
                 if not self.halted():
                     self.ensure_reference()  # a config that joined the race may lead without one
         return self.result(searched, noise, rounds)
+
+    def _floor_when_nothing_ran(self) -> None:
+        """Nothing ran within the budget in the search's share (a short budget, estimates of
+        seconds each): the rest, kept to re-measure and validate, has nothing to work on. The
+        expert's fallback is measured in it, halved on each out-of-memory error as the expert
+        halves (`find_executable_batch_size`), with no estimate, while the budget lasts."""
+        blind = MemoryModel(_unknown_peak, self.budget_bytes)
+        precision = fallback.precision_of(self.space, self.one_liner_precisions)
+        # A trial no cheaper than the cheapest this session (an OOM's): one that cannot end in the
+        # budget gives nothing.
+        least_s = min(self.trial_costs_s, default=0.0)
+        while precision is not None and not self.halted() and self.deadline.left_s() > least_s:
+            records = self.records()
+            if any(r.status in ("ok", "unhealthy") for r in records) or not fallback.needed(self.space, None):
+                return
+            config = fallback.fallback(self.space, lambda c: blind.fits(c, records), precision)
+            if config is None or self.known(config, records) is not None:
+                return
+            logger.info("nothing ran within the budget in the search's share: the expert's fallback {} in the rest",
+                        config.short())
+            self.fallback, self._blind = config, True
+            try:
+                self.measure_now(config, records)
+            finally:
+                self._blind = False
 
     def result(self, searched: tuple[str, int, float], noise: float | None = None, rounds: int = 0) -> SearchResult:
         """The study's records as they are now, ranked."""
@@ -490,7 +517,7 @@ class Tuner:
         def gated(config: TrainConfig) -> int:
             if self._searching_since is not None and self._timed_out(self._searching_since):
                 raise _SearchTimeUp
-            if self._first_trial_waits():
+            if self._first_trial_waits() or self._blind:
                 raise EstimateDeferred
             began = self.clock()
             try:
@@ -707,3 +734,7 @@ def compile_cost_s(records: list[TrialRecord]) -> float:
     measured = [r.measurement.compile_s for r in records
                 if r.config.compile and r.measurement is not None and r.measurement.compile_s is not None]
     return max(measured, default=COMPILE_PRIOR_S)
+
+
+def _unknown_peak(config: TrainConfig) -> int:
+    raise EstimateDeferred  # the fit then knows only the OOMs measured
