@@ -1,5 +1,6 @@
 """The estimator: peak memory without running, checked against what a CPU trial tracks."""
 
+import dataclasses
 import itertools
 import json
 import time
@@ -149,6 +150,29 @@ def test_a_cuda_estimate_counts_the_fp32_build_a_16_bit_model_is_cast_from(tiny_
     assert full.parameters_bytes == fp32_build_bytes
 
 
+def test_a_model_whose_fp32_build_would_crowd_the_cap_is_estimated_as_built_on_the_host(tiny_spec):
+    config = TrainConfig(precision="bf16-true", micro_batch_size=1, grad_accum_steps=8,
+                         freeze_blocks=tiny_spec.model.args["n_layer"])
+    on_card = estimate_memory(tiny_spec, config, device_kind="cuda")
+    fp32_build_bytes = 2 * on_card.parameters_bytes
+    # A cap of just the fp32 model: over `DEVICE_BUILD_SHARE` of it, so the runner builds on the host.
+    hosted = estimate_memory(tiny_spec, config, device_kind="cuda", capacity_bytes=fp32_build_bytes)
+    assert hosted.allocated_peak_bytes < fp32_build_bytes + hosted.workspace_bytes <= on_card.allocated_peak_bytes
+
+
+def test_the_model_is_built_on_the_card_where_its_fp32_weights_take_at_most_half_of_it(monkeypatch):
+    from autofit.train import distributed
+
+    monkeypatch.setattr(distributed, "usable_cuda_bytes", lambda device: 1000)
+    cuda, config = torch.device("cuda", 0), TrainConfig(micro_batch_size=8)
+    assert distributed.build_device(config, cuda, 500) == cuda
+    assert distributed.build_device(config, cuda, 501) is None  # 16-bit training still fits: cast on the way
+    assert distributed.build_device(config, cuda, None) is None  # not buildable on meta: unknown
+    assert distributed.build_device(config, torch.device("cpu"), 1) is None
+    fsdp = TrainConfig(micro_batch_size=4, parallelism="fsdp", world_size=2)
+    assert distributed.build_device(fsdp, cuda, 1) is None  # sharded from host memory
+
+
 def test_the_card_build_holds_the_fp32_model_once_while_casting():
     MiB = 2**20
     events = [("a", 10 * MiB), ("b", 10 * MiB), ("b", None)]
@@ -202,3 +226,17 @@ def test_a_warm_resident_child_estimates_as_a_fresh_process_does(tiny_spec):
         assert Resident.of(worker, asks.ESTIMATE_TASK).children == 1
     workload = build_workload(tiny_spec)
     assert warm == [_simulate(tiny_spec, workload, c, "cpu") for c in configs]
+
+
+def test_the_runner_sizes_the_fp32_build_on_the_meta_device(tiny_spec):
+    from autofit.train.runner import _fp32_bytes
+
+    workload = build_workload(tiny_spec)
+    model = workload.build_model()
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
+    assert _fp32_bytes(workload) == 4 * sum(t.numel() for t in tensors.values())  # tied weights once
+
+    def needs_real_tensors():
+        return torch.nn.Linear(2, 2).weight.sum().item()
+
+    assert _fp32_bytes(dataclasses.replace(workload, build_model=needs_real_tensors)) is None

@@ -137,6 +137,13 @@ def cuda_memory_stats(device: torch.device) -> CudaMemoryStats:
     )
 
 
+def usable_cuda_bytes(device: torch.device) -> int:
+    """What this process may allocate on `device`: the card under the allocator's cap."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 1.0)(index)
+    return int(torch.cuda.get_device_properties(index).total_memory * fraction)
+
+
 def cap_cuda_memory(device: torch.device, budget_bytes: int) -> None:
     """Cap PyTorch's allocator so a config runs out of memory where a card of
     `budget_bytes` would (the emulation of a smaller GPU on a bigger one)."""

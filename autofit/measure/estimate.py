@@ -27,6 +27,7 @@ from autofit.device.allocator import replay, workspace_events
 from autofit.device.memory import LiveBytesTracker
 from autofit.device.support import same_tensors
 from autofit.workload import build_workload, Workload
+from autofit.train.distributed import DEVICE_BUILD_SHARE
 from autofit.train.knobs import apply_optimizer_hooks, trainable_parameters
 from autofit.train.optim import build_optimizer, implementation
 from autofit.train.optim_state import fill_state, inferred_layout, state_layout, unfakeable_reason
@@ -49,8 +50,9 @@ def estimate_memory(spec: ModelSpec, config: TrainConfig, *, device_kind: str = 
     """Peak bytes of training `spec` with `config`, on a device of kind `device_kind`.
 
     "cpu" predicts what a CPU trial tracks, model construction included. "cuda" counts the
-    construction as the runner does it there (built on the card in fp32, then cast one tensor
-    at a time: `distributed.build_device`), uses the fused optimizer
+    construction as the runner does it there (`distributed.build_device`: built on the card in
+    fp32, then cast one tensor at a time, where the fp32 weights take at most half of
+    `capacity_bytes`; else arriving from the host in their dtype), uses the fused optimizer
     the runner picks on CUDA, and adds the card's allocated and reserved peaks (caching
     allocator, cuBLAS workspaces sized for `compute_capability`, default Hopper's);
     `capacity_bytes` (the allocator's cap) replays reserved under it, with PyTorch's retry,
@@ -299,9 +301,14 @@ def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, co
     idle = [(("input", i, j), t.numel() * t.element_size())
             for i in range(config.grad_accum_steps - min(config.grad_accum_steps, _MICRO_BATCHES))
             for j, t in enumerate(tree_leaves(micro_batch)) if isinstance(t, torch.Tensor)]
-    trace = workspaces + _built_on_the_card(events[:construction_events], param_dtype) + idle \
-        + events[construction_events:]
-    peaks = replay(trace, count_from=len(workspaces))
+    construction = events[:construction_events]
+    fp32_bytes = sum(n for _, n in construction if n is not None) * 4 // param_dtype.itemsize
+    if capacity_bytes is None or fp32_bytes <= DEVICE_BUILD_SHARE * capacity_bytes:  # `distributed.build_device`
+        construction, count_from = _built_on_the_card(construction, param_dtype), len(workspaces)
+    else:  # built on the host: the card sees each tensor arrive in its dtype, counted as resident
+        count_from = len(workspaces) + construction_events
+    trace = workspaces + construction + idle + events[construction_events:]
+    peaks = replay(trace, count_from=count_from)
     workspace_bytes = sum(n for _, n in workspaces)
     one = dataclasses.replace(one, allocated_peak_bytes=peaks.allocated_peak_bytes,
                               reserved_peak_bytes=peaks.reserved_peak_bytes, workspace_bytes=workspace_bytes)
@@ -309,7 +316,7 @@ def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, co
         return one
     capped = peaks
     if peaks.reserved_peak_bytes > capacity_bytes:  # under the cap the replay is the same: no retry
-        capped = replay(trace, count_from=len(workspaces), capacity_bytes=capacity_bytes)
+        capped = replay(trace, count_from=count_from, capacity_bytes=capacity_bytes)
     # An OOM even after the retry: the larger of what the refused segment asked for and the
     # uncapped peak, so that the figure is over the cap and never below today's.
     under_cap = capped.reserved_peak_bytes if capped.fits else max(capped.reserved_peak_bytes,

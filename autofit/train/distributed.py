@@ -29,6 +29,7 @@ from torch import nn
 from autofit.base.atomic import atomic_write, guarded_write
 from autofit.base.errors import ProfileError
 from autofit.config.train_config import TrainConfig
+from autofit.device.memory import usable_cuda_bytes
 from autofit.train.knobs import find_block_stack
 
 
@@ -121,12 +122,23 @@ def check_world(config: TrainConfig, *, what: str = "config") -> None:
                            f"rank(s); run `autofit tune --nproc {world}` for this world size")
 
 
-def build_device(config: TrainConfig, device: torch.device) -> torch.device | None:
+# The fp32 build on the card may take at most this share of what the process may hold (its
+# allocator cap, else the card): a larger model is built on the host, as before, so one whose
+# fp32 weights crowd the card still trains in 16 bits (cast on the way over, one tensor at a time).
+DEVICE_BUILD_SHARE = 0.5
+
+
+def build_device(config: TrainConfig, device: torch.device, fp32_bytes: int | None) -> torch.device | None:
     """Where the model is built: on the GPU itself, whose random init takes a fraction of the
-    host's time (a 1.1 B Llama: 27 s on two host cores, each trial paying it again), except
-    under FSDP2, which shards from host memory so that the whole model is never on one GPU.
-    None: the host. The estimator traces the same construction (`estimate._on_the_card`)."""
-    return device if device.type == "cuda" and config.parallelism != "fsdp" else None
+    host's time (a 1.1 B Llama: 27 s on two host cores, each trial paying it again), where its
+    fp32 weights and buffers (`fp32_bytes`; None: unknown) take at most `DEVICE_BUILD_SHARE`
+    of the memory the process may use; never under FSDP2, which shards from host memory so
+    that the whole model is never on one GPU. None: the host. Per model and card, not per
+    config, so every trial of a tune starts from the same weights. The estimator traces the
+    same choice (`estimate._on_the_card`)."""
+    if device.type != "cuda" or config.parallelism == "fsdp" or fp32_bytes is None:
+        return None
+    return device if fp32_bytes <= DEVICE_BUILD_SHARE * usable_cuda_bytes(device) else None
 
 
 def place_model(model: nn.Module, config: TrainConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
