@@ -397,8 +397,9 @@ class Tuner:
     def _floor_when_nothing_ran(self) -> None:
         """Nothing ran within the budget in the search's share (a short budget, estimates of
         seconds each): the rest, kept to re-measure and validate, has nothing to work on. The
-        expert's fallback is measured in it, halved on each out-of-memory error as the expert
-        halves (`find_executable_batch_size`), with no estimate, while the budget lasts."""
+        expert's steps are measured in it, with no estimate, while the budget lasts: the
+        one-liner where it has not run, then the fallback, halved on each out-of-memory error
+        as the expert halves (`find_executable_batch_size`)."""
         blind = MemoryModel(_unknown_peak, self.budget_bytes)
         precision = fallback.precision_of(self.space, self.one_liner_precisions)
         # A trial no cheaper than the cheapest this session (an OOM's): one that cannot end in the
@@ -408,12 +409,19 @@ class Tuner:
             records = self.records()
             if any(r.status in ("ok", "unhealthy") for r in records) or not fallback.needed(self.space, None):
                 return
-            config = fallback.fallback(self.space, lambda c: blind.fits(c, records), precision)
+            # The expert's order: the one-liner first, while nothing has run out of memory (not
+            # its retry at a smaller micro batch: after an OOM the expert reaches for the fallback).
+            oomed = any(r.status == "oom" for r in records)
+            one = self.one_liner if self.one_liner is not None and not oomed \
+                and self.known(self.one_liner, records) is None else None
+            config = one or fallback.fallback(self.space, lambda c: blind.fits(c, records), precision)
             if config is None or self.known(config, records) is not None:
                 return
-            logger.info("nothing ran within the budget in the search's share: the expert's fallback {} in the rest",
-                        config.short())
-            self.fallback, self._blind = config, True
+            logger.info("nothing ran within the budget in the search's share: the {} {} in the rest",
+                        "one-liner" if one else "expert's fallback", config.short())
+            if one is None:
+                self.fallback = config
+            self._blind = True
             try:
                 self.measure_now(config, records)
             finally:
@@ -564,9 +572,9 @@ class Tuner:
         """After the search: a reference's least cost fits in half of the budget's time left
         (the rest re-measures and validates). With a budget and nothing measured, none is: its
         losses would judge nothing, and its slow steps would spend what a floor needs."""
-        left_s = self.deadline.left_s()
-        if left_s is None:
+        if self.deadline.budget_s is None:
             return True
+        left_s = self.deadline.left_s()
         return any(r.status == "ok" for r in records) and self._affordable(config, records, left_s=left_s / 2)
 
     def remeasure_contenders(self) -> tuple[float | None, int]:
