@@ -165,12 +165,12 @@ def test_the_model_is_built_on_the_card_where_its_fp32_weights_take_at_most_half
 
     monkeypatch.setattr(distributed, "usable_cuda_bytes", lambda device: 1000)
     cuda, config = torch.device("cuda", 0), TrainConfig(micro_batch_size=8)
-    assert distributed.build_device(config, cuda, 500) == cuda
-    assert distributed.build_device(config, cuda, 501) is None  # 16-bit training still fits: cast on the way
-    assert distributed.build_device(config, cuda, None) is None  # not buildable on meta: unknown
-    assert distributed.build_device(config, torch.device("cpu"), 1) is None
+    assert distributed.build_device(config, cuda, lambda: 500) == cuda
+    assert distributed.build_device(config, cuda, lambda: 501) is None  # 16-bit training still fits: cast on the way
+    assert distributed.build_device(config, cuda, lambda: None) is None  # not buildable on meta: unknown
+    assert distributed.build_device(config, torch.device("cpu"), lambda: 1) is None
     fsdp = TrainConfig(micro_batch_size=4, parallelism="fsdp", world_size=2)
-    assert distributed.build_device(fsdp, cuda, 1) is None  # sharded from host memory
+    assert distributed.build_device(fsdp, cuda, lambda: 1) is None  # sharded from host memory
 
 
 def test_the_card_build_holds_the_fp32_model_once_while_casting():

@@ -137,9 +137,14 @@ def cuda_memory_stats(device: torch.device) -> CudaMemoryStats:
     )
 
 
+def _cuda_index(device: torch.device) -> int:
+    # torch.cuda's memory-fraction calls take an index: a bare "cuda" is the current device.
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def usable_cuda_bytes(device: torch.device) -> int:
     """What this process may allocate on `device`: the card under the allocator's cap."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 1.0)(index)
     return int(torch.cuda.get_device_properties(index).total_memory * fraction)
 
@@ -147,8 +152,7 @@ def usable_cuda_bytes(device: torch.device) -> int:
 def cap_cuda_memory(device: torch.device, budget_bytes: int) -> None:
     """Cap PyTorch's allocator so a config runs out of memory where a card of
     `budget_bytes` would (the emulation of a smaller GPU on a bigger one)."""
-    # set_per_process_memory_fraction takes an index: a bare "cuda" is the current device.
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), index)
 

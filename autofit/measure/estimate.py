@@ -31,7 +31,7 @@ from autofit.train.distributed import DEVICE_BUILD_SHARE
 from autofit.train.knobs import apply_optimizer_hooks, trainable_parameters
 from autofit.train.optim import build_optimizer, implementation
 from autofit.train.optim_state import fill_state, inferred_layout, state_layout, unfakeable_reason
-from autofit.train.runner import Runner
+from autofit.train.runner import fp32_bytes, Runner
 from autofit.train.user_optim import count_state, CountedState, OptimizerStateError
 from autofit.measure.cuda_attention import CudaAttention
 from autofit.measure.estimate_shard import per_rank
@@ -203,7 +203,7 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
         one = dataclasses.replace(one, optimizer_counted=runner.optimizer.count.how)
     if device_kind == "cuda" and config.world_size == 1:
         one = _on_the_card(one, tracker.events, construction_events, config, real[0], compute_capability,
-                           capacity_bytes, runner.policy.param_dtype)
+                           capacity_bytes, runner.policy.param_dtype, fp32_bytes(runner.model))
     if guard.note:
         logger.info("estimate {} {}: {}", spec.name, config.short(), guard.note)
     if config.world_size == 1:
@@ -291,7 +291,7 @@ def _built_on_the_card(events: list, param_dtype: torch.dtype) -> list:
 
 def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, config: TrainConfig,
                  micro_batch, compute_capability: str | None, capacity_bytes: int | None,
-                 param_dtype: torch.dtype) -> MemoryEstimate:
+                 param_dtype: torch.dtype, model_fp32_bytes: int) -> MemoryEstimate:
     """The step's trace through the caching allocator's rules, after the cuBLAS/cuBLASLt
     workspaces the trial's first matmuls allocate and keep, the model's construction on the
     card, and the inputs of the micro batches that were not simulated (on the card before the
@@ -302,8 +302,7 @@ def _on_the_card(one: MemoryEstimate, events: list, construction_events: int, co
             for i in range(config.grad_accum_steps - min(config.grad_accum_steps, _MICRO_BATCHES))
             for j, t in enumerate(tree_leaves(micro_batch)) if isinstance(t, torch.Tensor)]
     construction = events[:construction_events]
-    fp32_bytes = sum(n for _, n in construction if n is not None) * 4 // param_dtype.itemsize
-    if capacity_bytes is None or fp32_bytes <= DEVICE_BUILD_SHARE * capacity_bytes:  # `distributed.build_device`
+    if capacity_bytes is None or model_fp32_bytes <= DEVICE_BUILD_SHARE * capacity_bytes:  # `distributed.build_device`
         construction, count_from = _built_on_the_card(construction, param_dtype), len(workspaces)
     else:  # built on the host: the card sees each tensor arrive in its dtype, counted as resident
         count_from = len(workspaces) + construction_events

@@ -72,11 +72,14 @@ def ensure_reference(tuner: Tuner) -> None:
         # the precision and the micro batch (`Tuner._affordable`).
         precision = next(p for p in REFERENCE_PRECISIONS if p in tuner.space.precisions)
         priced = tuner.space.config(precision, micro or tuner.space.micro_batch_sizes[-1], 0, depth)
-        reference = priced if not tuner.reference_affordable(priced, records) else seeding.reference_point(
-            tuner.space, tuner.fits(records), depth, micro)
+        if tuner.reference_affordable(priced, records):
+            reference = seeding.reference_point(tuner.space, tuner.fits(records), depth, micro)
+            affordable = reference is None or tuner.reference_affordable(reference, records)
+        else:
+            reference, affordable = priced, False
         if reference is None or tuner.known(reference, records) is not None:
             break
-        if not tuner.reference_affordable(reference, records):
+        if not affordable:
             # A full precision's slow steps (several times a 16-bit step on a GPU) would spend
             # the time the re-measures and validation need: judged without one.
             why = f"is affordable in the time left ({reference.short()})"

@@ -365,14 +365,14 @@ class Tuner:
         def scale(r: TrialRecord) -> float:
             return 1.0 if looks_down else min(1.0, config.micro_batch_size / r.config.micro_batch_size)
 
-        speeds = [r.samples_per_s * scale(r)
-                  for r in records if r.status == "ok" and r.samples_per_s > 0
-                  and (r.config.precision == config.precision
-                       or not {r.config.precision, config.precision} & set(REFERENCE_PRECISIONS))]
-        if not speeds and config.precision in REFERENCE_PRECISIONS:
-            speeds = [r.samples_per_s * scale(r) / self.full_precision_slowdown
-                      for r in records if r.status == "ok" and r.samples_per_s > 0
-                      and r.config.precision not in REFERENCE_PRECISIONS]
+        def speeds_of(alike: Callable[[str], bool], slowdown: float = 1.0) -> list[float]:
+            return [r.samples_per_s * scale(r) / slowdown for r in records
+                    if r.status == "ok" and r.samples_per_s > 0 and alike(r.config.precision)]
+
+        full = set(REFERENCE_PRECISIONS)
+        speeds = speeds_of(lambda p: p == config.precision or not {p, config.precision} & full)
+        if not speeds and config.precision in full:
+            speeds = speeds_of(lambda p: p not in full, self.full_precision_slowdown)
         if not speeds:
             return True
         least_s = LEAST_TRIAL_STEPS * self.space.global_batch_size / max(speeds)

@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -128,17 +129,19 @@ def check_world(config: TrainConfig, *, what: str = "config") -> None:
 DEVICE_BUILD_SHARE = 0.5
 
 
-def build_device(config: TrainConfig, device: torch.device, fp32_bytes: int | None) -> torch.device | None:
+def build_device(config: TrainConfig, device: torch.device,
+                 fp32_bytes: Callable[[], int | None]) -> torch.device | None:
     """Where the model is built: on the GPU itself, whose random init takes a fraction of the
     host's time (a 1.1 B Llama: 27 s on two host cores, each trial paying it again), where its
-    fp32 weights and buffers (`fp32_bytes`; None: unknown) take at most `DEVICE_BUILD_SHARE`
+    fp32 weights and buffers (`fp32_bytes()`, asked only then; None: unknown) take at most `DEVICE_BUILD_SHARE`
     of the memory the process may use; never under FSDP2, which shards from host memory so
     that the whole model is never on one GPU. None: the host. Per model and card, not per
     config, so every trial of a tune starts from the same weights. The estimator traces the
     same choice (`estimate._on_the_card`)."""
-    if device.type != "cuda" or config.parallelism == "fsdp" or fp32_bytes is None:
+    if device.type != "cuda" or config.parallelism == "fsdp":
         return None
-    return device if fp32_bytes <= DEVICE_BUILD_SHARE * usable_cuda_bytes(device) else None
+    size = fp32_bytes()
+    return device if size is not None and size <= DEVICE_BUILD_SHARE * usable_cuda_bytes(device) else None
 
 
 def place_model(model: nn.Module, config: TrainConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -69,16 +69,20 @@ class StepResult:
     skipped: bool  # the GradScaler found inf/NaN gradients and skipped the update
 
 
-def _fp32_bytes(workload: Workload) -> int | None:
-    """The model's floating weights and buffers in fp32, from a build on the meta device (no
-    memory, no init); None where the model cannot be built there."""
-    try:
-        with torch.device("meta"):
-            model = workload.build_model()
-    except Exception:  # noqa: BLE001 - a model that needs real tensors to build: built on the host
-        return None
+def fp32_bytes(model: nn.Module) -> int:
+    """`model`'s floating weights and buffers in fp32, each tensor once (tied weights share one)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
     return sum(4 * t.numel() for t in tensors.values())
+
+
+def _fp32_bytes(workload: Workload) -> int | None:
+    """`fp32_bytes` of the model from a build on the meta device (no memory, no init); None
+    where the model cannot be built there."""
+    try:
+        with torch.device("meta"):
+            return fp32_bytes(workload.build_model())
+    except Exception:  # noqa: BLE001 - a model that needs real tensors to build: built on the host
+        return None
 
 
 class Runner:
@@ -94,7 +98,7 @@ class Runner:
         # Every rank builds the same initial weights from the seed: DDP and FSDP2 both
         # start from identical replicas (DDP also broadcasts rank 0's to be sure).
         torch.manual_seed(spec.train.seed)
-        where = distributed.build_device(config, device, _fp32_bytes(workload) if device.type == "cuda" else None)
+        where = distributed.build_device(config, device, lambda: _fp32_bytes(workload))
         with torch.device(where) if where is not None else contextlib.nullcontext():
             model = apply_config(workload.build_model(), config)
         self.model = distributed.place_model(model, config, device, self.policy.param_dtype)
