@@ -284,6 +284,11 @@ def main(argv=None) -> int:
     parts, scale = (TINY, CPU) if args.tiny else (PARTS, CARD)
     if args.hand_loops is not None or args.no_train:
         loops = None if args.hand_loops is None else tuple(n for n in args.hand_loops.split(",") if n)
+        unknown = sorted(set(loops or ()) - {n for p in parts for n in p.hand_loops})
+        if unknown:
+            print(f"gpu_check: --hand-loops: unknown {', '.join(unknown)}; one of "
+                  f"{', '.join(dict.fromkeys(n for p in parts for n in p.hand_loops))}", file=sys.stderr)
+            return 2
         parts = tuple(replace(p, hand_loops=p.hand_loops if loops is None else tuple(n for n in p.hand_loops
                                                                                      if n in loops),
                               train=p.train and not args.no_train) for p in parts)
