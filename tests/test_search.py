@@ -73,24 +73,35 @@ def test_infeasible_configs_are_never_chosen_and_pruned_ones_do_not_spend_trials
 
 
 def test_contenders_within_noise_are_remeasured_interleaved():
-    landscape = _landscape("noisy")
-    _, result = run_tuner(landscape)
-    repeats = [r.config for r in result.records if r.repeat]
-    contenders = list(dict.fromkeys(repeats))
-    assert len(contenders) >= 2
-    # Interleaved: each round measures every contender still in the race once, in the same
-    # order; one that fell behind beyond doubt is not measured again (the race only narrows).
-    order = {config: i for i, config in enumerate(contenders)}
-    rounds: list[list] = []
-    for config in repeats:
-        if rounds and order[config] > order[rounds[-1][-1]]:
-            rounds[-1].append(config)
-        else:
-            rounds.append([config])
-    assert rounds[0] == contenders and len(rounds) >= 2
-    assert all(set(later) <= set(earlier) for earlier, later in zip(rounds, rounds[1:]))
-    assert result.noise is not None and 0 < result.noise < 0.1
-    assert "interleaved rounds" in result.choice and f"{result.noise:.1%}" in result.choice
+    """Over six draws of the device's noise: whether there is a race, and how many rounds it
+    needs, depends on them (no config within noise of the best: none; a first round that
+    separates the contenders beyond the noise it shows: one)."""
+    raced = 0
+    for seed in range(6):
+        landscape = _landscape("noisy")
+        landscape.reset(seed)
+        _, result = run_tuner(landscape)
+        repeats = [r.config for r in result.records if r.repeat]
+        contenders = list(dict.fromkeys(repeats))
+        if not repeats:
+            assert "no other config within noise" in result.choice
+            continue
+        assert len(contenders) >= 2
+        # Interleaved: each round measures every contender still in the race once, in the same
+        # order; one that fell behind beyond doubt is not measured again (the race only narrows).
+        order = {config: i for i, config in enumerate(contenders)}
+        rounds: list[list] = []
+        for config in repeats:
+            if rounds and order[config] > order[rounds[-1][-1]]:
+                rounds[-1].append(config)
+            else:
+                rounds.append([config])
+        assert rounds[0] == contenders
+        raced += len(rounds) >= 2
+        assert all(set(later) <= set(earlier) for earlier, later in zip(rounds, rounds[1:]))
+        assert result.noise is not None and 0 < result.noise < 0.1
+        assert "interleaved rounds" in result.choice and f"{result.noise:.1%}" in result.choice
+    assert raced >= 1
 
 
 def test_reference_is_at_the_bests_micro_batch_with_the_fewest_checkpointed_blocks():

@@ -68,7 +68,7 @@ def before_retry(fallback_config: TrainConfig, retry: TrainConfig, space: Search
     where a prior speed model, before anything has run, favours it. Throughput rises with the
     micro batch as m / (m + `PRIOR_HALF_MICRO_BATCH`) and each checkpointed block recomputes its
     forward (a third of its step); measured figures replace the prior from the next trial on."""
-    return _prior_speed(fallback_config, space) > _prior_speed(retry, space)
+    return prior_speed(fallback_config, space) > prior_speed(retry, space)
 
 
 # The micro batch at half of a GPU's saturation, before any trial ran: a few samples of a
@@ -76,7 +76,7 @@ def before_retry(fallback_config: TrainConfig, retry: TrainConfig, space: Search
 PRIOR_HALF_MICRO_BATCH = 4.0
 
 
-def _prior_speed(config: TrainConfig, space: SearchSpace) -> float:
+def prior_speed(config: TrainConfig, space: SearchSpace) -> float:
     m = config.micro_batch_size
     recompute = config.checkpoint_blocks / max(1, space.max_checkpoint_blocks) / 3
     return m / (m + PRIOR_HALF_MICRO_BATCH) / (1 + recompute)

@@ -212,6 +212,8 @@ class Tuner:
                 known = self.known(config, records)
                 busy = known is None and config in running  # another worker measures it (or just did)
                 late = known is None and not busy and not self._affordable(config, records)
+                if known is None and not busy and not late:
+                    self.memory.trace(config)  # what it is measured on is traced, not read off a line
                 if known is not None or busy or late or not self.memory.fits(config, records):
                     progress.skipped["known" if known is not None or busy else "late" if late else "pruned"] += 1
                     # A config whose trial could not end in the time left is dropped like a stale plan.
@@ -258,7 +260,7 @@ class Tuner:
         self.on_trial(record, new_best, self.spent(records))
         floor = config in (self.one_liner, self.fallback)
         if record.status == "oom":
-            self.plan.after_oom(config, records)
+            self.plan.after_oom(config, records, plain=not floor)
             if config == self.one_liner:
                 self._one_liner_again(records)
         if floor:

@@ -119,6 +119,21 @@ def _needs_more(config: TrainConfig, than: TrainConfig) -> bool:
                     for k in ordered))
 
 
+def _shapeless(config: TrainConfig) -> TrainConfig:
+    """`config` at one shape (micro batch 1, nothing checkpointed): the line its bytes lie on."""
+    return config.replace(micro_batch_size=1, grad_accum_steps=1, checkpoint_blocks=0, checkpoint_policy="full")
+
+
+def _between(points: list[tuple[int, int]], x: int) -> int | None:
+    """Linear between the nearest traced points below and above `x`; None without both."""
+    below = max((p for p in points if p[0] < x), default=None)
+    above = min((p for p in points if p[0] > x), default=None)
+    if below is None or above is None:
+        return None
+    (x0, y0), (x1, y1) = below, above
+    return int(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
 def record_budget(record: TrialRecord) -> int | None:
     """The budget a record ran under (older records: the measurement's)."""
     if record.budget_bytes is not None:
@@ -134,14 +149,45 @@ class MemoryModel:
         self._estimates: dict[TrainConfig, int] = {}
 
     def predicted_peak(self, config: TrainConfig) -> int:
-        """The estimator's bytes (cached: each is a fake training step); 0 (unknown: it fits
-        unless an OOM or the fit says otherwise) for an estimate deferred."""
+        """The estimator's bytes (cached: each is a fake training step), or read off the line
+        through two traced configs that bracket it (`_read_off`); 0 (unknown: it fits unless
+        an OOM or the fit says otherwise) for an estimate deferred."""
+        if config in self._estimates:
+            return self._estimates[config]
+        between = self._read_off(config)
+        if between is not None:
+            return between
+        return self.trace(config)
+
+    def trace(self, config: TrainConfig) -> int:
+        """The estimator's own bytes for `config`, traced if they were only read off a line:
+        what a trial's fit decision and its record rest on. 0 for an estimate deferred."""
         if config not in self._estimates:
             try:
                 self._estimates[config] = int(self.estimate(config))
             except EstimateDeferred:
                 return 0
         return self._estimates[config]
+
+    def _read_off(self, config: TrainConfig) -> int | None:
+        """`config`'s bytes between two traced configs that differ from it in one shape only:
+        along the micro batch at its depth (every activation scales with the batch: affine),
+        or along the checkpointed depth at its micro batch, from one block on (each block
+        checkpointed keeps its input instead of its activations; the recomputed block's are
+        there from the first). A search's bisections over the depth and the micro batch then
+        trace their two ends and read the middle; a config about to be measured is traced
+        (`trace`). None where nothing brackets it."""
+        line = _shapeless(config)
+        traced = [(c, b) for c, b in self._estimates.items() if _shapeless(c) == line]
+        micro, depth = config.micro_batch_size, config.checkpoint_blocks
+        along_micro = [(c.micro_batch_size, b) for c, b in traced if c.checkpoint_blocks == depth
+                       and (depth == 0 or c.checkpoint_policy == config.checkpoint_policy)]
+        found = _between(along_micro, micro)
+        if found is None and depth >= 1:
+            along_depth = [(c.checkpoint_blocks, b) for c, b in traced if c.micro_batch_size == micro
+                           and c.checkpoint_blocks >= 1 and c.checkpoint_policy == config.checkpoint_policy]
+            found = _between(along_depth, depth)
+        return found
 
     def fit(self, config: TrainConfig, records: list[TrialRecord]) -> Fit:
         """The fit for `config`'s group; the pooled fit while its group has no measurement.

@@ -15,7 +15,7 @@ that does.
 from collections.abc import Callable
 
 from autofit.config.train_config import TrainConfig
-from autofit.search import seeding
+from autofit.search import fallback, seeding
 from autofit.search.health import drifting, drifts, is_reference, reference_for, REFERENCE_PRECISIONS
 from autofit.search.space import SearchSpace
 from autofit.search.study import TrialRecord
@@ -41,6 +41,29 @@ LOOK_DOWN_TRIALS = 20
 # In the queue after a new best: "the next seed group with nothing measured goes here", found
 # when it is reached (each costs estimates: fake steps), under the fit as it is then.
 UNSEEDED = object()
+
+
+# A seed predicted below this share of the best's measured speed waits behind the best's
+# refinements (`outpaced`): the prior is rough, so only a clear shortfall defers it.
+DEFER_SHARE = 0.9
+
+
+def outpaced(space: SearchSpace, config: TrainConfig, records: list[TrialRecord], best: TrialRecord | None) -> bool:
+    """`config`'s predicted speed, from the fastest measured config of its seed group
+    (precision, strategy, memory knobs) scaled by the prior step model (`fallback.prior_speed`:
+    throughput rising with the micro batch, recomputation at a third of a block's step), is
+    below `DEFER_SHARE` of the best's. False where its group has no measurement: a group
+    not yet measured is worth its trial."""
+    if best is None or best.samples_per_s is None:
+        return False
+    group = space.seed_group(config)
+    anchors = [r for r in records if r.status == "ok" and space.seed_group(r.config) == group
+               and r.samples_per_s and not r.loaded]
+    if not anchors:
+        return False
+    predicted = max(r.samples_per_s * fallback.prior_speed(config, space) /
+                    fallback.prior_speed(r.config, space) for r in anchors)
+    return predicted < DEFER_SHARE * best.samples_per_s
 
 
 def allowed_of(records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
@@ -129,6 +152,10 @@ class Plan:
                 # The throughput peaks below a micro batch that ran: the fallback, at a larger
                 # one and recomputing every block, cannot beat what ran; not worth its trial.
                 self.queue.remove(config)
+            elif not config.checkpoint_blocks and outpaced(self.space, config, records, best):
+                # The one-liner's retry, predicted well below the fallback measured: the floor is
+                # the faster of the two, and this one would not be it.
+                self.queue.remove(config)
             elif ready(config):
                 self.queue.remove(config)
                 return config
@@ -144,6 +171,12 @@ class Plan:
         for config in seeding.plain_twins(self.space, best.config) if best is not None else []:
             if self.last_chance(config, records) and ready(config):
                 return config
+        deferred: list[TrainConfig] = []  # seeds predicted slower than the best: after its refinements
+
+        def taking(config: TrainConfig) -> TrainConfig:
+            self.queue[:0] = deferred
+            return config
+
         for refill in range(2):
             while self.queue:
                 config = self.queue.pop(0)
@@ -156,7 +189,10 @@ class Plan:
                     self._replace_seed(config, records, seed_fits)  # planned before small micro batches paid
                     continue
                 if ready(config):
-                    return config
+                    if config in self.seeds and outpaced(self.space, config, records, best):
+                        deferred.append(config)
+                        continue
+                    return taking(config)
                 if config in self.seeds and self.known(config, records) is None and allowed(config):
                     self._replace_seed(config, records, seed_fits)
             if best is not None:
@@ -164,7 +200,9 @@ class Plan:
                                if ready(c)),
                               None)
                 if config is not None:
-                    return config
+                    return taking(config)
+            if deferred:
+                return taking(deferred.pop(0))
             if refill == 0:
                 # One wave: each seed group's next seed, found only now (the seed lists are
                 # lazy: a group's later seeds cost estimates when a later wave reads them).
@@ -304,14 +342,16 @@ class Plan:
         self.references.add(reference)
         return [reference]
 
-    def after_oom(self, config: TrainConfig, records: list[TrialRecord]) -> None:
-        """A checkpointed config that ran out of memory: its micro batch with the fewest blocks
-        (same policy) that fit under the fit that has just learned from the OOM, next. Without
-        it a frontier point mispredicted by one block would be lost with its micro batch. From
+    def after_oom(self, config: TrainConfig, records: list[TrialRecord], *, plain: bool = False) -> None:
+        """A checkpointed config that ran out of memory (with `plain`, one with nothing
+        checkpointed too: not a floor, whose retries are the tuner's): its micro batch with the
+        fewest blocks (same policy) that fit under the fit that has just learned from the OOM,
+        next. Without it a frontier point mispredicted by one block would be lost with its
+        micro batch (a twin predicted to fit with nothing checkpointed, with its precision). From
         the second OOM at one micro batch on, at least halfway between the deepest depth that
         ran out and the deepest there is: a fit that was low twice is not trusted to be off by
         one block the third time, and halving finds the depth in log2(L) trials, not L."""
-        if config.checkpoint_blocks == 0:
+        if config.checkpoint_blocks == 0 and not plain:
             return
         kept = self.space.kept(config)
         again = seeding.fewest_checkpointed(self.space, self.fits_of(records), config.precision,
@@ -323,8 +363,13 @@ class Plan:
             halfway = (max(here) + self.space.checkpointable(config.freeze_blocks) + 1) // 2
             if again.checkpoint_blocks < halfway:
                 again = again.replace(checkpoint_blocks=halfway)
-        if again is not None and again != config and self.known(again, records) is None:
+        if again is None or again == config or self.known(again, records) is not None:
+            return
+        if config.checkpoint_blocks:
             self.queue.insert(0, again)
+        else:  # a plain twin's: after the seeds under way, before the groups not yet seeded
+            seeds = [c for c in self.queue if c in self.seeds]
+            self.queue = seeds + [again] + [c for c in self.queue if c not in seeds]
 
     def neighbours_first(self, config: TrainConfig) -> None:
         """A proposal that was measured already: look next door to `config` instead."""

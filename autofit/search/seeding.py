@@ -362,6 +362,11 @@ def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allo
         return fewest_checkpointed(space, fits, best.precision, micro, best.freeze_blocks, strategy,
                                    best.checkpoint_policy)
 
+    # A best checkpointed deeper than its micro batch needs (the expert's fallback checkpoints
+    # every block): its own frontier point first, the same step with less recomputed.
+    own = at(best.micro_batch_size)
+    if own is not None and own.checkpoint_blocks < best.checkpoint_blocks:
+        yield own
     ahead = _stride(sizes, best, records)
     far = at(ahead) if ahead is not None else None
     if far is not None and far != eager:
