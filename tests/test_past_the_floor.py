@@ -13,12 +13,12 @@ from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
 from autofit.measure.estimate import estimate_memory
 from autofit.measure.measurement import Measurement
-from autofit.search import health_problem, make_study, MemoryModel, TrialRecord, Tuner
+from autofit.search import FULL_PRECISION_SLOWDOWN, health_problem, make_study, MemoryModel, TrialRecord, Tuner
 from autofit.search import seeding
 from autofit.search.deadline import Deadline, SEARCH_SHARE
 from autofit.search.plan import outpaced
 from conftest import tiny_gpt_dict, write_spec
-from simulated import DRIFTING_LOSSES, HEALTHY_LOSSES, MEMORY_BOUND, ONE_LINER_GPU
+from simulated import DRIFTING_LOSSES, generated, HEALTHY_LOSSES, MEMORY_BOUND, ONE_LINER_GPU
 
 LLAMA = MEMORY_BOUND[0]
 GiB = 2**30
@@ -85,26 +85,30 @@ def test_bytes_read_off_the_line_are_within_four_percent_of_the_estimators_trace
         assert abs(read_off - traced) <= 0.04 * traced, (middle.short(), read_off, traced)
 
 
-def test_every_trial_is_decided_and_recorded_on_its_traced_estimate():
+@pytest.mark.parametrize("landscape", [LLAMA, next(l for l in generated(12) if l.name == "gen-2026-10")],
+                         ids=lambda l: l.name)
+def test_every_trial_is_decided_and_recorded_on_its_traced_estimate(landscape):
     """An estimator off the line between the depths (a kernel's workspace that every depth but
     the deepest needs): a config read off the line there would be measured on a wrong
-    prediction; each trial's own is traced."""
-    land = dataclasses.replace(LLAMA, name="llama-bump")
+    prediction; each trial's own is traced, the full-precision references measured after the
+    search (gen-2026-10) too."""
+    land = dataclasses.replace(landscape, name=landscape.name + "-bump")
 
     def estimate(config: TrainConfig) -> int:
-        return land.estimate(config) + (GiB if 0 < config.checkpoint_blocks < land.n_blocks else 0)
+        return land.estimate(config) + (GiB // 4 if 0 < config.checkpoint_blocks < land.n_blocks else 0)
 
     land.reset(0)
     land.stop_at_s[0] = 240.0
     tuner = Tuner(land.space(), study=make_study(study_name="t", storage=None, seed=0),
                   budget_bytes=land.budget_bytes, estimate=estimate, measure=land.measure, max_trials=40,
                   patience=12, deadline=Deadline(240.0, clock=land.clock, search_share=SEARCH_SHARE),
-                  one_liner=ONE_LINER_GPU)
+                  one_liner=ONE_LINER_GPU, measure_reference=land.measure_reference,
+                  full_precision_slowdown=FULL_PRECISION_SLOWDOWN["cuda"])
     result = tuner.run()
     measured = [r for r in result.records if r.status in ("ok", "oom") and r.predicted_peak_bytes]
     assert measured
     for r in measured:
-        assert r.predicted_peak_bytes == estimate(r.config), r.config.short()
+        assert tuner.memory.traced(r.config) and r.predicted_peak_bytes == estimate(r.config), r.config.short()
 
 
 def test_a_seed_predicted_well_below_the_best_is_outpaced_and_one_of_an_unmeasured_precision_is_not():
@@ -165,3 +169,26 @@ def test_without_a_full_precision_reference_an_autocast_trial_stands_in_for_the_
     # A full-precision reference at the depth, where there is one, is what it is judged by.
     reference = _record(4, space.config("32-true", 1, LLAMA.n_blocks), 0.4, losses=DRIFTING_LOSSES)
     assert health_problem(drifting, [reference, autocast, drifting]) is None
+
+
+def test_a_seed_predicted_well_below_the_best_is_measured_after_the_bests_refinements_not_dropped():
+    from autofit.search.plan import Plan
+
+    space = LLAMA.space()
+    best = _record(1, space.config("bf16-mixed", 4, LLAMA.n_blocks), 3.24)
+    reference = _record(2, space.config("32-true", 1, LLAMA.n_blocks), 0.4)  # the best's health is judged
+    records = [best, reference]
+    known = lambda config, recs: next((r for r in recs if r.config == config), None)  # noqa: E731
+    slow, fast = space.config("bf16-mixed", 1), space.config("bf16-mixed", 8)
+    plan = Plan(space, (slow, fast), known=known, fits_of=lambda recs: lambda config: True, estimate=lambda c: 0)
+    assert plan.next(records, best, set()) == fast  # the slow seed waits; the fast one goes
+    assert plan.queue[0] == slow  # ... and is kept, in its place
+    measured = [*records, _record(3, fast, 3.0)]
+    refinement = plan.next(measured, best, set())
+    assert refinement is not None and refinement != slow
+    # The best's own micro batch with the fewest blocks that fit: its refinement comes first.
+    assert (refinement.micro_batch_size, refinement.checkpoint_blocks) == (4, 0)
+    # Once the refinements are measured (or none is left), the slow seed is measured after all.
+    plan_alone = Plan(space, (slow,), known=known, fits_of=lambda recs: lambda config: config == slow,
+                      estimate=lambda c: 0)
+    assert plan_alone.next(records, best, set()) == slow

@@ -642,7 +642,7 @@ class Tuner:
         self.trial_costs_s.append(self.clock() - (started if self._measured_until is None else self._measured_until))
         self._measured_until = self.clock()
         record = TrialRecord(number=trial.number, config=config, status=measurement.status,
-                             predicted_peak_bytes=self.memory.predicted_peak(config), measurement=measurement,
+                             predicted_peak_bytes=self.memory.trace(config), measurement=measurement,
                              reason=measurement.reason, budget_bytes=self.budget_bytes, worker=self.worker,
                              measured_at=time.time())
         # After the record: a first trial run unestimated stays so where it ran (a deferred
@@ -653,7 +653,7 @@ class Tuner:
             # predicts for it needed more than the budget), so the configs planned next are
             # judged by a calibrated fit, not by the uncalibrated margin that lets configs
             # predicted over the budget run (on the H100, a second OOM trial: 29 s for 5 s here).
-            record = record.replace(predicted_peak_bytes=self.memory.predicted_peak(config))
+            record = record.replace(predicted_peak_bytes=self.memory.trace(config))
         if record.status == "ok" and record.peak_memory_bytes is not None and record.peak_memory_bytes > self.budget_bytes:
             record = record.replace(status="oom", reason="peak exceeded the budget")
         if record.status == "ok":

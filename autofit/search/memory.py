@@ -30,6 +30,12 @@ from autofit.search.study import TrialRecord
 UNCALIBRATED_MARGIN = 0.10
 
 
+# Bytes read off a line (`MemoryModel._read_off`) decide a fit only where they are further
+# than this share from the limit: the read-off was seen up to 3.1% from a trace (a 6-block GPT
+# on the CPU), and a decision that close is traced.
+READ_OFF_NEAR = 0.04
+
+
 class EstimateDeferred(Exception):
     """An estimate not run now (the first trial comes first, `Tuner._gated`): the config's
     bytes are unknown until it is asked again, and nothing is cached."""
@@ -147,6 +153,7 @@ class MemoryModel:
     def __init__(self, estimate: Callable[[TrainConfig], int], budget_bytes: int):
         self.estimate, self.budget_bytes = estimate, budget_bytes
         self._estimates: dict[TrainConfig, int] = {}
+        self._lines: dict[TrainConfig, list[TrainConfig]] = {}  # `_shapeless` line -> its traced configs
 
     def predicted_peak(self, config: TrainConfig) -> int:
         """The estimator's bytes (cached: each is a fake training step), or read off the line
@@ -167,7 +174,11 @@ class MemoryModel:
                 self._estimates[config] = int(self.estimate(config))
             except EstimateDeferred:
                 return 0
+            self._lines.setdefault(_shapeless(config), []).append(config)
         return self._estimates[config]
+
+    def traced(self, config: TrainConfig) -> bool:
+        return config in self._estimates
 
     def _read_off(self, config: TrainConfig) -> int | None:
         """`config`'s bytes between two traced configs that differ from it in one shape only:
@@ -177,8 +188,7 @@ class MemoryModel:
         there from the first). A search's bisections over the depth and the micro batch then
         trace their two ends and read the middle; a config about to be measured is traced
         (`trace`). None where nothing brackets it."""
-        line = _shapeless(config)
-        traced = [(c, b) for c, b in self._estimates.items() if _shapeless(c) == line]
+        traced = [(c, self._estimates[c]) for c in self._lines.get(_shapeless(config), ())]
         micro, depth = config.micro_batch_size, config.checkpoint_blocks
         along_micro = [(c.micro_batch_size, b) for c, b in traced if c.checkpoint_blocks == depth
                        and (depth == 0 or c.checkpoint_policy == config.checkpoint_policy)]
@@ -253,4 +263,8 @@ class MemoryModel:
             return True
         fit = self.fit(config, records)
         margin = CALIBRATED_MARGIN if fit.points or fit.bounded else UNCALIBRATED_MARGIN
-        return fit.predict(self.predicted_peak(config)) < self.budget_bytes * (1 + margin)
+        limit = self.budget_bytes * (1 + margin)
+        predicted = fit.predict(self.predicted_peak(config))
+        if not self.traced(config) and abs(predicted - limit) <= READ_OFF_NEAR * limit:
+            predicted = fit.predict(self.trace(config))  # read off near the line it decides: traced
+        return predicted < limit

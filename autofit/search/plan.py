@@ -365,11 +365,13 @@ class Plan:
                 again = again.replace(checkpoint_blocks=halfway)
         if again is None or again == config or self.known(again, records) is not None:
             return
+        if again in self.queue:
+            self.queue.remove(again)
         if config.checkpoint_blocks:
             self.queue.insert(0, again)
-        else:  # a plain twin's: after the seeds under way, before the groups not yet seeded
-            seeds = [c for c in self.queue if c in self.seeds]
-            self.queue = seeds + [again] + [c for c in self.queue if c not in seeds]
+        else:  # a plain twin's: after the last seed under way, before the groups not yet seeded
+            last_seed = max((i for i, c in enumerate(self.queue) if c in self.seeds), default=-1)
+            self.queue.insert(last_seed + 1, again)
 
     def neighbours_first(self, config: TrainConfig) -> None:
         """A proposal that was measured already: look next door to `config` instead."""
