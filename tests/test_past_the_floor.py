@@ -81,7 +81,7 @@ def test_bytes_read_off_the_line_are_within_four_percent_of_the_estimators_trace
     memory.predicted_peak(config(4, 1)), memory.predicted_peak(config(4, 5))
     for middle in (config(4, 0), config(4, 3), config(4, 2), config(4, 4)):
         read_off, traced = memory.predicted_peak(middle), fit_bytes(middle)
-        assert middle not in memory._estimates  # read off, not traced
+        assert not memory.traced(middle)  # read off, not traced
         assert abs(read_off - traced) <= 0.04 * traced, (middle.short(), read_off, traced)
 
 

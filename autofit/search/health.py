@@ -85,18 +85,18 @@ def health_problem(record: TrialRecord, records: list[TrialRecord]) -> str | Non
             return stalled
     same = reference_for(record.config, records, same_freeze=True)
     stand_in = _stand_in(record.config, records) if same is None else None
-    same = same or stand_in
-    if same is not None:
-        share = _share_problem(record.measurement, same)
+    judge = same or stand_in
+    if judge is not None:
+        share = _share_problem(record.measurement, judge)
         if share:
             return share
-        ref = same.measurement.losses
+        ref = judge.measurement.losses
         n = min(len(mine), len(ref))
         gap = (statistics.fmean(mine[:n]) - statistics.fmean(ref[:n])) / max(abs(statistics.fmean(ref[:n])), 1e-12)
         # Against a stand-in only a worse loss counts: damage to the numerics slows learning,
         # and a config that learns faster than autocast says autocast is the one to doubt.
         if (gap if stand_in is not None else abs(gap)) > MEAN_LOSS_RTOL:
-            return f"mean loss differs from {same.config.precision} by {abs(gap):.1%} (limit {MEAN_LOSS_RTOL:.0%})"
+            return f"mean loss differs from {judge.config.precision} by {abs(gap):.1%} (limit {MEAN_LOSS_RTOL:.0%})"
     return None
 
 
