@@ -170,6 +170,21 @@ def test_a_full_precision_trial_is_priced_from_the_16_bit_ones_before_its_own_ru
     assert tuner._affordable(space.config("bf16-mixed", 4, LLAMA.n_blocks), [sixteen])
 
 
+def test_the_search_stops_planning_once_no_trial_can_end_in_its_time_left():
+    """Planning costs estimates (fake steps of device time): once four steps at the fastest
+    speed measured outlast the search's time left, no config is affordable and the loop stops.
+    Not while a precision has nothing to predict it (a 16-bit trial may be faster than 32-true)."""
+    tuner = _tuner(LLAMA, 120.0)
+    tuner._searching_since = 0.0  # the search loop runs; 72 s of it left
+    space, g = LLAMA.space(), LLAMA.global_batch_size
+    twenty_s_a_step = _record(0, space.config("bf16-mixed", 4, LLAMA.n_blocks), g / 20.0)
+    assert tuner._least_trial_s([twenty_s_a_step]) == pytest.approx(80.0)
+    assert tuner._stop_reason([twenty_s_a_step], 0, {"known": 0, "pruned": 0, "late": 0}, 0.0).startswith(
+        "no trial can end in the search's time left")
+    assert tuner._least_trial_s([twenty_s_a_step, _record(1, space.config("bf16-true", 4), g / 10.0)]) is None
+    assert tuner._least_trial_s([_record(0, space.config("32-true", 1, LLAMA.n_blocks), g / 20.0)]) is None
+
+
 def test_a_first_trial_run_unestimated_that_runs_out_of_memory_gets_its_estimate():
     """Its OOM then bounds the fit, which judges the next configs with the calibrated margin."""
     dear, _ = _first_measured(LLAMA, estimate_s=20.0)  # the second would pass the first quarter

@@ -666,7 +666,7 @@ class _StubTuner:
 
     halted = should_stop
 
-    def reference_affordable(self, config, records):
+    def affordable_after_search(self, config, records):
         return True
 
     def measure_now(self, config, records, *, repeat=False, unless_busy=False):

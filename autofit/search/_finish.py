@@ -16,15 +16,17 @@ A private helper of `search/loop.py` (as optuna's `study/_tell.py` is of its `St
 
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from loguru import logger
 
 from autofit.config.train_config import TrainConfig
-from autofit.search import choice, seeding
+from autofit.search import choice, seeding, step_model
 from autofit.search.health import is_reference, reference_for, REFERENCE_PRECISIONS
 from autofit.search.space import SearchSpace
 from autofit.search.study import TrialRecord
+
+T = TypeVar("T")
 
 
 class Tuner(Protocol):
@@ -47,12 +49,21 @@ class Tuner(Protocol):
 
     def fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]: ...
 
-    def reference_affordable(self, config: TrainConfig, records: list[TrialRecord]) -> bool: ...
+    def affordable_after_search(self, config: TrainConfig, records: list[TrialRecord]) -> bool: ...
+
+    def planned_within(self, share: float, plan: Callable[[], T]) -> T | None: ...
 
 BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
 # References measured at most after a search: an OOM refits the model (the next frontier
 # point is smaller), and contenders at several freezing depths need one each.
 REFERENCE_ATTEMPTS = 4
+# After the search's share, one more trial on the best's line where the step model (fitted to
+# the trials) predicts it this much faster than the best: the re-measures settle differences of
+# a few percent (`choice.NOISE_PRIOR`), and a move predicted well past them is worth more of the
+# time left than settling them.
+ONE_MORE_GAIN = 1.1
+# ... found with estimates (fake steps of device time) taking at most this share of the time left.
+ONE_MORE_ESTIMATES_SHARE = 0.25
 
 
 def ensure_reference(tuner: Tuner) -> None:
@@ -72,9 +83,9 @@ def ensure_reference(tuner: Tuner) -> None:
         # the precision and the micro batch (`Tuner._affordable`).
         precision = next(p for p in REFERENCE_PRECISIONS if p in tuner.space.precisions)
         priced = tuner.space.config(precision, micro or tuner.space.micro_batch_sizes[-1], 0, depth)
-        if tuner.reference_affordable(priced, records):
+        if tuner.affordable_after_search(priced, records):
             reference = seeding.reference_point(tuner.space, tuner.fits(records), depth, micro)
-            affordable = reference is None or tuner.reference_affordable(reference, records)
+            affordable = reference is None or tuner.affordable_after_search(reference, records)
         else:
             reference, affordable = priced, False
         if reference is None or tuner.known(reference, records) is not None:
@@ -210,3 +221,49 @@ def _fresh_ranked(records: list[TrialRecord], budget_bytes: int, since: float | 
     from an older session neither races nor decides (`refresh_leaders` measured the ones that
     could)."""
     return [r for r in choice.rank(records, budget_bytes, fresh_since=since) if r.fresh]
+
+
+def one_more(tuner: Tuner) -> None:
+    """Before the re-measures: while a move along the best's line (`_promising`) is predicted
+    at least `ONE_MORE_GAIN` times the best's speed and its trial fits in half of the time left
+    (`affordable_after_search`), measure it; each trial refits the step model. The search's share
+    ended with such a move planned but too dear for what the share had left (its trials cost
+    a tenth of the budget and more where memory decides); the rest of the budget, spent on
+    re-measuring floors a few percent apart, is worth less than it."""
+    while not tuner.halted():
+        records = tuner.records()
+        ranked = choice.rank(records, tuner.budget_bytes, repeats=False, fresh_since=tuner.session_start)
+        if not ranked:
+            return
+        config = tuner.planned_within(ONE_MORE_ESTIMATES_SHARE, lambda: _promising(tuner, records, ranked[0].record))
+        if config is None:
+            return
+        logger.info("one more trial before the re-measures: {} (the step model predicts {:.2f}x the best)",
+                    config.short(), _gain(tuner, records, ranked[0].record, config))
+        if tuner.measure_now(config, records, unless_busy=True) is None:
+            return
+
+
+def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord) -> TrainConfig | None:
+    """Of the best's line at its own micro batch and the two next to it, each with the fewest
+    blocks checkpointed predicted to fit, not measured yet and affordable: the largest predicted
+    gain per device-second (a trial's steps take in inverse proportion to its speed), where it
+    is at least `ONE_MORE_GAIN`."""
+    space, config = tuner.space, best.config
+    sizes = space.micro_batch_sizes
+    here = sizes.index(config.micro_batch_size)
+    fits = tuner.fits(records)
+    moves = [seeding.fewest_checkpointed(space, fits, config.precision, m, config.freeze_blocks,
+                                         space.kept(config), config.checkpoint_policy)
+             for m in sizes[max(0, here - 1):here + 2]]
+    scored = [(gain * (gain - 1), move) for move in moves if move is not None and move != config
+              for gain in [_gain(tuner, records, best, move)]
+              if gain >= ONE_MORE_GAIN and tuner.known(move, records) is None
+              and tuner.affordable_after_search(move, records)]
+    return max(scored, key=lambda x: x[0], default=(None, None))[1]
+
+
+def _gain(tuner: Tuner, records: list[TrialRecord], best: TrialRecord, config: TrainConfig) -> float:
+    """`config`'s speed over the best's, as the step model fitted to `records` predicts it."""
+    model = step_model.fitted(records, tuner.space)
+    return model.predicted(config, best, tuner.space) / best.samples_per_s

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from autofit.config.train_config import TrainConfig
 from autofit.search.space import SearchSpace
+from autofit.search.step_model import PRIOR, StepModel
 from autofit.search.study import TrialRecord
 
 Fits = Callable[[TrainConfig], bool]
@@ -62,24 +63,12 @@ def after_oom(space: SearchSpace, fits: Fits, oomed: TrainConfig) -> TrainConfig
     return fallback(space, fits, oomed.precision, below=oomed.micro_batch_size)
 
 
-def before_retry(fallback_config: TrainConfig, retry: TrainConfig, space: SearchSpace) -> bool:
+def before_retry(fallback_config: TrainConfig, retry: TrainConfig, space: SearchSpace,
+                 model: StepModel = PRIOR) -> bool:
     """After the one-liner's OOM, both the fallback and the one-liner's retry at a smaller
     micro batch wait, and a short budget may hold only one more trial: the fallback goes first
-    where a prior speed model, before anything has run, favours it. Throughput rises with the
-    micro batch as m / (m + `PRIOR_HALF_MICRO_BATCH`) and each checkpointed block recomputes its
-    forward (a third of its step); measured figures replace the prior from the next trial on."""
-    return prior_speed(fallback_config, space) > prior_speed(retry, space)
-
-
-# The micro batch at half of a GPU's saturation, before any trial ran: a few samples of a
-# sequence model (the simulated GPUs of tests/simulated.py span 0.3 to 16).
-PRIOR_HALF_MICRO_BATCH = 4.0
-
-
-def prior_speed(config: TrainConfig, space: SearchSpace) -> float:
-    m = config.micro_batch_size
-    recompute = config.checkpoint_blocks / max(1, space.max_checkpoint_blocks) / 3
-    return m / (m + PRIOR_HALF_MICRO_BATCH) / (1 + recompute)
+    where the step model (`step_model`: the prior before two trials on one line ran) favours it."""
+    return model.speed(fallback_config, space) > model.speed(retry, space)
 
 
 def floor_record(records: Sequence[TrialRecord], floors: Sequence[TrainConfig | None], budget_bytes: int,

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import optuna
 from loguru import logger
@@ -22,7 +23,7 @@ from loguru import logger
 from autofit.base.errors import SpecError
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
-from autofit.search import _finish, choice, fallback, seeding
+from autofit.search import _finish, choice, fallback, seeding, step_model
 from autofit.search.deadline import Deadline
 from autofit.search.health import health_problem, REFERENCE_PRECISIONS
 from autofit.search.memory import EstimateDeferred, MemoryModel, record_budget
@@ -31,6 +32,7 @@ from autofit.search.shared import StudyLocks
 from autofit.search.space import SearchSpace
 from autofit.search.study import ask, fail_stale_trials, heartbeat, read_records, RECORD_ATTR, SearchResult, TrialRecord
 
+T = TypeVar("T")
 WAITING = (optuna.trial.TrialState.WAITING,)
 RUNNING = (optuna.trial.TrialState.RUNNING,)
 BUDGET_RTOL = 0.02  # budgets this close are the same budget
@@ -122,6 +124,7 @@ class Tuner:
         self.awaiting_first_trial, self._said_deferred = False, False
         self.dearest_estimate_s = 0.0
         self._blind = False  # no estimates at all (`_floor_when_nothing_ran`): the time is the trials'
+        self._estimates_until: float | None = None  # on `clock`: past it no estimate starts (`planned_within`)
         self.plan: Plan | None = None  # the search's own plan, while it runs
 
     def records(self) -> list[TrialRecord]:
@@ -318,12 +321,13 @@ class Tuner:
             return
         self.fallback = again
         # Next; after the one-liner's retry at a smaller micro batch where one waits, unless a
-        # prior speed model favours the fallback (`fallback.before_retry`). Both are kept
+        # step model favours the fallback (`fallback.before_retry`). Both are kept
         # through a new best (the fallback may be one), as starts are.
         self.plan.floors.update((again, self.one_liner))
         self.plan.seeds.update((again, self.one_liner))
         queue = self.plan.queue
-        retry_first = self.one_liner in queue and not fallback.before_retry(again, self.one_liner, self.space)
+        retry_first = self.one_liner in queue and not fallback.before_retry(
+            again, self.one_liner, self.space, step_model.fitted(records, self.space))
         queue.insert(queue.index(self.one_liner) + 1 if retry_first else 0, again)
 
     def _last_chance(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
@@ -346,11 +350,10 @@ class Tuner:
                     left_s: float | None = None) -> bool:
         """The least a trial of `config` can cost fits in the search's time left:
         `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials of its
-        speed class (the fastest of their samples/s, scaled down in proportion where `config`'s
-        micro batch is smaller than theirs, unless it is the look from below), and a compiled
-        config's compiling (`compile_cost_s`), with `spare_s` more left over (of `left_s`, the
-        search's time left by default). A full precision with no trial of its own is predicted
-        from the 16-bit trials, `full_precision_slowdown` times slower. A trial that runs past
+        speed class (`_speeds_alike`: the fastest of their samples/s, scaled down in proportion
+        where `config`'s micro batch is smaller than theirs, unless it is the look from below),
+        and a compiled config's compiling (`compile_cost_s`), with `spare_s` more left over (of
+        `left_s`, the search's time left by default). A trial that runs past
         the search's share eats the time the re-measures and validation need; one that runs
         past the budget gives nothing. Without a measured trial, or without a budget, any
         config is affordable."""
@@ -358,8 +361,6 @@ class Tuner:
         if search_s is None or (self._searching_since is None and left_s is None):
             return True
         left_s = (search_s - self.deadline.elapsed_s() if left_s is None else left_s) - spare_s
-        # Its own precision's trials; the 16-bit precisions run at about one speed, so their
-        # trials predict one another (a full precision's do not: tf32 may be 2x 32-true).
         # A smaller micro batch is predicted slower in proportion (a GPU's way), but for the look
         # from below a slow micro step (`Plan._look_down`): that step may be slow for its size.
         looks_down = self.plan is not None and config == self.plan.look_down
@@ -367,14 +368,7 @@ class Tuner:
         def scale(r: TrialRecord) -> float:
             return 1.0 if looks_down else min(1.0, config.micro_batch_size / r.config.micro_batch_size)
 
-        def speeds_of(alike: Callable[[str], bool], slowdown: float = 1.0) -> list[float]:
-            return [r.samples_per_s * scale(r) / slowdown for r in records
-                    if r.status == "ok" and r.samples_per_s > 0 and alike(r.config.precision)]
-
-        full = set(REFERENCE_PRECISIONS)
-        speeds = speeds_of(lambda p: p == config.precision or not {p, config.precision} & full)
-        if not speeds and config.precision in full:
-            speeds = speeds_of(lambda p: p not in full, self.full_precision_slowdown)
+        speeds = self._speeds_alike(config.precision, records, scale)
         if not speeds:
             return True
         least_s = LEAST_TRIAL_STEPS * self.space.global_batch_size / max(speeds)
@@ -390,6 +384,7 @@ class Tuner:
         if not self.halted():
             self._floor_when_nothing_ran()
             self.ensure_reference()
+            _finish.one_more(self)
             if not self._timed_out(start) and not self.halted():  # out of time: validation still compares
                 noise, rounds = self.remeasure_contenders()
                 if not self.halted():
@@ -506,6 +501,10 @@ class Tuner:
             return f"no improvement in {self.patience} measured trials"
         if len({r.config for r in records if self.known(r.config, records)}) >= self.space.size:
             return "every config in the space is measured"
+        late_s = self._least_trial_s(records)
+        if late_s is not None:
+            return (f"no trial can end in the search's time left (the least costs {late_s:.0f}s at the fastest "
+                    f"speed measured); the rest re-measures and validates")
         if sum(skipped.values()) >= 3 * self.patience:
             return (f"{sum(skipped.values())} proposals in a row measured nothing new: {skipped['known']} "
                     f"duplicates, {skipped['pruned']} predicted not to fit"
@@ -513,6 +512,36 @@ class Tuner:
         if self.should_stop():
             return self._stop_text()
         return None
+
+    def _speeds_alike(self, precision: str, records: list[TrialRecord],
+                      scale: Callable[[TrialRecord], float] = lambda r: 1.0) -> list[float]:
+        """The measured speeds that predict a trial's in `precision` (each scaled by `scale`):
+        its own precision's trials; the 16-bit precisions run at about one speed, so their
+        trials predict one another (a full precision's do not: tf32 may be 2x 32-true). A full
+        precision with no trial of its own is predicted from the 16-bit trials,
+        `full_precision_slowdown` times slower. [] where nothing predicts it."""
+        full = set(REFERENCE_PRECISIONS)
+
+        def speeds_of(alike: Callable[[str], bool], slowdown: float = 1.0) -> list[float]:
+            return [r.samples_per_s * scale(r) / slowdown for r in records
+                    if r.status == "ok" and r.samples_per_s > 0 and alike(r.config.precision)]
+
+        speeds = speeds_of(lambda p: p == precision or not {p, precision} & full)
+        if not speeds and precision in full:
+            speeds = speeds_of(lambda p: p not in full, self.full_precision_slowdown)
+        return speeds
+
+    def _least_trial_s(self, records: list[TrialRecord]) -> float | None:
+        """The least any trial can cost (`LEAST_TRIAL_STEPS` steps at the fastest speed measured),
+        where it is more than the search's time left: no config is affordable (`_affordable`
+        predicts each from its own precision's trials, never faster), and planning more would
+        spend estimates (fake steps of device time) on proposals that cannot run. Else None."""
+        search_s = self.deadline.search_s()
+        speeds = [self._speeds_alike(p, records) for p in self.space.precisions]
+        if search_s is None or self._searching_since is None or not all(speeds):
+            return None  # a precision nothing predicts may be affordable
+        least_s = LEAST_TRIAL_STEPS * self.space.global_batch_size / max(max(s) for s in speeds)
+        return least_s if least_s > search_s - self.deadline.elapsed_s() else None
 
     def _timeout_text(self, start: float) -> str:
         if self.timeout_s is not None and self.clock() - start >= self.timeout_s:
@@ -526,6 +555,8 @@ class Tuner:
         spend what the re-measures and validation need."""
         def gated(config: TrainConfig) -> int:
             if self._searching_since is not None and self._timed_out(self._searching_since):
+                raise _SearchTimeUp
+            if self._estimates_until is not None and self.clock() + self.dearest_estimate_s > self._estimates_until:
                 raise _SearchTimeUp
             if self._first_trial_waits() or self._blind:
                 raise EstimateDeferred
@@ -570,14 +601,26 @@ class Tuner:
     def ensure_reference(self) -> None:
         _finish.ensure_reference(self)
 
-    def reference_affordable(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
-        """After the search: a reference's least cost fits in half of the budget's time left
-        (the rest re-measures and validates). With a budget and nothing measured, none is: its
-        losses would judge nothing, and its slow steps would spend what a floor needs."""
+    def affordable_after_search(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
+        """After the search (a reference, one more trial of the best's line): its least cost
+        fits in half of the budget's time left (the rest re-measures and validates). With a
+        budget and nothing measured, none is: a reference's losses would judge nothing, and its
+        slow steps would spend what a floor needs."""
         if self.deadline.budget_s is None:
             return True
         left_s = self.deadline.left_s()
         return any(r.status == "ok" for r in records) and self._affordable(config, records, left_s=left_s / 2)
+
+    def planned_within(self, share: float, plan: Callable[[], T]) -> T | None:
+        """`plan()`, whose estimates (fake steps of device time; none starts where the dearest so
+        far would end past it) fit in `share` of the budget's time left; None where they would not."""
+        self._estimates_until = self.clock() + share * self.deadline.left_s()
+        try:
+            return plan()
+        except _SearchTimeUp:
+            return None
+        finally:
+            self._estimates_until = None
 
     def remeasure_contenders(self) -> tuple[float | None, int]:
         return _finish.remeasure_contenders(self)

@@ -15,7 +15,7 @@ that does.
 from collections.abc import Callable
 
 from autofit.config.train_config import TrainConfig
-from autofit.search import fallback, seeding
+from autofit.search import seeding, step_model
 from autofit.search.health import drifting, drifts, is_reference, reference_for, REFERENCE_PRECISIONS
 from autofit.search.space import SearchSpace
 from autofit.search.study import TrialRecord
@@ -44,16 +44,16 @@ UNSEEDED = object()
 
 
 # A seed predicted below this share of the best's measured speed waits behind the best's
-# refinements (`outpaced`): the prior is rough, so only a clear shortfall defers it.
+# refinements (`outpaced`): the step model is rough, so only a clear shortfall defers it.
 DEFER_SHARE = 0.9
 
 
-def outpaced(space: SearchSpace, config: TrainConfig, records: list[TrialRecord], best: TrialRecord | None) -> bool:
+def outpaced(space: SearchSpace, config: TrainConfig, records: list[TrialRecord], best: TrialRecord | None,
+             model: step_model.StepModel = step_model.PRIOR) -> bool:
     """`config`'s predicted speed, from the fastest measured config of its seed group
-    (precision, strategy, memory knobs) scaled by the prior step model (`fallback.prior_speed`:
-    throughput rising with the micro batch, recomputation at a third of a block's step), is
-    below `DEFER_SHARE` of the best's. False where its group has no measurement: a group
-    not yet measured is worth its trial."""
+    (precision, strategy, memory knobs) moved along the shape by the step model (`step_model`:
+    fitted to the trials measured, the prior before), is below `DEFER_SHARE` of the best's.
+    False where its group has no measurement: a group not yet measured is worth its trial."""
     if best is None or best.samples_per_s is None:
         return False
     group = space.seed_group(config)
@@ -61,8 +61,7 @@ def outpaced(space: SearchSpace, config: TrainConfig, records: list[TrialRecord]
                and r.samples_per_s and not r.loaded]
     if not anchors:
         return False
-    predicted = max(r.samples_per_s * fallback.prior_speed(config, space) /
-                    fallback.prior_speed(r.config, space) for r in anchors)
+    predicted = max(model.predicted(config, r, space) for r in anchors)
     return predicted < DEFER_SHARE * best.samples_per_s
 
 
@@ -132,6 +131,7 @@ class Plan:
         seeds (capped at the best's micro batch once a smaller one paid: `_seed_fits`). None:
         let the sampler propose."""
         allowed, fits = allowed_of(records), self.fits_of(records)
+        model = step_model.fitted(records, self.space)
         slow = self._slow(records, best)
         seed_fits = self._seed_fits(fits, records, best)
 
@@ -152,7 +152,7 @@ class Plan:
                 # The throughput peaks below a micro batch that ran: the fallback, at a larger
                 # one and recomputing every block, cannot beat what ran; not worth its trial.
                 self.queue.remove(config)
-            elif not config.checkpoint_blocks and outpaced(self.space, config, records, best):
+            elif not config.checkpoint_blocks and outpaced(self.space, config, records, best, model):
                 # The one-liner's retry, predicted well below the fallback measured: the floor is
                 # the faster of the two, and this one would not be it.
                 self.queue.remove(config)
@@ -189,7 +189,7 @@ class Plan:
                     self._replace_seed(config, records, seed_fits)  # planned before small micro batches paid
                     continue
                 if ready(config):
-                    if config in self.seeds and outpaced(self.space, config, records, best):
+                    if config in self.seeds and outpaced(self.space, config, records, best, model):
                         deferred.append(config)
                         continue
                     return taking(config)
