@@ -12,7 +12,7 @@ from autofit.measure.child import run_request
 from autofit.device.support import same_tensors
 from autofit.measure import asks
 from autofit.device.allocator import replay
-from autofit.measure.estimate import (_built_on_the_card, _simulate, estimate_memory, EstimateError,
+from autofit.measure.fake_step import (_built_on_the_card, _simulate, estimate_memory, EstimateError,
                                       max_micro_batch_size)
 from autofit.measure.resident import Resident
 from autofit.measure.trial import trial_worker

@@ -250,7 +250,7 @@ def test_spec_names_fit_a_file_name(name, ok, tmp_path):
 
 
 def test_estimate_keeps_the_specs_memory_headroom_free(tmp_path, capsys):
-    from autofit.measure.estimate import estimate_memory
+    from autofit.measure.fake_step import estimate_memory
     from autofit.config.spec import load_spec
 
     path = _spec(tmp_path, train={"global_batch_size": 2}, search={"memory_headroom": 0.2})

@@ -18,7 +18,7 @@ from autofit.workload import build_workload
 from autofit.train.optim import implementation
 from autofit.train.runner import optimizer_step, Runner
 from autofit.measure import child
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from autofit.measure.measurement import Measurement
 from autofit.measure.process import child_env
 from autofit.measure.trial import measure

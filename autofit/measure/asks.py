@@ -9,7 +9,7 @@ from loguru import logger
 from autofit.base.errors import InputError, NonFiniteLossError, TrialError, TrialTimeoutError
 from autofit.config.spec import ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import TrainConfig
-from autofit.measure.estimated import EstimateError, MemoryEstimate
+from autofit.measure.memory_estimate import EstimateError, MemoryEstimate
 from autofit.measure.process import failure_reason
 from autofit.measure.messages import Analysis, EstimateRequest, task
 from autofit.measure.resident import Resident

@@ -24,7 +24,7 @@ from autofit.workload.batch_dim import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.measure.child import run_request
 from autofit.measure.messages import Analysis, EstimateRequest, TrialRequest
-from autofit.measure.estimate import cuda_poisoned, estimate_memory, EstimateError, max_micro_batch_size
+from autofit.measure.fake_step import cuda_poisoned, estimate_memory, EstimateError, max_micro_batch_size
 
 _TRACEBACK_CHARS = 8000
 

@@ -34,8 +34,8 @@ from autofit.train.optim_state import fill_state, inferred_layout, state_layout,
 from autofit.train.runner import fp32_bytes, Runner
 from autofit.train.user_optim import count_state, CountedState, OptimizerStateError
 from autofit.measure.cuda_attention import CudaAttention
-from autofit.measure.estimate_shard import per_rank
-from autofit.measure.estimated import EstimateError, MemoryEstimate
+from autofit.measure.rank_memory import per_rank
+from autofit.measure.memory_estimate import EstimateError, MemoryEstimate
 from autofit.measure.host_estimate import host_counter, host_split, traced
 
 ESTIMATED_STEPS = 2  # optimizer state exists from the first optimizer.step() on
@@ -119,7 +119,7 @@ def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
     small_spec = dataclasses.replace(spec, train=dataclasses.replace(
         spec.train, global_batch_size=config.micro_batch_size * micro_batches))
     # One rank runs the same step as one process on its share of the batch; what the
-    # strategy adds or shards is applied afterwards (autofit.estimate_shard).
+    # strategy adds or shards is applied afterwards (`rank_memory`).
     # A compiled step is estimated as the eager one: torch.compile cannot trace under the
     # tracker's dispatch mode, and compiling per estimate would cost more than a trial.
     # Fused kernels usually keep fewer intermediates; the calibration, fitted per compile
