@@ -63,7 +63,7 @@ def _error(predicted: int | None, measured: int | None) -> float | None:
 
 def card_row(spec, config, *, device: str | None, capability: str | None, memory_bytes: int | None) -> dict:
     """One config: the estimate, and on a card the trial child's peaks beside it."""
-    from autofit.measure.estimate import estimate_memory, EstimateError
+    from autofit.measure.fake_step import estimate_memory, EstimateError
     from autofit.measure.trial import measure
 
     row = {"model": spec.name, "precision": config.precision, "micro_batch_size": config.micro_batch_size}

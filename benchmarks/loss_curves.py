@@ -66,10 +66,10 @@ def main() -> None:
     for name, (config, optimizer) in variants.items():
         runner_module.build_optimizer = optimizer
         result = run_request(trial_request(spec, config, warmup_steps=1, measure_steps=args.steps))
-        assert result["status"] == "ok", result
-        curves[name] = result["losses"]
-        stagnation[name] = {"unchanged_share": round(result["unchanged_share"], 5),
-                            "stalled_params": result["stalled_params"]}
+        assert result.ok, result
+        curves[name] = result.losses
+        stagnation[name] = {"unchanged_share": round(result.unchanged_share, 5),
+                            "stalled_params": result.stalled_params}
     runner_module.build_optimizer = build_optimizer
     ref = curves["32-true"]
     rows = {name: {"median_gap": round(loss_curve_gap(c, ref), 5),

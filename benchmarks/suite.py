@@ -40,7 +40,7 @@ from autofit import __version__
 from autofit.device.budget import Budget
 from autofit.device.probe import DeviceInfo, select_device, usable_budget_bytes
 from autofit.base.errors import AutofitError
-from autofit.measure.estimate import estimate_memory, EstimateError
+from autofit.measure.fake_step import estimate_memory, EstimateError
 from autofit.config.train_config import TrainConfig
 from autofit.device.support import unsupported_reason
 from autofit.search import FIRST_LOSS_RTOL, REFERENCE_PRECISIONS

@@ -14,7 +14,7 @@ from autofit.tuning.tune import tune, TuneSetup
 from autofit.device.allocator import (cublas_workspace_bytes, cublaslt_workspace_bytes, events_from_snapshot,
                                       replay, round_size, segment_size, workspace_events)
 from autofit.measure import tasks
-from autofit.measure.estimate import estimate_memory, max_micro_batch_size
+from autofit.measure.fake_step import estimate_memory, max_micro_batch_size
 from autofit.workload import build_workload
 from conftest import tiny_gpt_dict, write_spec
 

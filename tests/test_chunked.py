@@ -11,7 +11,7 @@ from autofit.workload import build_workload
 from autofit.workload.chunked import chunked_lm_loss, chunked_text_lm_loss, hf_chunkable
 from autofit.workload.text import IGNORE_INDEX, text_lm_loss
 from autofit.train.runner import Runner
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from conftest import assert_tuned, REPO, tiny_gpt_dict, write_spec
 from test_estimate import _tracked_peak
 

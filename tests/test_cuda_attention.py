@@ -17,7 +17,7 @@ from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
 from autofit.device.memory import LiveBytesTracker
 from autofit.measure.cuda_attention import Capability, CudaAttention, sdpa_backend
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from autofit.train.runner import Runner
 from autofit.workload import build_workload
 from conftest import tiny_gpt_dict, write_spec

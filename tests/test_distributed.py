@@ -262,7 +262,7 @@ GPT_7B = {"builtin": "gpt", "args": {"n_layer": 32, "n_head": 32, "n_embd": 4096
 def test_estimate_7b_fsdp_over_8_ranks_is_16_bytes_per_param_over_8(tmp_path):
     """bf16-mixed AdamW keeps fp32 weights (4 B), fp32 gradients (4 B) and two fp32 moments
     (8 B) per parameter; FSDP2 over 8 ranks holds an eighth of each. No GPU, no weights."""
-    from autofit.measure.estimate import estimate_memory
+    from autofit.measure.fake_step import estimate_memory
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(name="gpt-7b", model=GPT_7B, train={"global_batch_size": 8})))
     config = TrainConfig(precision="bf16-mixed", micro_batch_size=1, parallelism="fsdp", world_size=8)
@@ -279,7 +279,7 @@ def test_estimate_7b_fsdp_over_8_ranks_is_16_bytes_per_param_over_8(tmp_path):
 
 
 def test_estimate_orders_the_strategies_by_what_they_keep(tmp_path):
-    from autofit.measure.estimate import estimate_memory
+    from autofit.measure.fake_step import estimate_memory
 
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict(model={"builtin": "gpt", "args": {
         "n_layer": 4, "n_head": 2, "n_embd": 64, "vocab_size": 256, "seq_len": 8}})))

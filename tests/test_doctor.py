@@ -66,7 +66,7 @@ def test_the_overhead_checks_trial_request_is_one_a_trial_child_runs(one_thread)
     """On the H100 the check failed at once ("'dict' object has no attribute 'config'"): its
     request was a dict where the child reads a TrialRequest. The same request, on the CPU."""
     spec = example_spec()
-    assert child._Trial(_request(spec, TrainConfig.default_for(spec), torch.device("cpu"))).run()["status"] == "ok"
+    assert child._Trial(_request(spec, TrainConfig.default_for(spec), torch.device("cpu"))).run().status == "ok"
 
 
 def test_faults_are_read_in_the_check_children_a_crash_stays_in_its_own_and_exit_is_1(capsys, monkeypatch):

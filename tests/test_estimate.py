@@ -12,7 +12,7 @@ from autofit.measure.child import run_request
 from autofit.device.support import same_tensors
 from autofit.measure import asks
 from autofit.device.allocator import replay
-from autofit.measure.estimate import (_built_on_the_card, _simulate, estimate_memory, EstimateError,
+from autofit.measure.fake_step import (_built_on_the_card, _simulate, estimate_memory, EstimateError,
                                       max_micro_batch_size)
 from autofit.measure.resident import Resident
 from autofit.measure.trial import trial_worker
@@ -29,8 +29,8 @@ def _tracked_peak(spec, config: TrainConfig) -> int:
     """The trial child's own measurement, in this process: same code, no process start."""
     measured = run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
                             "device": "cpu", "budget_bytes": None, "warmup_steps": 0, "measure_steps": 1})
-    assert measured["status"] == "ok", measured["reason"]
-    return measured["peak_memory_bytes"]
+    assert measured.status == "ok", measured.reason
+    return measured.peak_memory_bytes
 
 
 @pytest.fixture

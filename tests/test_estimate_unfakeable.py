@@ -6,9 +6,9 @@ import torch
 
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
-from autofit.measure import estimate as estimate_module
+from autofit.measure import fake_step
 from autofit.measure import tasks
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from autofit.train import optim, optim_state, runner
 from autofit.train.optim_state import fill_state, register_state_layout, state_layout
 from autofit.workload import build_workload
@@ -30,7 +30,7 @@ def wide_spec(tmp_path):
 @pytest.fixture(autouse=True)
 def fresh_estimates(monkeypatch):
     # The estimator memoises per process; these tests change what the optimizer is.
-    monkeypatch.setattr(estimate_module, "_cache", {})
+    monkeypatch.setattr(fake_step, "_cache", {})
 
 
 def _state_shapes(optimizer) -> list[dict]:
@@ -150,7 +150,7 @@ def opaque_optimizer(monkeypatch):
     def build(spec, params, *, config, device, user=None):
         return OpaqueSGD(params, lr=spec.lr)
 
-    monkeypatch.setattr(estimate_module, "build_optimizer", build)
+    monkeypatch.setattr(fake_step, "build_optimizer", build)
     monkeypatch.setattr(runner, "build_optimizer", build)
 
 
@@ -212,16 +212,16 @@ def test_one_failed_estimate_does_not_poison_the_next(wide_spec, opaque_optimize
         raise RuntimeError("There was no fake impl registered")
 
     monkeypatch.setattr(OpaqueSGD, "step", broken_step)
-    with pytest.raises(estimate_module.EstimateError, match="cannot run on fake tensors"):
+    with pytest.raises(fake_step.EstimateError, match="cannot run on fake tensors"):
         estimate_memory(wide_spec, TrainConfig(micro_batch_size=8))
     monkeypatch.undo()
     assert estimate_memory(wide_spec, TrainConfig(micro_batch_size=8)).note == ""
 
 
 def test_a_cuda_error_ends_the_estimator_child_after_its_answer(wide_spec, monkeypatch):
-    monkeypatch.setattr(estimate_module, "_cuda_poisoned", False)
-    estimate_module._note_cuda_error(RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"))
-    assert estimate_module.cuda_poisoned()
+    monkeypatch.setattr(fake_step, "_cuda_poisoned", False)
+    fake_step._note_cuda_error(RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"))
+    assert fake_step.cuda_poisoned()
     answer = tasks.estimate({"config": TrainConfig(micro_batch_size=8).to_dict(), "device_kind": "cpu"},
                             {"spec": wide_spec, "workload": build_workload(wide_spec)})
     assert answer["status"] == "ok" and answer["end_child"] is True

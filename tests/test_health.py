@@ -31,8 +31,7 @@ def spec(tmp_path):
 def measure_here(spec, config: TrainConfig, number: int = 0) -> TrialRecord:
     """One trial run in this process by the trial child's own code (so a test can swap the
     optimizer it builds), as the search records it."""
-    result = trial_child.run_request(trial_request(spec, config, warmup_steps=1, measure_steps=2))
-    m = Measurement.from_dict(result)
+    m = trial_child.run_request(trial_request(spec, config, warmup_steps=1, measure_steps=2))
     return TrialRecord(number=number, config=config, status=m.status, predicted_peak_bytes=None, measurement=m,
                        reason=m.reason)
 

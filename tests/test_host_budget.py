@@ -12,7 +12,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.device.budget import budget_for
 from autofit.device.host import HOST_RESERVE_FRACTION, host_budget_bytes, resident_bytes
 from autofit.device.probe import cpu_device
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from autofit.measure.host_fit import host_refusal, predicted_fit_bytes
 from autofit.measure.messages import Analysis
 from autofit.search import seeding

@@ -68,7 +68,7 @@ def test_the_models_analysis_crosses_as_json_and_back_with_its_floor_typed(tmp_p
 def test_an_estimate_request_of_another_schema_is_refused_by_name():
     from autofit.measure.messages import EstimateRequest
 
-    raw = EstimateRequest(config=TrainConfig(micro_batch_size=8).to_dict(), device_kind="cpu").to_dict()
-    assert EstimateRequest.from_dict(json.loads(json.dumps(raw))).config["micro_batch_size"] == 8
+    raw = EstimateRequest(config=TrainConfig(micro_batch_size=8), device_kind="cpu").to_dict()
+    assert EstimateRequest.from_dict(json.loads(json.dumps(raw))).config.micro_batch_size == 8
     with pytest.raises(ValueError, match=f"estimate request: schema {SCHEMA + 1}"):
         EstimateRequest.from_dict(raw | {"schema": SCHEMA + 1})

@@ -69,7 +69,7 @@ def test_ranks_merge_to_the_largest_need(tmp_path):
     import json
     (tmp_path / "r.json.rank0").write_text(json.dumps(base | {"needed_bytes": 5 * GiB}))
     (tmp_path / "r.json.rank1").write_text(json.dumps(base | {"needed_bytes": 7 * GiB}))
-    assert _read_result(tmp_path / "r.json", 2)["needed_bytes"] == 7 * GiB
+    assert _read_result(tmp_path / "r.json", 2).needed_bytes == 7 * GiB
 
 
 def _oom(config: TrainConfig, *, predicted: int, budget: int, needed: int | None) -> TrialRecord:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autofit.base.errors import SpecError
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from autofit.config.train_config import TrainConfig, with_overrides
 from autofit.train.optim import build_optimizer, OptimizerMissingError
 from autofit.train.runner import Runner

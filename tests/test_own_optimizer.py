@@ -14,7 +14,7 @@ import yaml
 from autofit.base.errors import SpecError
 from autofit.config.spec import parse_spec
 from autofit.config.train_config import TrainConfig
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from autofit.profiles.profile import Profile
 from autofit.train.optim import implementation
 from autofit.train.runner import Runner

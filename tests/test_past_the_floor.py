@@ -11,7 +11,7 @@ import pytest
 
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from autofit.measure.measurement import Measurement
 from autofit.search import FULL_PRECISION_SLOWDOWN, health_problem, make_study, MemoryModel, TrialRecord, Tuner
 from autofit.search import seeding

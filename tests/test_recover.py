@@ -149,7 +149,7 @@ def test_unreadable_demotions_are_kept_aside(tmp_path):
 def test_train_under_a_tight_budget_demotes_and_stays_within_it(tmp_path, capsys):
     """A real out-of-memory error on the CPU: the tracker refuses the allocation that would
     cross --memory-budget, the step is done again at mb=4, and the peak stays within it."""
-    from autofit.measure.estimate import estimate_memory
+    from autofit.measure.fake_step import estimate_memory
     from conftest import run_main
 
     spec_path = write_spec(tmp_path, text_spec_dict(train={"global_batch_size": 8, "steps": 2}))

@@ -250,7 +250,7 @@ def test_spec_names_fit_a_file_name(name, ok, tmp_path):
 
 
 def test_estimate_keeps_the_specs_memory_headroom_free(tmp_path, capsys):
-    from autofit.measure.estimate import estimate_memory
+    from autofit.measure.fake_step import estimate_memory
     from autofit.config.spec import load_spec
 
     path = _spec(tmp_path, train={"global_batch_size": 2}, search={"memory_headroom": 0.2})
@@ -281,16 +281,15 @@ def test_a_trial_childs_user_error_keeps_its_traceback_for_debug(tmp_path, capsy
     from autofit.cli import _print_traceback
     from autofit.base.errors import InputError
     from autofit.config.spec import load_spec
-    from autofit.measure.measurement import Measurement
     from autofit.measure.trial import raise_input_error
 
     spec = load_spec(_user_code_spec(tmp_path, model="faulty:raise_"))
     out = run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "device": "cpu",
                        "config": TrainConfig(micro_batch_size=8).to_dict(), "budget_bytes": None,
                        "warmup_steps": 0, "measure_steps": 1, "timeout_s": 60})
-    assert out["input_error"] is True and out["status"] == "error"
+    assert out.input_error is True and out.status == "error"
     with pytest.raises(InputError) as raised:
-        raise_input_error(Measurement.from_dict(out))
+        raise_input_error(out)
     assert str(raised.value).startswith("model.python: faulty:raise_ raised ValueError: expected 4 features")
     _print_traceback(raised.value)
     assert 'raise ValueError("expected 4 features")' in capsys.readouterr().err

@@ -150,7 +150,7 @@ def test_tune_fits_the_longest_batch_and_an_epoch_stays_within_budget(tmp_path):
     A demotion recorded beside the profile is where the tune starts, and the config it left
     is not chosen again."""
     from autofit.device.probe import select_device
-    from autofit.measure.estimate import estimate_memory
+    from autofit.measure.fake_step import estimate_memory
     from autofit.config.train_config import TrainConfig
     from autofit.train.recover import Demotion
     from autofit.train.loop import train

@@ -67,7 +67,7 @@ def test_a_compile_failure_is_a_trial_status(tmp_path):
     # The model reads a value in forward (.item()): a graph break, which fullgraph refuses.
     spec = load_spec(faulty_spec(tmp_path, "item"))
 
-    def trial(config: TrainConfig) -> dict:  # the child's own code, in this process
+    def trial(config: TrainConfig) -> Measurement:  # the child's own code, in this process
         return run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
                             "device": "cpu", "budget_bytes": None, "warmup_steps": 0, "measure_steps": 1})
 
@@ -75,9 +75,9 @@ def test_a_compile_failure_is_a_trial_status(tmp_path):
         failed = trial(TrainConfig(micro_batch_size=8, compile=True))
     finally:
         torch._dynamo.reset()
-    assert failed["status"] == "compile_error" and "torch.compile failed" in failed["reason"], failed
-    assert not failed.get("input_error")  # not the user's input: the model's eager configs still run
-    assert trial(TrainConfig(micro_batch_size=8))["status"] == "ok"
+    assert failed.status == "compile_error" and "torch.compile failed" in failed.reason, failed
+    assert not failed.input_error  # not the user's input: the model's eager configs still run
+    assert trial(TrainConfig(micro_batch_size=8)).status == "ok"
 
 
 def test_oom_is_a_result_and_the_next_trial_measures_normally(tiny_spec):

@@ -12,7 +12,7 @@ import pytest
 
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from autofit.profiles.profile import Profile
 from conftest import assert_tuned, REPO, run_cli, tiny_gpt_dict, write_spec
 

@@ -4,7 +4,7 @@ On CUDA, PyTorch's caching allocator already counts bytes and can be capped. On 
 does neither, so `LiveBytesTracker` counts the bytes of every live tensor storage as ops
 create them (a `TorchDispatchMode` sees every op, forward, backward and optimizer) and
 raises `torch.OutOfMemoryError` when a budget is crossed, just as a capped GPU would.
-The same tracker over fake tensors is how `estimate.py` predicts memory without running.
+The same tracker over fake tensors is how `measure/fake_step.py` predicts memory without running.
 While it tracks, `torch.compile`d modules run eagerly: it measures the eager step.
 """
 

@@ -196,9 +196,9 @@ def check_overhead(ctx: Context) -> dict:
     values = {"overhead_at_start_bytes": start, "overhead_after_step_bytes": end,
               "growth_bytes": None if start is None or end is None else end - start,
               "reserved_after_step_bytes": torch.cuda.memory_reserved(ctx.device), "memory_total_bytes": total,
-              "step_status": result["status"], "nvml_per_process": _nvml_lists_me(trial._nvml_before)}
-    if result["status"] != "ok":
-        return fail(values, f"the example model's step failed: {result.get('reason')}",
+              "step_status": result.status, "nvml_per_process": _nvml_lists_me(trial._nvml_before)}
+    if not result.ok:
+        return fail(values, f"the example model's step failed: {result.reason}",
                     "run `autofit trial <your model.yaml> --device N --debug` to see whether every model fails there")
     if start is None or end is None:
         return fail(values, f"NVML cannot see GPU {ctx.device.index}: the trial child cannot measure the CUDA "

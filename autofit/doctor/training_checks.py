@@ -18,7 +18,7 @@ from autofit.workload import build_workload
 from autofit.train.optim import implementation
 from autofit.train.runner import optimizer_step, Runner
 from autofit.measure import child
-from autofit.measure.estimate import estimate_memory
+from autofit.measure.fake_step import estimate_memory
 from autofit.measure.measurement import Measurement
 from autofit.measure.process import child_env
 from autofit.measure.trial import measure
@@ -372,10 +372,9 @@ def _measure(spec, config, device: torch.device):
 
     if device.type == "cuda":
         return measure(spec, config, device=str(device.index), warmup_steps=0, measure_steps=1, timeout_s=180)
-    result = child.run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir),
-                                       "config": config.to_dict(), "device": "cpu", "budget_bytes": None,
-                                       "warmup_steps": 0, "measure_steps": 1})
-    return Measurement.from_dict(result)
+    return child.run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir),
+                              "config": config.to_dict(), "device": "cpu", "budget_bytes": None,
+                              "warmup_steps": 0, "measure_steps": 1})
 
 
 # ---- two ranks --------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from loguru import logger
 from autofit.base.errors import InputError, NonFiniteLossError, TrialError, TrialTimeoutError
 from autofit.config.spec import ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import TrainConfig
-from autofit.measure.estimated import EstimateError, MemoryEstimate
+from autofit.measure.memory_estimate import EstimateError, MemoryEstimate
 from autofit.measure.process import failure_reason
 from autofit.measure.messages import Analysis, EstimateRequest, task
 from autofit.measure.resident import Resident
@@ -31,7 +31,7 @@ def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kin
     `budget_bytes`). EstimateError when the model cannot run on fake tensors or the child
     gave no answer."""
     # One resident child answers a tune's estimates: warm, each costs its fake step alone.
-    request = EstimateRequest(config=config.to_dict(), device_kind=device_kind, budget_bytes=budget_bytes,
+    request = EstimateRequest(config=config, device_kind=device_kind, budget_bytes=budget_bytes,
                               compute_capability=compute_capability,
                               capacity_bytes=budget_bytes if capacity_bytes is None else capacity_bytes)
     outcome = Resident.of(worker, ESTIMATE_TASK).call(request.to_dict(), timeout_s=spec.search.trial_timeout_s,

@@ -1,5 +1,5 @@
 """The trial child: builds the workload, applies one `TrainConfig`, runs the `Runner`'s
-steps and writes what it measured as JSON (the fields of `autofit.measure.measurement.Measurement`).
+steps and writes what it measured, an `autofit.measure.measurement.Measurement`, as JSON (its `to_dict()`).
 
     python -m autofit.measure.child request.json result.json
     python -m torch.distributed.run --standalone --nproc-per-node N -m autofit.measure.child request.json result.json
@@ -10,6 +10,8 @@ and step times, and writes `result.json.rank<R>`; the parent merges them.
 """
 
 import contextlib
+import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -23,8 +25,6 @@ from loguru import logger
 
 from autofit.base.atomic import atomic_write_text
 from autofit.base.errors import AutofitError, InputError, SpecError
-from autofit.config.spec import parse_spec
-from autofit.config.train_config import TrainConfig
 from autofit.device.memory import cuda_memory_stats, LiveBytesTracker
 from autofit.device.oom import is_oom, needed_bytes
 from autofit.device.precision import process_flags
@@ -35,6 +35,7 @@ from autofit.train.optim import implementation
 from autofit.train.runner import Runner
 from autofit.train.stagnation import UpdateProbe
 from autofit.measure.claims import claim_cuda_context
+from autofit.measure.measurement import Measurement
 from autofit.measure.messages import TrialRequest
 from autofit.measure.cuda_overhead import create_context, nvml_before, nvml_overhead, nvml_pids, prepare_device
 from autofit.measure.process import die_with_parent, exit_with_parent
@@ -45,11 +46,11 @@ _TRACEBACK_CHARS = 8000  # of a user's exception, for the parent's --debug
 
 class _Trial:
     def __init__(self, request: TrialRequest, workload: Workload | None = None):
-        self.config = TrainConfig.from_dict(request.config)
+        self.config = request.config
         # Before anything starts CUDA: the allocator reads its settings then (a forked child
         # inherits the worker's environment, which knows no config).
         prepare_process(self.config)
-        self.spec = parse_spec(request.spec, source_dir=Path(request.source_dir))
+        self.spec = request.spec
         self.workload = workload  # built by the worker before the fork; else here
         self.budget_bytes = request.budget_bytes
         self.warmup_steps, self.measure_steps = request.warmup_steps, request.measure_steps
@@ -77,14 +78,14 @@ class _Trial:
 
     # ---- the measurement -----------------------------------------------------------------------
 
-    def run(self) -> dict:
+    def run(self) -> Measurement:
         """Build, warm up, then time a window of optimizer steps: `window_s` seconds of them, at
         least `measure_steps` (`autofit.measure.steps`)."""
         if self.device.type == "cuda":
             self.overhead_bytes, reason = prepare_device(self.device, self._nvml_before, self._nvml_pids,
                                                          self.budget_bytes)
             if reason is not None:
-                return {"status": "oom", "reason": reason}
+                return Measurement(status="oom", config=self.config, budget_bytes=self.budget_bytes, reason=reason)
             # The peak counts from the model's arrival on: a real run has a first step too,
             # and its lazily created optimizer state and workspaces can make it the worst.
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -100,108 +101,111 @@ class _Trial:
             probe = UpdateProbe(runner.model, runner.optimizer)  # before the timed steps: their updates are judged
         graphs_before = compile_count()
         steps.timed()
-        self.stagnation = probe.compare()
-        self.setup = {"optimizer": implementation(runner.optimizer), "flags": process_flags(),
-                      "threads": torch.get_num_threads()}
+        log, stagnation = steps.log, probe.compare()
+        timed_recompiles = compile_count() - graphs_before if self.config.compile else 0
+        if timed_recompiles:
+            logger.warning("{} graphs compiled during the timed steps (new shapes recompile)", timed_recompiles)
         # One collective for the whole run: the global batch's loss per step, for the health check.
-        losses = distributed.mean_over_ranks(torch.stack(steps.log.losses).float()).tolist()
-        out = self._result(workload, losses, steps.log)
-        if self.config.compile:
-            out |= {"compile_s": steps.log.compile_s, "timed_recompiles": compile_count() - graphs_before}
-            if out["timed_recompiles"]:
-                logger.warning("{} graphs compiled during the timed steps (new shapes recompile)",
-                               out["timed_recompiles"])
-        return out
+        losses = distributed.mean_over_ranks(torch.stack(log.losses).float()).tolist()
+        status, reason = _health(losses, log)
+        samples_per_s, tokens_per_s = self._rates(workload, log)
+        return Measurement(
+            status=status, reason=reason, config=self.config, budget_bytes=self.budget_bytes, losses=losses,
+            step_times_s=log.step_times_s, step_time_s=statistics.median(log.step_times_s),
+            samples_per_s=samples_per_s, tokens_per_s=tokens_per_s, scaler_skipped_steps=log.skipped,
+            scaler_warmup_skips=log.warmup_skips, unchanged_share=stagnation.unchanged_share,
+            stalled_params=list(stagnation.stalled), warmup_steps=len(log.warmup_times_s),
+            step_time_spread=log.spread, foreign_cores=log.load.get("foreign_cores"), cores=log.load.get("cores"),
+            optimizer=implementation(runner.optimizer), flags=process_flags(), threads=torch.get_num_threads(),
+            compile_s=log.compile_s if self.config.compile else None, timed_recompiles=timed_recompiles)
 
-    def _result(self, workload, losses: list[float], log: StepLog) -> dict:
-        step_times_s, tokens, skipped = log.step_times_s, log.tokens, log.skipped
-        step_time_s = statistics.median(step_times_s)
+    def _rates(self, workload: Workload, log: StepLog) -> tuple[float | None, float | None]:
+        """Samples and tokens per second of the timed steps."""
+        step_times_s, tokens = log.step_times_s, log.tokens
         if tokens and tokens[0] is not None:
             # Steps of varying length: the rates over all timed steps, since the median step
             # is not the mean one; tokens are the non-pad ones.
             total_s = sum(step_times_s)
             samples_per_s = self.spec.train.global_batch_size * len(step_times_s) / total_s if total_s > 0 else None
-            tokens_per_s = sum(tokens) / total_s if total_s > 0 else None
-        else:
-            samples_per_s = self.spec.train.global_batch_size / step_time_s if step_time_s > 0 else None
-            tokens_per_s = (samples_per_s * workload.tokens_per_sample
-                            if samples_per_s is not None and workload.tokens_per_sample else None)
-        out = {"status": "ok", "losses": losses, "step_times_s": step_times_s, "step_time_s": step_time_s,
-               "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "scaler_skipped_steps": skipped,
-               "scaler_warmup_skips": log.warmup_skips, "unchanged_share": self.stagnation.unchanged_share,
-               "stalled_params": list(self.stagnation.stalled), "warmup_steps": len(log.warmup_times_s),
-               "step_time_spread": log.spread, "foreign_cores": log.load.get("foreign_cores"),
-               "cores": log.load.get("cores"), **self.setup}
-        bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
-        if bad is not None:
-            out |= {"status": "unhealthy", "reason": f"loss is {losses[bad]} at step {bad}"}
-        elif skipped * 2 > len(step_times_s):
-            # After the warm-up a healthy scaler skips about one step in its growth interval
-            # (2000): most of the timed steps skipped is overflow that does not go away.
-            out |= {"status": "unhealthy", "reason": f"the GradScaler skipped {skipped} of {len(step_times_s)} "
-                                                     f"timed steps after {log.warmup_skips} warm-up skips "
-                                                     f"(fp16 overflow in the gradients)"}
-        return out
+            return samples_per_s, (sum(tokens) / total_s if total_s > 0 else None)
+        step_time_s = statistics.median(step_times_s)
+        samples_per_s = self.spec.train.global_batch_size / step_time_s if step_time_s > 0 else None
+        return samples_per_s, (samples_per_s * workload.tokens_per_sample
+                               if samples_per_s is not None and workload.tokens_per_sample else None)
 
-    def memory(self) -> dict:
-        """Peak bytes from model construction to the end (or to the failure): tracked tensor
-        bytes on a CPU, the caching allocator's reserved and allocated peaks on CUDA."""
-        out = {"overhead_bytes": self.overhead_bytes}
+    def with_memory(self, measured: Measurement) -> Measurement:
+        """`measured` with the peak bytes from model construction to the end (or to the
+        failure): tracked tensor bytes on a CPU, the caching allocator's reserved and
+        allocated peaks on CUDA."""
+        measured = dataclasses.replace(measured, overhead_bytes=self.overhead_bytes)
         if self.tracker is not None:
             # No caching allocator on a CPU: reserved is allocated. The tracked steps' peak, and
             # what live memory grew by in the steps after them.
             peak = max(self.tracker.peak_bytes, self.steps.log.peak_bytes if self.steps is not None else 0)
-            return out | {"peak_memory_bytes": peak, "peak_allocated_bytes": peak}
+            return dataclasses.replace(measured, peak_memory_bytes=peak, peak_allocated_bytes=peak)
         if not torch.cuda.is_initialized():
-            return out
+            return measured
         # Read the overhead again at the end: cuDNN, fused optimizers and attention kernels
         # load lazily during the steps, after the first reading.
         end = nvml_overhead(self._nvml_before, torch.cuda.memory_reserved(self.device), self._nvml_pids)
         if end is not None:
-            out["overhead_bytes"] = max(end, self.overhead_bytes or 0)
+            measured = dataclasses.replace(measured, overhead_bytes=max(end, self.overhead_bytes or 0))
         stats = cuda_memory_stats(self.device)
         if stats.allocator_retries:
             logger.warning("{} allocator retries: memory is fragmented near the cap", stats.allocator_retries)
-        return out | {"peak_memory_bytes": stats.peak_reserved_bytes,
-                      "peak_allocated_bytes": stats.peak_allocated_bytes,
-                      "allocator_retries": stats.allocator_retries}
+        return dataclasses.replace(measured, peak_memory_bytes=stats.peak_reserved_bytes,
+                                   peak_allocated_bytes=stats.peak_allocated_bytes,
+                                   allocator_retries=stats.allocator_retries)
+
+
+def _health(losses: list[float], log: StepLog) -> tuple[str, str | None]:
+    """ok, or unhealthy and why: a loss that is not finite, or a GradScaler that kept skipping."""
+    bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
+    if bad is not None:
+        return "unhealthy", f"loss is {losses[bad]} at step {bad}"
+    if log.skipped * 2 > len(log.step_times_s):
+        # After the warm-up a healthy scaler skips about one step in its growth interval
+        # (2000): most of the timed steps skipped is overflow that does not go away.
+        return "unhealthy", (f"the GradScaler skipped {log.skipped} of {len(log.step_times_s)} timed steps after "
+                             f"{log.warmup_skips} warm-up skips (fp16 overflow in the gradients)")
+    return "ok", None
 
 
 # ---- entry point ---------------------------------------------------------------------------
 
 
-def run_request(request: TrialRequest | dict, workload: Workload | None = None) -> dict:
-    """The Measurement fields for one request (a dict: as it crossed the boundary); every
-    failure becomes a status. `workload`: built already (by the pre-loaded worker), else
-    built here."""
+def run_request(request: TrialRequest | dict, workload: Workload | None = None) -> Measurement:
+    """The measurement of one request (a dict: as it crossed the boundary); every failure
+    becomes a status. `workload`: built already (by the pre-loaded worker), else built here."""
     started = time.perf_counter()
     if isinstance(request, dict):
         request = TrialRequest.from_dict(request)
-    out = {"config": request.config, "budget_bytes": request.budget_bytes}
+    failed = functools.partial(Measurement, config=request.config, budget_bytes=request.budget_bytes)
     trial = None
     try:
         trial = _Trial(request, workload)
-        out |= trial.run()
+        measured = trial.run()
     except CompileFailed as exc:
         logger.opt(exception=exc.__cause__).error("compile failed")
-        out |= {"status": "compile_error", "reason": str(exc)}
+        measured = failed(status="compile_error", reason=str(exc))
     except AutofitError as exc:
         # The user's input, found bad only here (their own code raised, their spec cannot
         # be built): the same for every config, so the parent stops with exit 2.
         logger.opt(exception=exc).error("trial failed")
-        out |= {"status": "error", "reason": str(exc), "input_error": isinstance(exc, (InputError, SpecError)),
-                "traceback": _traceback_text(exc)}
+        measured = failed(status="error", reason=str(exc), input_error=isinstance(exc, (InputError, SpecError)),
+                          traceback=_traceback_text(exc))
     except Exception as exc:
         first_line = (str(exc).strip().splitlines() or [""])[0]
         if is_oom(exc):
             logger.info("out of memory: {}", first_line)
-            out |= {"status": "oom", "reason": f"out of memory: {first_line}", "needed_bytes": needed_bytes(str(exc))}
+            measured = failed(status="oom", reason=f"out of memory: {first_line}",
+                              needed_bytes=needed_bytes(str(exc)))
         else:
             logger.opt(exception=exc).error("trial failed")
-            out |= {"status": "error", "reason": f"{type(exc).__name__}: {first_line}"}
+            measured = failed(status="error", reason=f"{type(exc).__name__}: {first_line}")
     if trial is not None:
-        out |= trial.memory()
-    return out | {"wall_s": time.perf_counter() - started}
+        measured = trial.with_memory(measured)
+    return dataclasses.replace(measured, wall_s=time.perf_counter() - started)
 
 
 def _traceback_text(exc: AutofitError) -> str:
@@ -219,12 +223,12 @@ def main(request_path: str, result_path: str) -> int:
     world = distributed.launched_world()
     if world is None or world.world_size == 1:
         exit_with_parent(Path(request_path).parent)
-        atomic_write_text(result_path, json.dumps(run_request(request), default=str) + "\n")
+        atomic_write_text(result_path, json.dumps(run_request(request).to_dict(), default=str) + "\n")
         return 0
     die_with_parent()
-    out = run_request(request)
-    atomic_write_text(f"{result_path}.rank{world.rank}", json.dumps(out, default=str) + "\n")
-    if out.get("status") in ("oom", "error"):
+    measured = run_request(request)
+    atomic_write_text(f"{result_path}.rank{world.rank}", json.dumps(measured.to_dict(), default=str) + "\n")
+    if measured.status in ("oom", "error"):
         # Peers may be blocked in a collective this rank will never join: a non-zero exit
         # makes torchrun stop them now instead of at the collective's timeout.
         return 1

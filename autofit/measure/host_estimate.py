@@ -18,7 +18,7 @@ import dataclasses
 
 from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
-from autofit.measure.estimated import MemoryEstimate
+from autofit.measure.memory_estimate import MemoryEstimate
 from autofit.train.offload import HostCounter
 
 

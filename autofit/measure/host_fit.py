@@ -6,7 +6,7 @@ from loguru import logger
 
 from autofit.base.sizes import format_bytes
 from autofit.config.train_config import TrainConfig
-from autofit.measure.estimated import MemoryEstimate
+from autofit.measure.memory_estimate import MemoryEstimate
 
 
 def host_refusal(config: TrainConfig, host_bytes: int, host_budget_bytes: int | None) -> str | None:

@@ -1,5 +1,6 @@
 """`Measurement`: what one trial measured, as plain data the parent, the search and the
-profile share (the child writes it as JSON)."""
+profile share. The trial child builds it and writes its `to_dict()` as JSON; the parent reads
+it back with `from_dict`: its field names are the reply's keys, written here only."""
 
 import dataclasses
 import math
@@ -12,7 +13,7 @@ from autofit.config.train_config import TrainConfig
 STATUSES = ("ok", "oom", "unhealthy", "error", "timeout", "compile_error")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Measurement:
     """What one trial measured. Byte counts are the trial's own (allocator or tracked
     tensors); `overhead_bytes` is the CUDA context and library workspaces beside them."""

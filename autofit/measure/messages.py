@@ -9,7 +9,7 @@ Which side runs what:
 |---|---|---|
 | parent | `trial` (a trial asked and its reply read), `asks` (estimates, analysis, the batch-dimension probe), `worker` (starting a worker, a task's folder and timeout) | no |
 | both | `messages`, `measurement` (the reply), `wire` (the socket's lines), `process` (groups, parent death), `claims` (the child writes its CUDA claim, the service's guard reads it), `resident` (`Resident` in the parent, `serve` in its child) | no |
-| child | `worker_main` (the pre-loaded worker that forks each task), `tasks` (what a task runs), `child` (one trial's measurement), `steps`, `cuda_overhead`, `estimate`, `estimate_shard`, `cuda_attention` | yes |
+| child | `worker_main` (the pre-loaded worker that forks each task), `tasks` (what a task runs), `child` (one trial's measurement), `steps`, `cuda_overhead`, `fake_step`, `rank_memory`, `cuda_attention` | yes |
 
 A child finds its task by the target string here (`module:function`): the parent must not
 import the child's modules (they import torch and the user's code), so the registry is the
@@ -18,16 +18,18 @@ one place those names are written, and `tests/test_messages.py` resolves each of
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
-from autofit.config.train_config import MicroBatchFloor
+from autofit.config.spec import ModelSpec, parse_spec
+from autofit.config.train_config import MicroBatchFloor, TrainConfig
 
 SCHEMA = 1  # of every message here; a side refuses a message of another schema by name
 
 TASKS = {
     "setup": "autofit.measure.tasks:setup",  # the worker's one-time setup: spec, workload
     "setup_objects": "autofit.measure.tasks:setup_objects",  # the same from autofit.tune()'s pickled objects
-    "trial": "autofit.measure.tasks:trial",  # one trial: a TrialRequest -> Measurement fields
+    "trial": "autofit.measure.tasks:trial",  # one trial: a TrialRequest -> Measurement.to_dict()
     "estimate": "autofit.measure.tasks:estimate",  # the predicted peak on fake tensors
     "analyze": "autofit.measure.tasks:analyze",  # the model's facts: blocks, BatchNorm floor, LM head
     "probe": "autofit.measure.tasks:probe",  # the batch-dimension probe
@@ -41,14 +43,15 @@ def task(name: str) -> str:
 
 
 class _Message:
-    """A message's two ends: `to_dict` in JSON types (nested dataclasses as dicts), `from_dict`
-    as it crossed the boundary (`_read`); `_WHAT` names it in a refusal."""
+    """A message's two ends: `to_dict` in JSON types (a spec or config as its own `to_dict()`,
+    other nested dataclasses as dicts), `from_dict` as it crossed the boundary (`_read`);
+    `_WHAT` names it in a refusal."""
 
     __slots__ = ()
     _WHAT: ClassVar[str]
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, raw: dict):
@@ -57,11 +60,12 @@ class _Message:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrialRequest(_Message):
-    """What a trial child is asked to measure (request.json, or a worker task's payload)."""
+    """What a trial child is asked to measure (request.json, or a worker task's payload). The
+    spec and config cross as their own `to_dict()` (the spec beside its `source_dir`, which
+    its relative paths and imports resolve against) and are read back whole."""
 
-    spec: dict  # ModelSpec.to_dict()
-    source_dir: str
-    config: dict  # TrainConfig.to_dict()
+    spec: ModelSpec
+    config: TrainConfig
     device: str  # "cpu", a CUDA index, or indices joined by "," for ranks
     budget_bytes: int | None  # the device memory the trial may use in total; None: unheld (a CPU)
     warmup_steps: int
@@ -74,19 +78,31 @@ class TrialRequest(_Message):
     schema: int = SCHEMA
     _WHAT: ClassVar[str] = "trial request"
 
+    def to_dict(self) -> dict:
+        return _Message.to_dict(self) | {"source_dir": str(self.spec.source_dir)}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "TrialRequest":
+        return _read(cls, raw, cls._WHAT, spec=lambda spec: parse_spec(spec, source_dir=Path(raw["source_dir"])),
+                     config=TrainConfig.from_dict)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EstimateRequest(_Message):
-    """What the resident estimator child is asked: the predicted peak of `config` (a
-    `TrainConfig.to_dict()`), and with `budget_bytes` the largest micro batch that fits it."""
+    """What the resident estimator child is asked: the predicted peak of `config`, and with
+    `budget_bytes` the largest micro batch that fits it."""
 
-    config: dict
+    config: TrainConfig
     device_kind: str  # "cpu" or "cuda": whose memory rules the fake step is counted under
     budget_bytes: int | None = None
     compute_capability: str | None = None  # the card's, for its cuBLAS workspaces
     capacity_bytes: int | None = None  # the allocator cap the reserved peak is replayed under
     schema: int = SCHEMA
     _WHAT: ClassVar[str] = "estimate request"
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "EstimateRequest":
+        return _read(cls, raw, cls._WHAT, config=TrainConfig.from_dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,16 +122,26 @@ class Analysis(_Message):
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Analysis":
-        floor = raw.get("micro_batch_floor")  # crossed as a dict (`asdict`), read back as the type
-        return _read(cls, {**raw, "micro_batch_floor": None if floor is None else MicroBatchFloor(**floor)}, cls._WHAT)
+        # The floor crossed as a dict (`asdict`), read back as the type.
+        return _read(cls, raw, cls._WHAT, micro_batch_floor=lambda floor: None if floor is None
+                     else MicroBatchFloor(**floor))
 
 
-def _read(cls, raw: dict, what: str):
-    """`cls` from a dict that crossed the boundary: another schema is refused by name, keys
-    that are not the message's (the worker's `_folder`, the reply's `status`) left out."""
+def _plain(value):
+    if isinstance(value, (ModelSpec, TrainConfig)):
+        return value.to_dict()
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def _read(cls, raw: dict, what: str, **typed):
+    """`cls` from a dict that crossed the boundary: another schema is refused by name (before
+    any field is read: another version's may not parse), the fields in `typed` read back as
+    their types by the function given, keys that are not the message's (the worker's
+    `_folder`, the reply's `status`) left out."""
     schema = raw.get("schema", SCHEMA)
     if schema != SCHEMA:
         raise ValueError(f"{what}: schema {schema}, this autofit reads {SCHEMA} (parent and child "
                          f"are different versions)")
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in raw.items() if k in names})
+    values = {k: v for k, v in raw.items() if k in names}
+    return cls(**values | {name: read(raw[name]) for name, read in typed.items() if name in raw})

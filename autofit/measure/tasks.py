@@ -24,7 +24,7 @@ from autofit.workload.batch_dim import check_batch_dim
 from autofit.train.knobs import block_count, micro_batch_floor
 from autofit.measure.child import run_request
 from autofit.measure.messages import Analysis, EstimateRequest, TrialRequest
-from autofit.measure.estimate import cuda_poisoned, estimate_memory, EstimateError, max_micro_batch_size
+from autofit.measure.fake_step import cuda_poisoned, estimate_memory, EstimateError, max_micro_batch_size
 
 _TRACEBACK_CHARS = 8000
 
@@ -57,11 +57,11 @@ def setup_objects(payload: dict) -> dict:
 
 
 def trial(request: dict, context: dict) -> dict:
-    """One trial: the fields of a `Measurement` (autofit.measure.child.run_request)."""
+    """One trial: its `Measurement` (autofit.measure.child.run_request), as it crosses back."""
     trial_request = TrialRequest.from_dict(request)
     if trial_request.claim:  # the service's guard reads the CUDA claim in the trial folder
         trial_request = dataclasses.replace(trial_request, claim=False, claim_dir=request["_folder"])
-    return run_request(trial_request, workload=context["workload"])
+    return run_request(trial_request, workload=context["workload"]).to_dict()
 
 
 def estimate(request: dict, context: dict) -> dict:
@@ -69,7 +69,7 @@ def estimate(request: dict, context: dict) -> dict:
     largest micro batch that fits it."""
     spec, workload = context["spec"], context["workload"]
     asked = EstimateRequest.from_dict(request)
-    out = _estimate(spec, workload, TrainConfig.from_dict(asked.config), asked)
+    out = _estimate(spec, workload, asked.config, asked)
     if cuda_poisoned():  # a CUDA error is sticky: this child is replaced after answering
         out["end_child"] = True
     return out

@@ -77,7 +77,8 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
         finally:
             if guard is not None and children:
                 guard.trial_ended(children[-1])
-    return _measurement(outcome.result, outcome, config, budget_bytes, timeout_s)
+    result = None if outcome.result is None else Measurement.from_dict(outcome.result)
+    return _measurement(result, outcome, config, budget_bytes, timeout_s)
 
 
 # What the worker imports once, not each child: the tasks, and what torch imports lazily on
@@ -100,10 +101,11 @@ def trial_worker(spec: ModelSpec, device: str | int = "cpu", *, objects: Path | 
                   env={"PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
 
 
-def _measurement(result: dict | None, outcome, config: TrainConfig, budget_bytes: int | None,
+def _measurement(result: Measurement | None, outcome, config: TrainConfig, budget_bytes: int | None,
                  timeout_s: float) -> Measurement:
+    """The child's reply, timed from the parent's side; without one, why there is none."""
     if result is not None:
-        measurement = dataclasses.replace(Measurement.from_dict(result), wall_s=outcome.wall_s)
+        measurement = dataclasses.replace(result, wall_s=outcome.wall_s)
     else:
         status, reason = failure_reason(outcome.ended, outcome.returncode, timeout_s, outcome.log_tail)
         measurement = Measurement(status=status, config=config, budget_bytes=budget_bytes, reason=reason,
@@ -141,8 +143,8 @@ def _measure_ranks(request: TrialRequest, config: TrainConfig, *, device: str, t
                         guard.trial_ended(proc.pid)
         log_tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         result = _read_result(result_path, config.world_size) if ended == "exited" else None
-    outcome = TaskOutcome(ended=ended, result=result, returncode=proc.returncode, log_tail=log_tail,
-                          wall_s=time.perf_counter() - started)
+    outcome = TaskOutcome(ended=ended, result=None if result is None else result.to_dict(),
+                          returncode=proc.returncode, log_tail=log_tail, wall_s=time.perf_counter() - started)
     return _measurement(result, outcome, config, request.budget_bytes, timeout_s)
 
 
@@ -155,8 +157,7 @@ def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", 
     if window_s is None:
         window_s = spec.search.window_s if measure_steps is None else 0.0
     return TrialRequest(
-        spec=spec.to_dict(), source_dir=str(spec.source_dir), config=config.to_dict(),
-        device=device, budget_bytes=budget_bytes,
+        spec=spec, config=config, device=device, budget_bytes=budget_bytes,
         warmup_steps=spec.search.warmup_steps if warmup_steps is None else warmup_steps,
         measure_steps=spec.search.measure_steps if measure_steps is None else measure_steps,
         timeout_s=spec.search.trial_timeout_s if timeout_s is None else timeout_s, claim=claim, window_s=window_s,
@@ -164,39 +165,40 @@ def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", 
     )
 
 
-def _read_result(result_path: Path, world_size: int) -> dict | None:
+def _read_result(result_path: Path, world_size: int) -> Measurement | None:
     """One child's result; for N ranks their merge: the worst rank's peak, the slowest rank's
     step (every step ends in a collective, so the job runs at its pace), and the first
     failure's status. None when a rank left no result (it was killed, or torchrun stopped it)."""
     if world_size == 1:
-        return json.loads(result_path.read_text()) if result_path.exists() else None
+        return Measurement.from_dict(json.loads(result_path.read_text())) if result_path.exists() else None
     ranks = []
     for rank in range(world_size):
         path = result_path.with_name(f"{result_path.name}.rank{rank}")
         if path.exists():
-            ranks.append(json.loads(path.read_text()))
-    failed = [r for r in ranks if r.get("status") != "ok"]
+            ranks.append(Measurement.from_dict(json.loads(path.read_text())))
+    failed = [r for r in ranks if not r.ok]
     if failed:  # an OOM on one rank is the trial's OOM even though torchrun stopped the others
-        worst = next((r for r in failed if r.get("status") == "oom"), failed[0])
-        return worst | {"peak_memory_bytes": _max(ranks, "peak_memory_bytes"),
-                        "peak_allocated_bytes": _max(ranks, "peak_allocated_bytes"),
-                        "needed_bytes": _max(ranks, "needed_bytes")}
+        worst = next((r for r in failed if r.status == "oom"), failed[0])
+        return dataclasses.replace(worst, peak_memory_bytes=_max(r.peak_memory_bytes for r in ranks),
+                                   peak_allocated_bytes=_max(r.peak_allocated_bytes for r in ranks),
+                                   needed_bytes=_max(r.needed_bytes for r in ranks))
     if len(ranks) < world_size:
         return None
-    slowest = max(ranks, key=lambda r: r["step_time_s"])
-    out = dict(ranks[0])  # losses are already the global batch's (the ranks averaged them)
-    for key in ("peak_memory_bytes", "peak_allocated_bytes", "overhead_bytes", "allocator_retries",
-                "scaler_skipped_steps"):
-        out[key] = _max(ranks, key)
-    for key in ("step_time_s", "step_times_s", "samples_per_s", "tokens_per_s"):
-        out[key] = slowest[key]
-    out["wall_s"] = max(r.get("wall_s", 0.0) for r in ranks)
-    return out
+    slowest = max(ranks, key=lambda r: r.step_time_s)
+    # losses are already the global batch's (the ranks averaged them)
+    return dataclasses.replace(
+        ranks[0], peak_memory_bytes=_max(r.peak_memory_bytes for r in ranks),
+        peak_allocated_bytes=_max(r.peak_allocated_bytes for r in ranks),
+        overhead_bytes=_max(r.overhead_bytes for r in ranks), allocator_retries=_max(r.allocator_retries for r in ranks),
+        scaler_skipped_steps=_max(r.scaler_skipped_steps for r in ranks), step_time_s=slowest.step_time_s,
+        step_times_s=slowest.step_times_s, samples_per_s=slowest.samples_per_s, tokens_per_s=slowest.tokens_per_s,
+        wall_s=max(r.wall_s for r in ranks))
 
 
-def _max(ranks: list[dict], key: str):
-    values = [r[key] for r in ranks if r.get(key) is not None]
-    return max(values) if values else None
+def _max(values):
+    """The largest of the ranks' figures that were measured; None where none was."""
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def raise_input_error(m: Measurement) -> None:

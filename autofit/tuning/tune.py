@@ -34,7 +34,7 @@ from autofit.device.peak import mfu
 from autofit.device.probe import DeviceInfo, with_memory_budget
 from autofit.device.support import require_opt_in_packages
 from autofit.measure import asks
-from autofit.measure.estimated import EstimateError, MemoryEstimate
+from autofit.measure.memory_estimate import EstimateError, MemoryEstimate
 from autofit.measure.host_fit import predicted_fit_bytes
 from autofit.measure.measurement import Measurement
 from autofit.measure.trial import measure, raise_input_error, trial_worker

@@ -1,5 +1,5 @@
 """A memory estimate as plain data, and the error of a model the estimator cannot run: what
-the tune's parent reads, which never imports torch (`estimate` makes them, in a child)."""
+the tune's parent reads, which never imports torch (`fake_step` makes them, in a child)."""
 
 from dataclasses import dataclass
 

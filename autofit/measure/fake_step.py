@@ -13,6 +13,7 @@ the search corrects them: docs/estimator.md.
 import contextlib
 import dataclasses
 import functools
+from dataclasses import dataclass
 
 import torch
 from loguru import logger
@@ -29,13 +30,14 @@ from autofit.device.support import same_tensors
 from autofit.workload import build_workload, Workload
 from autofit.train.distributed import DEVICE_BUILD_SHARE
 from autofit.train.knobs import apply_optimizer_hooks, trainable_parameters
+from autofit.train.offload import HostCounter
 from autofit.train.optim import build_optimizer, implementation
 from autofit.train.optim_state import fill_state, inferred_layout, state_layout, unfakeable_reason
 from autofit.train.runner import fp32_bytes, Runner
 from autofit.train.user_optim import count_state, CountedState, OptimizerStateError
 from autofit.measure.cuda_attention import CudaAttention
-from autofit.measure.estimate_shard import per_rank
-from autofit.measure.estimated import EstimateError, MemoryEstimate
+from autofit.measure.rank_memory import per_rank
+from autofit.measure.memory_estimate import EstimateError, MemoryEstimate
 from autofit.measure.host_estimate import host_counter, host_split, traced
 
 ESTIMATED_STEPS = 2  # optimizer state exists from the first optimizer.step() on
@@ -116,99 +118,150 @@ def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_k
 def _simulate(spec: ModelSpec, workload: Workload, config: TrainConfig, device_kind: str,
               compute_capability: str | None = None, capacity_bytes: int | None = None) -> MemoryEstimate:
     micro_batches = min(config.grad_accum_steps, _MICRO_BATCHES)
-    small_spec = dataclasses.replace(spec, train=dataclasses.replace(
-        spec.train, global_batch_size=config.micro_batch_size * micro_batches))
+    fake = _fake_step(spec, workload, config, micro_batches, device_kind, compute_capability)
+    # The runner seeds torch and sets matmul precision for its process; here that process
+    # is the caller's, so both are put back afterwards.
+    with torch.random.fork_rng(devices=[]), _matmul_flags_kept(), _fake_limits(spec.name):
+        runner, guard, construction_events = _fake_runner(fake, device_kind)
+        real = _run_steps(fake, runner)
+    # Runner.global_batch puts every micro batch of a step on the device before the first
+    # forward; only `micro_batches` of them were simulated, the others' inputs sit there too.
+    idle_bytes = (config.grad_accum_steps - micro_batches) * _input_bytes(real[0])
+    one = dataclasses.replace(_breakdown(runner, fake.tracker.peak_bytes + idle_bytes, fake.activations.peak_bytes),
+                              note=guard.note)
+    if isinstance(runner.optimizer, CountedState):
+        one = dataclasses.replace(one, optimizer_counted=runner.optimizer.count.how)
+    if device_kind == "cuda" and config.world_size == 1:
+        one = _on_the_card(one, fake.tracker.events, construction_events, config, real[0], compute_capability,
+                           capacity_bytes, runner.policy.param_dtype, fp32_bytes(runner.model))
+    if guard.note:
+        logger.info("estimate {} {}: {}", spec.name, config.short(), guard.note)
+    if config.world_size == 1:
+        return host_split(one, config, device_kind, fake.counter)
+    return host_split(per_rank(one, runner.model, config, device_kind), config, device_kind, fake.counter)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _FakeStep:
+    """What one estimate runs the runner's step with, and the meters that count it."""
+
+    spec: ModelSpec  # its global batch: the simulated micro batches only
+    config: TrainConfig  # one process, eager, the simulated micro batches
+    workload: Workload  # built on the meta device, the optimizer's state counted, the loss metered
+    fake_mode: FakeTensorMode
+    tracker: LiveBytesTracker  # the device bytes the fake tensors would hold
+    activations: "_ActivationMeter"  # what each forward leaves alive for backward
+    build: "_MetaBuild"
+    attention: contextlib.AbstractContextManager  # the card's attention kernels, or nothing
+    counter: HostCounter | None  # offloaded activations: on the host, off the device trace
+
+
+def _fake_step(spec: ModelSpec, workload: Workload, config: TrainConfig, micro_batches: int, device_kind: str,
+               compute_capability: str | None) -> _FakeStep:
     # One rank runs the same step as one process on its share of the batch; what the
-    # strategy adds or shards is applied afterwards (autofit.estimate_shard).
+    # strategy adds or shards is applied afterwards (`rank_memory`).
     # A compiled step is estimated as the eager one: torch.compile cannot trace under the
     # tracker's dispatch mode, and compiling per estimate would cost more than a trial.
     # Fused kernels usually keep fewer intermediates; the calibration, fitted per compile
     # setting, learns the difference from measured trials.
     small_config = traced(config).replace(grad_accum_steps=micro_batches, parallelism="none", world_size=1,
                                           compile=False)
-    counter = host_counter(config, device_kind)  # offloaded activations: on the host, off the device trace
-    # Real (meta) tensors are let in: a model's constant tensors become fake on first use.
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = LiveBytesTracker(record=device_kind == "cuda")
-    construction_events = 0
     activations = _ActivationMeter(tracker)
     build = _MetaBuild(workload.build_model, workload.optimizer)
-    # A CUDA target runs attention on its own kernels (flash, memory-efficient), which save far
-    # less than the CPU's math path does with dropout on: traced as the card would run it.
-    attention = CudaAttention(compute_capability) if device_kind == "cuda" else contextlib.nullcontext()
     chunked = workload.chunked_loss_fn
-    # The user's optimizer never runs here (its kernels may not take fake tensors): a
-    # stand-in is built, and `retie` gives it the state bytes counted on real tensors.
-    workload = dataclasses.replace(workload, build_model=build, optimizer=workload.optimizer and CountedState,
-                                   loss_fn=functools.partial(activations.loss, workload.loss_fn),
-                                   chunked_loss_fn=chunked and functools.partial(activations.loss, chunked))
+    return _FakeStep(
+        spec=dataclasses.replace(spec, train=dataclasses.replace(
+            spec.train, global_batch_size=config.micro_batch_size * micro_batches)),
+        config=small_config,
+        # The user's optimizer never runs here (its kernels may not take fake tensors): a
+        # stand-in is built, and `retie` gives it the state bytes counted on real tensors.
+        workload=dataclasses.replace(workload, build_model=build, optimizer=workload.optimizer and CountedState,
+                                     loss_fn=functools.partial(activations.loss, workload.loss_fn),
+                                     chunked_loss_fn=chunked and functools.partial(activations.loss, chunked)),
+        # Real (meta) tensors are let in: a model's constant tensors become fake on first use.
+        fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
+        tracker=tracker, activations=activations, build=build,
+        # A CUDA target runs attention on its own kernels (flash, memory-efficient), which save far
+        # less than the CPU's math path does with dropout on: traced as the card would run it.
+        attention=CudaAttention(compute_capability) if device_kind == "cuda" else contextlib.nullcontext(),
+        counter=host_counter(config, device_kind),
+    )
+
+
+def _fake_runner(fake: _FakeStep, device_kind: str) -> tuple[Runner, "_OptimizerGuard", int]:
+    """The runner built on fake tensors, its optimizer guarded, and how many of the tracker's
+    events its construction made (on CUDA: the card's peaks count them apart)."""
+    with fake.fake_mode, fake.tracker:
+        runner = Runner(fake.spec, fake.workload, fake.config, device=torch.device("cpu"))
+        fake.build.retie(runner, device_kind)
+        guard = _OptimizerGuard(runner.optimizer, device_kind)
+    # GradScaler reads its found-inf flag with .item(), which a fake tensor has no
+    # value for; a disabled scaler differs only by a few scalars.
+    runner.scaler = torch.amp.GradScaler("cpu", enabled=False)
+    construction_events = 0
+    if device_kind == "cuda":
+        fake.tracker.reset_peak()  # the step's tensor peak; the card's peaks add the build (_on_the_card)
+        construction_events = len(fake.tracker.events)
+    return runner, guard, construction_events
+
+
+def _run_steps(fake: _FakeStep, runner: Runner):
+    """`ESTIMATED_STEPS` optimizer steps on fake batches; the last step's real micro batches."""
+    for step in range(ESTIMATED_STEPS):
+        # Batches come from the real data source (it may read files or call numpy),
+        # then become fake tensors that the tracker counts as device inputs.
+        real = runner.peak_batch(step)
+        if step < ESTIMATED_STEPS - 1:
+            # A step before the last only has to create the optimizer's state: one
+            # micro batch does, and holds nothing the last step does not hold too.
+            real = real[:1]
+        runner.config = fake.config.replace(grad_accum_steps=len(real))
+        with fake.fake_mode:
+            batch = [_to_fake(fake.fake_mode, mb) for mb in real]
+        counting = fake.counter.counting() if fake.counter else contextlib.nullcontext()
+        with fake.fake_mode, fake.tracker, fake.attention, counting:
+            fake.tracker.track(t for mb in batch for t in tree_leaves(mb))
+            runner.step(batch)
+            del batch
+    return real
+
+
+@contextlib.contextmanager
+def _matmul_flags_kept():
     matmul_precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    # The runner seeds torch and sets matmul precision for its process; here that process
-    # is the caller's, so both are put back afterwards.
-    with torch.random.fork_rng(devices=[]):
-        try:
-            with fake_mode, tracker:
-                runner = Runner(small_spec, workload, small_config, device=torch.device("cpu"))
-                build.retie(runner, device_kind)
-                guard = _OptimizerGuard(runner.optimizer, device_kind)
-            # GradScaler reads its found-inf flag with .item(), which a fake tensor has no
-            # value for; a disabled scaler differs only by a few scalars.
-            runner.scaler = torch.amp.GradScaler("cpu", enabled=False)
-            if device_kind == "cuda":
-                tracker.reset_peak()  # the step's tensor peak; the card's peaks add the build (_on_the_card)
-                construction_events = len(tracker.events)
-            for step in range(ESTIMATED_STEPS):
-                # Batches come from the real data source (it may read files or call numpy),
-                # then become fake tensors that the tracker counts as device inputs.
-                real = runner.peak_batch(step)
-                if step < ESTIMATED_STEPS - 1:
-                    # A step before the last only has to create the optimizer's state: one
-                    # micro batch does, and holds nothing the last step does not hold too.
-                    real = real[:1]
-                runner.config = small_config.replace(grad_accum_steps=len(real))
-                with fake_mode:
-                    batch = [_to_fake(fake_mode, mb) for mb in real]
-                with fake_mode, tracker, attention, counter.counting() if counter else contextlib.nullcontext():
-                    tracker.track(t for mb in batch for t in tree_leaves(mb))
-                    runner.step(batch)
-                    del batch
-        except UserCodeError as exc:
-            # The user's code raised. Under fake tensors that may be fake tensors' own limit
-            # (a value read with .item(), an op with no fake kernel: torch's exceptions),
-            # which a real run would not meet; anything else is their bug.
-            if not _fake_limitation(exc.__cause__):
-                raise
-            cause = exc.__cause__
-            raise EstimateError(f"estimate: {spec.name} cannot run on fake tensors ({type(cause).__name__}: "
-                                f"{str(cause).splitlines()[0] if str(cause) else ''}); "
-                                f"measure it with `autofit trial` instead") from cause
-        except OptimizerStateError as exc:
-            raise EstimateError(f"estimate: {exc}") from exc
-        except AutofitError:
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul_precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+@contextlib.contextmanager
+def _fake_limits(name: str):
+    """What fake tensors cannot run becomes an `EstimateError` (a trial measures the model
+    instead); the user's own bugs and autofit's errors pass as they are."""
+    try:
+        yield
+    except UserCodeError as exc:
+        # The user's code raised. Under fake tensors that may be fake tensors' own limit
+        # (a value read with .item(), an op with no fake kernel: torch's exceptions),
+        # which a real run would not meet; anything else is their bug.
+        if not _fake_limitation(exc.__cause__):
             raise
-        except Exception as exc:
-            _note_cuda_error(exc)
-            raise EstimateError(f"estimate: {spec.name} cannot run on fake tensors "
-                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                                f"measure it with `autofit trial` instead") from exc
-        finally:
-            torch.set_float32_matmul_precision(matmul_precision)
-            torch.backends.cudnn.allow_tf32 = cudnn_tf32
-    # Runner.global_batch puts every micro batch of a step on the device before the first
-    # forward; only `micro_batches` of them were simulated, the others' inputs sit there too.
-    idle_bytes = (config.grad_accum_steps - micro_batches) * _input_bytes(real[0])
-    one = dataclasses.replace(_breakdown(runner, tracker.peak_bytes + idle_bytes, activations.peak_bytes),
-                              note=guard.note)
-    if isinstance(runner.optimizer, CountedState):
-        one = dataclasses.replace(one, optimizer_counted=runner.optimizer.count.how)
-    if device_kind == "cuda" and config.world_size == 1:
-        one = _on_the_card(one, tracker.events, construction_events, config, real[0], compute_capability,
-                           capacity_bytes, runner.policy.param_dtype, fp32_bytes(runner.model))
-    if guard.note:
-        logger.info("estimate {} {}: {}", spec.name, config.short(), guard.note)
-    if config.world_size == 1:
-        return host_split(one, config, device_kind, counter)
-    return host_split(per_rank(one, runner.model, config, device_kind), config, device_kind, counter)
+        cause = exc.__cause__
+        raise EstimateError(f"estimate: {name} cannot run on fake tensors ({type(cause).__name__}: "
+                            f"{str(cause).splitlines()[0] if str(cause) else ''}); "
+                            f"measure it with `autofit trial` instead") from cause
+    except OptimizerStateError as exc:
+        raise EstimateError(f"estimate: {exc}") from exc
+    except AutofitError:
+        raise
+    except Exception as exc:
+        _note_cuda_error(exc)
+        raise EstimateError(f"estimate: {name} cannot run on fake tensors "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                            f"measure it with `autofit trial` instead") from exc
 
 
 class _OptimizerGuard:
