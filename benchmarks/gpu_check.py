@@ -428,7 +428,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", type=float, metavar="SECONDS", help="print which parts fit in SECONDS, run none")
     parser.add_argument("--parts", help="comma-separated part names (default: all, in order)")
@@ -445,7 +445,11 @@ def main(argv=None) -> int:
                                                                                "(default 1b; tiny with --tiny)")
     parser.add_argument("--measure-profile", help=argparse.SUPPRESS)  # the offload part's child: train with it
     parser.add_argument("--spec", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.measure_profile:
         print(json.dumps(measure_profile(args.measure_profile, args.spec)))
         return 0
