@@ -16,7 +16,16 @@ Parts, in order (minutes on an H100 in `PARTS`; `--tiny` swaps in the CPU analog
   `autofit train` of the profile with its reserved peak;
   gpt-small at the whole card's budget (the one-liner, the compiled one-liner, the tune, whose
   leaders try compiling); bert-base likewise; the estimator table
-  (benchmarks/estimator_table.py --device 0); `autofit doctor` with its estimator check.
+  (benchmarks/estimator_table.py --device 0); `autofit doctor` with its estimator check;
+  offloading (issue 45; once benchmarks/gpu_offload.py): a GPT decoder that fits its budget only
+  with offload (`--offload-size`: 1b under 8 GiB, 3b under 24 GiB, the issue's; tiny on a CPU,
+  where offloading is inert), `autofit estimate` of the leanest config without and with every
+  offload knob, a tune under the budget (its profile's `search.offload`), 50 steps of that
+  profile applied as a user's loop (the reserved peak and the pinned host allocator's peak), a
+  tune of the whole card beside it; the allocator model's retry (once
+  benchmarks/allocator_retry_check.py): tests/test_allocator.py's hand-made traces through
+  torch.cuda's caching allocator under the same cap, beside `autofit.device.allocator.replay`
+  (the model's column only on a CPU).
 The record (`--record`, default `<out>/<date>-<device>-gpu-check.json`, with a .md beside it)
 is written after every part; a part already in it is not run again.
 """
@@ -44,6 +53,7 @@ class Part:
     budget: str | None = None  # --memory-budget; None: the whole card
     hand_loops: tuple = ()
     train: bool = False  # the memory-bound parts: a long `autofit train` and the loss check
+    offload: str | None = None  # the offload part: a key of OFFLOAD_SIZES
 
 
 MEMORY_LOOPS = ("one-liner", "fallback", "fallback+8bit")
@@ -52,13 +62,17 @@ PARTS = (Part("gpt2-xl", 18, "gpt2-xl.yaml", "40GiB", MEMORY_LOOPS, True),
          Part("qwen2-0.5b-4k", 14, "qwen2-0.5b-4k.yaml", "16GiB", MEMORY_LOOPS, True),
          Part("gpt-small", 8, "gpt-small.yaml", None, ("one-liner", "one-liner+compile")),
          Part("bert-base", 6, "bert-base.yaml", None, ("one-liner",)),
-         Part("estimator-table", 10), Part("doctor", 4))
+         Part("estimator-table", 10), Part("doctor", 4),
+         # Estimated from the stages (two estimates, two tunes, 50 steps whose CPU AdamW step takes
+         # seconds), not measured on a card yet; 3b takes about 16.
+         Part("offload", 8, offload="1b"), Part("allocator", 1))
 TINY = (Part("gpt2-xl", 4, "gpt2-xl-tiny.yaml", "24MiB", MEMORY_LOOPS, True),
         Part("llama-1b-gqa", 4, "llama-gqa-tiny.yaml", "16MiB", MEMORY_LOOPS, True),
         Part("qwen2-0.5b-4k", 4, "qwen2-long-tiny.yaml", "40MiB", MEMORY_LOOPS, True),
         Part("gpt-small", 2, "gpt-small-tiny.yaml", None, ("one-liner",)),
         Part("bert-base", 2, "bert-base-tiny.yaml", None, ("one-liner",)),
-        Part("estimator-table", 1), Part("doctor", 3))
+        Part("estimator-table", 1), Part("doctor", 3),
+        Part("offload", 5, offload="tiny"), Part("allocator", 1))
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,10 @@ def run_part(part: Part, scale: Scale, folder: Path, out: dict, save) -> None:
     if part.name == "doctor":
         return step("doctor", lambda: _cli(["doctor", "--json", "--timeout", str(scale.doctor_timeout_s // 2)],
                                            scale.doctor_timeout_s))
+    if part.name == "allocator":
+        return step("traces", lambda: _allocator_traces(on_card=not scale.device))
+    if part.offload:
+        return _offload(part.offload, scale, folder, out, step)
     spec = SPECS / part.spec
     out |= {"spec": str(spec.relative_to(REPO)), "budget": part.budget}
     step("cap_bytes", lambda: usable_bytes(spec, part.budget, scale))
@@ -204,12 +222,154 @@ def _estimator_table(scale: Scale) -> dict:
     return {"rc": got["rc"], "wall_s": got["wall_s"], "table": got["stdout"][-6000:]}
 
 
+# ---- offloading -----------------------------------------------------------------------------------
+
+# Decoders sized so that, with AdamW in fp32 or bf16 state, weights + gradients + state pass
+# the budget while weights + gradients alone do not (bf16-true: 2 + 2 bytes a parameter):
+# (model args, global batch, budget).
+OFFLOAD_SIZES = {
+    "3b": ({"n_layer": 32, "n_embd": 2560, "n_head": 32, "vocab_size": 50304, "seq_len": 2048}, 16, "24GiB"),
+    "1b": ({"n_layer": 24, "n_embd": 1792, "n_head": 16, "vocab_size": 50304, "seq_len": 1024}, 16, "8GiB"),
+    "tiny": ({"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "seq_len": 16}, 8, "64MiB"),
+}
+OFFLOAD_TRAIN_STEPS = 50
+
+
+def _offload(size: str, scale: Scale, folder: Path, out: dict, step) -> None:
+    """Offloading's stages, each in its own process; see the module's docstring."""
+    model_args, global_batch, budget = OFFLOAD_SIZES[size]
+    spec = folder / "offload-spec.yaml"
+    spec.write_text(json.dumps({  # JSON is YAML
+        "schema": 1, "name": f"offload-{size}", "model": {"builtin": "gpt", "args": model_args},
+        "data": {"kind": "synthetic"}, "optimizer": {"name": "adamw", "lr": 3.0e-4, "weight_decay": 0.1},
+        "train": {"global_batch_size": global_batch, "steps": OFFLOAD_TRAIN_STEPS, "seed": 0},
+        "search": {"precisions": ["bf16-mixed", "bf16-true"], "window_s": 2, "validate_steps": 10}}))
+    out |= {"size": size, "budget": budget}
+    lean = ["precision=bf16-true", "micro_batch_size=1", f"checkpoint_blocks={model_args['n_layer']}"]
+    for name, sets in (("leanest_plain", lean),
+                       ("leanest_offloaded", lean + ["offload_activations=true", "offload_optimizer=true"])):
+        step(f"estimate {name}", lambda sets=sets: _cli(["estimate", str(spec), "--json", *scale.device,
+                                                         *[a for s in sets for a in ("--set", s)]], 300))
+    step("tune_under_budget", lambda: _tune_keeping_profile(spec, budget, scale, folder / "budget"))
+    profile = out["tune_under_budget"].get("profile_path")
+    if profile:
+        step("train_with_profile", lambda: _cli_json([sys.executable, __file__, "--measure-profile", profile,
+                                                      "--spec", str(spec)], 300))
+    step("tune_whole_card", lambda: _tune_keeping_profile(spec, None, scale, folder / "whole"))
+    offloaded = (out["tune_under_budget"].get("best") or {}).get("samples_per_s")
+    plain = (out["tune_whole_card"].get("best") or {}).get("samples_per_s")
+    out["offloaded_over_whole_card"] = round(offloaded / plain, 3) if offloaded and plain else None
+
+
+def _tune_keeping_profile(spec: Path, budget: str | None, scale: Scale, folder: Path) -> dict:
+    """`_tune`, with the profile's text in the record (its `search.offload`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    got = _tune(spec, budget, scale, folder)
+    profile = got.get("profile_path")
+    return got | ({"profile": Path(profile).read_text()} if profile and Path(profile).exists() else {})
+
+
+def measure_profile(profile_path: str, spec_path: str) -> dict:
+    """OFFLOAD_TRAIN_STEPS steps with the profile applied, as a user's loop: the card's reserved
+    peak, the pinned host allocator's peak, samples/s over the last half."""
+    import torch
+
+    from autofit.config.spec import load_spec
+    from autofit.profiles.profile import Profile
+    from autofit.workload import build_workload, split_batch
+
+    spec = load_spec(spec_path)
+    workload, profile = build_workload(spec), Profile.load(Path(profile_path))
+    plan = profile.apply(workload.build_model())
+    generator, times, cuda = torch.Generator().manual_seed(0), [], torch.cuda.is_available()
+    for _ in range(OFFLOAD_TRAIN_STEPS):
+        begun = time.perf_counter()
+        batch = workload.data.batch(spec.train.global_batch_size, generator)
+        for micro in split_batch(batch, plan.micro_batch_size):
+            with plan.autocast():
+                loss = workload.loss_fn(plan.model, plan.to_device(micro))
+            plan.step(loss)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begun)
+    host = torch.cuda.host_memory_stats() if cuda else {}
+    late = times[OFFLOAD_TRAIN_STEPS // 2:]
+    return {"steps": OFFLOAD_TRAIN_STEPS, "config": profile.config.to_dict(),
+            "samples_per_s": round(spec.train.global_batch_size * len(late) / sum(late), 2),
+            "reserved_peak_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+            "host_pinned_peak_bytes": host.get("allocated_bytes.peak", host.get("allocated_bytes.all.peak")),
+            "predicted_host_bytes": profile.search.offload.get("host_bytes"), "loss": float(loss)}
+
+
+# ---- the allocator model's retry ----------------------------------------------------------------
+
+MiB = 2**20
+# (name, trace, cap): the cases tests/test_allocator.py checks by hand.
+ALLOCATOR_TRACES = [
+    ("fits-thanks-to-retry", [("a", 11 * MiB), ("a", None), ("b", 13 * MiB)], 20 * MiB),
+    ("small-segment-released", [("s", 100), ("s", None), ("a", 12 * MiB)], 12 * MiB),
+    ("live-over-cap", [("a", 12 * MiB), ("b", 12 * MiB), ("c", 12 * MiB)], 20 * MiB),
+    ("fragmentation-no-cure", [("a", 4 * MiB), ("b", 4 * MiB), ("a", None), ("c", 14 * MiB)], 30 * MiB),
+]
+
+
+def _allocator_traces(*, on_card: bool) -> list[dict]:
+    """Each trace through the model and, `on_card`, through CUDA device 0 under the same cap.
+    Agreement: the same OOM or not, the same retries, the same reserved peak (where it ran)."""
+    from autofit.device.allocator import replay
+
+    rows = []
+    for name, trace, cap in ALLOCATOR_TRACES:
+        p = replay(trace, capacity_bytes=cap)
+        row = {"trace": name, "cap_bytes": cap,
+               "model": {"oom": p.oom, "retries": p.retries, "reserved_peak_bytes": p.reserved_peak_bytes}}
+        if on_card:
+            row["card"] = _trace_on_card(trace, cap)
+            agree = row["card"]["oom"] == p.oom and row["card"]["retries"] == p.retries
+            row["agree"] = agree and (p.oom or row["card"]["reserved_peak_bytes"] == p.reserved_peak_bytes)
+        rows.append(row)
+    return rows
+
+
+def _trace_on_card(trace, cap_bytes: int) -> dict:
+    """In a fresh allocator state (empty_cache, stats reset); no matmul runs, so no cuBLAS
+    workspace is in the way."""
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_accumulated_memory_stats()
+    # allowed_memory_maximum = fraction x total, truncated: half a byte over lands on the cap.
+    torch.cuda.set_per_process_memory_fraction((cap_bytes + 0.5) / torch.cuda.get_device_properties(0).total_memory)
+    live, oom = {}, False
+    try:
+        for key, n_bytes in trace:
+            if n_bytes is None:
+                del live[key]
+            else:
+                live[key] = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    except torch.cuda.OutOfMemoryError:
+        oom = True
+    stats = torch.cuda.memory_stats()
+    live.clear()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return {"oom": oom, "retries": stats.get("num_alloc_retries", 0),
+            "reserved_peak_bytes": stats.get("reserved_bytes.all.peak", 0)}
+
+
+# ---- running the CLI and reading its answer --------------------------------------------------------
+
+
 def _budget_args(budget: str | None) -> list[str]:
     return ["--memory-budget", budget] if budget else []
 
 
 def _cli(args: list[str], timeout_s: float) -> dict:
-    got = _run([sys.executable, "-m", "autofit", *args], timeout_s)
+    return _cli_json([sys.executable, "-m", "autofit", *args], timeout_s)
+
+
+def _cli_json(cmd: list[str], timeout_s: float) -> dict:
+    got = _run(cmd, timeout_s)
     return _last_json(got) | {"rc": got["rc"], "wall_s": got["wall_s"]}
 
 
@@ -251,8 +411,9 @@ def _markdown(record: dict) -> str:
             lines.append(f"- tune: exit {t['rc']} in {t['wall_s']} s, {t['trials']} trials, {t['oom_trials']} OOM; "
                          f"over the fallback {part.get('tune_over_fallback')}, over the one-liner "
                          f"{part.get('tune_over_one-liner')}")
-        lines += [f"- {key}: {json.dumps(part[key])[:600]}" for key in ("losses_vs_32_true", "train", "rc")
-                  if key in part]
+        lines += [f"- {key}: {json.dumps(part[key])[:600]}"
+                  for key in ("losses_vs_32_true", "train", "train_with_profile", "offloaded_over_whole_card",
+                              "traces", "rc") if key in part]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -267,7 +428,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", type=float, metavar="SECONDS", help="print which parts fit in SECONDS, run none")
     parser.add_argument("--parts", help="comma-separated part names (default: all, in order)")
@@ -280,8 +441,21 @@ def main(argv=None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"override the scale's {name}")
     parser.add_argument("--hand-loops", help="comma-separated hand loops to run (default: each part's own)")
     parser.add_argument("--no-train", action="store_true", help="skip the loss check and the long train")
-    args = parser.parse_args(argv)
+    parser.add_argument("--offload-size", choices=sorted(OFFLOAD_SIZES), help="the offload part's decoder "
+                                                                               "(default 1b; tiny with --tiny)")
+    parser.add_argument("--measure-profile", help=argparse.SUPPRESS)  # the offload part's child: train with it
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.measure_profile:
+        print(json.dumps(measure_profile(args.measure_profile, args.spec)))
+        return 0
     parts, scale = (TINY, CPU) if args.tiny else (PARTS, CARD)
+    if args.offload_size:
+        parts = tuple(replace(p, offload=args.offload_size) if p.offload else p for p in parts)
     if args.hand_loops is not None or args.no_train:
         loops = None if args.hand_loops is None else tuple(n for n in args.hand_loops.split(",") if n)
         unknown = sorted(set(loops or ()) - {n for p in parts for n in p.hand_loops})

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from loguru import logger  # noqa: E402
 
-from landscapes import _commit  # noqa: E402
+from anytime import _commit  # noqa: E402
 from simulated import CARDS, search  # noqa: E402
 
 PAIRS = (("h100-80g", "a100-40g"), ("h100-80g", "l4-24g"), ("a100-40g", "l4-24g"), ("l4-24g", "h100-80g"),

@@ -36,7 +36,7 @@ shape of real hardware, so the exhaustive-grid optimum is known exactly.
   `estimate_s`. A search on a landscape reads this clock, so a time budget is spent as on
   the device.
 
-`SHAPED` and `generated(n, seed)` are the landscape suite of benchmarks/landscapes.py (shapes
+`SHAPED` and `generated(n, seed)` are the landscape suite of `benchmarks/anytime.py --trial-budget` (shapes
 made by hand, and a seeded parametric family); `search(landscape, seed)` runs the tuner on one
 at the spec's default budget and says what its choice is worth against the grid optimum.
 """
@@ -445,7 +445,7 @@ LANDSCAPES = [
 ]
 
 
-# --- the landscape suite (benchmarks/landscapes.py) ------------------------------------------
+# --- the landscape suite (benchmarks/anytime.py --trial-budget) -----------------------------
 # Shapes a real GPU and model can present, each made to break one assumption a search could
 # lean on; then a seeded parametric family, so the suite is not only shapes picked by hand.
 

@@ -456,10 +456,10 @@ def test_a_batchnorm_model_s_profile_says_which_floor_and_why(tmp_path, monkeypa
     assert floor["reason"].startswith("the model has 3 BatchNorm2d")
 
 
-# --- the landscape suite at the default budget (benchmarks/landscapes.py runs all ten seeds) ---
+# --- the landscape suite at the default budget (benchmarks/anytime.py --trial-budget runs all ten seeds) ---
 
 # The original landscapes, the shaped ones, and a family drawn with a seed the search was
-# never developed against (benchmarks/landscapes.py draws its own with another).
+# never developed against (benchmarks/anytime.py --trial-budget draws its own with another).
 SUITE = [*LANDSCAPES, *SHAPED, *generated(16, seed=31)]
 
 

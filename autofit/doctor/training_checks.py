@@ -44,51 +44,13 @@ def check_precisions(ctx: Context) -> dict:
     spec = example_spec()
     workload = build_workload(spec)
     half = spec.train.global_batch_size // 2  # two micro batches: accumulation runs too
-    per, problems = {}, []
-    runnable = []
-    for name in PRECISIONS:
-        why = unsupported_reason(name, device_kind=device.type, compute_capability=capability)
-        if why is None:
-            runnable.append(name)
-        else:
-            per[name] = {"status": "skip", "reason": why}
+    per, runnable = _supported_precisions(device.type, capability)
+    problems: list[str] = []
     reference = None
     for name in runnable:
-        started = time.perf_counter()
-        config = TrainConfig.default_for(spec).replace(precision=name, micro_batch_size=half, grad_accum_steps=2)
-        runner = Runner(spec, workload, config, device=device)
-        flags = _tf32_flags()
-        row = {"tf32_flags": flags}
-        expected = "high" if runner.policy.tf32 else "highest"
-        if (flags["cuda_matmul_allow_tf32"], flags["cudnn_allow_tf32"], flags["float32_matmul_precision"]) != (
-                runner.policy.tf32, runner.policy.tf32, expected):
-            problems.append(f"{name}: TF32 flags {flags} are not the policy's (tf32={runner.policy.tf32})")
-        losses, skipped = [], 0
-        for step in range(PRECISION_STEPS):
-            if ctx.fault and name == runnable[0] and step == 1:
-                with torch.no_grad():
-                    runner.params[0].fill_(math.nan)  # a weight gone NaN, as an overflowing update leaves it
-            result = runner.step(runner.global_batch(step))
-            losses.append(float(result.loss))
-            skipped += int(result.skipped)
-        row |= {"losses": losses, "scaler_skipped_steps": skipped}
-        bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
-        if bad is not None:
-            problems.append(f"{name}: loss is {losses[bad]} at step {bad}")
-        if name in ("32-true", "tf32") and reference is None:
-            reference = (name, losses[0])
-        elif reference is not None and math.isfinite(losses[0]):
-            rel = abs(losses[0] - reference[1]) / max(abs(reference[1]), 1e-12)
-            row["first_loss_vs_reference_pct"] = round(100 * rel, 3)
-            if rel > FIRST_LOSS_RTOL:
-                problems.append(f"{name}: first loss {losses[0]:.4f} is {rel:.1%} from {reference[0]}'s "
-                                f"{reference[1]:.4f} (limit {FIRST_LOSS_RTOL:.0%})")
-        if runner.policy.use_scaler:
-            row["grad_scaler"] = _scaler_behaviour(runner, spec, skipped)
-            problems += [f"{name}: {p}" for p in row["grad_scaler"].pop("problems")]
-        row["wall_s"] = round(time.perf_counter() - started, 3)
-        per[name] = {"status": "ran"} | row
-        del runner
+        inject_nan = ctx.fault and name == runnable[0]
+        per[name], reference = _run_precision(spec, workload, device, name, half=half, inject_nan=inject_nan,
+                                              reference=reference, problems=problems)
     values = {"precisions": per, "steps": PRECISION_STEPS, "config": f"micro batch {half} x 2"}
     if problems:
         return fail(values, "; ".join(problems),
@@ -97,6 +59,65 @@ def check_precisions(ctx: Context) -> dict:
                     "nvidia-smi -q -d ECC and dcgmi diag)")
     return ok(values, f"{', '.join(runnable)}: {PRECISION_STEPS} steps each, losses finite"
                       + ("; GradScaler skips an inf step and backs off" if "16-mixed" in runnable else ""))
+
+
+def _supported_precisions(device_kind: str, capability) -> tuple[dict, list[str]]:
+    """A skip row per precision this device cannot run, and the names of those it can."""
+    per, runnable = {}, []
+    for name in PRECISIONS:
+        why = unsupported_reason(name, device_kind=device_kind, compute_capability=capability)
+        if why is None:
+            runnable.append(name)
+        else:
+            per[name] = {"status": "skip", "reason": why}
+    return per, runnable
+
+
+def _run_precision(spec, workload, device, name: str, *, half: int, inject_nan: bool,
+                   reference: tuple[str, float] | None, problems: list[str]) -> tuple[dict, tuple[str, float] | None]:
+    """One precision's steps and their row; the reference first loss (32-true's, else tf32's)
+    once one ran. What is wrong is appended to `problems`."""
+    started = time.perf_counter()
+    config = TrainConfig.default_for(spec).replace(precision=name, micro_batch_size=half, grad_accum_steps=2)
+    runner = Runner(spec, workload, config, device=device)
+    flags = _tf32_flags()
+    row = {"tf32_flags": flags}
+    expected = "high" if runner.policy.tf32 else "highest"
+    if (flags["cuda_matmul_allow_tf32"], flags["cudnn_allow_tf32"], flags["float32_matmul_precision"]) != (
+            runner.policy.tf32, runner.policy.tf32, expected):
+        problems.append(f"{name}: TF32 flags {flags} are not the policy's (tf32={runner.policy.tf32})")
+    losses, skipped = _precision_losses(runner, inject_nan)
+    row |= {"losses": losses, "scaler_skipped_steps": skipped}
+    bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
+    if bad is not None:
+        problems.append(f"{name}: loss is {losses[bad]} at step {bad}")
+    if name in ("32-true", "tf32") and reference is None:
+        reference = (name, losses[0])
+    elif reference is not None and math.isfinite(losses[0]):
+        rel = abs(losses[0] - reference[1]) / max(abs(reference[1]), 1e-12)
+        row["first_loss_vs_reference_pct"] = round(100 * rel, 3)
+        if rel > FIRST_LOSS_RTOL:
+            problems.append(f"{name}: first loss {losses[0]:.4f} is {rel:.1%} from {reference[0]}'s "
+                            f"{reference[1]:.4f} (limit {FIRST_LOSS_RTOL:.0%})")
+    if runner.policy.use_scaler:
+        row["grad_scaler"] = _scaler_behaviour(runner, spec, skipped)
+        problems += [f"{name}: {p}" for p in row["grad_scaler"].pop("problems")]
+    row["wall_s"] = round(time.perf_counter() - started, 3)
+    return {"status": "ran"} | row, reference
+
+
+def _precision_losses(runner: Runner, inject_nan: bool) -> tuple[list[float], int]:
+    """PRECISION_STEPS steps: their losses and how many the scaler skipped. `inject_nan`
+    (doctor --fault) turns a weight NaN before the second step."""
+    losses, skipped = [], 0
+    for step in range(PRECISION_STEPS):
+        if inject_nan and step == 1:
+            with torch.no_grad():
+                runner.params[0].fill_(math.nan)  # a weight gone NaN, as an overflowing update leaves it
+        result = runner.step(runner.global_batch(step))
+        losses.append(float(result.loss))
+        skipped += int(result.skipped)
+    return losses, skipped
 
 
 def _tf32_flags() -> dict:

@@ -53,7 +53,31 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
     # name is a deprecated alias) and added every_n_layers; older releases know only the old.
     new_names = fields is not None and "activation_checkpointing" in fields
     ckpt_key = "activation_checkpointing" if new_names else "gradient_checkpointing"
-    args: dict[str, Any] = {
+    args = _hf_base_args(config, ckpt_key)
+    notes: list[str] = []
+    if _device_kind(profile) == "cpu":
+        # Tuned on a CPU: the job trains there. TrainingArguments refuses bf16/fp16 without a
+        # GPU unless told the CPU is meant.
+        args["use_cpu"] = True
+    if config.checkpoint_blocks > 0:
+        _hf_checkpointing(args, notes, config, n_blocks, ckpt_key=ckpt_key, new_names=new_names)
+    _hf_knobs(args, notes, profile, ckpt_key)
+    _hf_optimizer(args, notes, profile)
+    data = {} if isinstance(profile, TrainConfig) else profile.data
+    if data.get("kind") == "text":
+        _hf_lengths(args, notes, config, data)
+    _hf_spelling(args, fields)
+    _hf_parallelism(args, notes, config)
+    _hf_caveats(notes, profile)
+    if fields is not None:
+        unknown = sorted(set(args) - fields)
+        assert not unknown, f"this transformers' TrainingArguments lacks {unknown}"
+    return args, notes
+
+
+def _hf_base_args(config: TrainConfig, ckpt_key: str) -> dict[str, Any]:
+    """Batch, accumulation, precision flags and whether to checkpoint at all."""
+    return {
         "per_device_train_batch_size": config.micro_batch_size,
         "gradient_accumulation_steps": config.grad_accum_steps,
         "bf16": config.precision in ("bf16-mixed", "bf16-true"),
@@ -62,39 +86,41 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
         "tf32": config.precision in TF32_PRECISIONS,
         ckpt_key: config.checkpoint_blocks > 0,
     }
-    notes = []
-    if _device_kind(profile) == "cpu":
-        # Tuned on a CPU: the job trains there. TrainingArguments refuses bf16/fp16 without a
-        # GPU unless told the CPU is meant.
-        args["use_cpu"] = True
+
+
+def _hf_checkpointing(args: dict, notes: list[str], config: TrainConfig, n_blocks: int | None, *,
+                      ckpt_key: str, new_names: bool) -> None:
+    """Which blocks to checkpoint, where TrainingArguments can say it; a note where it cannot."""
     k = config.checkpoint_blocks
-    if k > 0:
-        # autofit's non-reentrant checkpointing; HF's default is still reentrant on some versions.
-        ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
-        if n_blocks is not None and k < n_blocks and new_names and n_blocks % k == 0 and not config.freeze_blocks:
-            # Blocks 0, n/k, 2n/k, ...: the very blocks `knobs.spread_indices` picks when
-            # nothing is frozen (with freezing it spreads over the blocks after the frozen ones).
-            ckpt_kwargs["every_n_layers"] = n_blocks // k
-        elif n_blocks is None or k < n_blocks:
-            of = f"of {n_blocks} " if n_blocks is not None else ""
-            notes.append(
-                f"checkpoint_blocks={k}: the profile checkpoints {k} {of}blocks; TrainingArguments here "
-                f"checkpoints every block, which fits in no more memory but is slower. For the exact "
-                f"choice, apply it to the model (autofit.train.knobs.apply_checkpointing(model, {k}, "
-                f"first_block={config.freeze_blocks})) and set "
-                f"{ckpt_key}=False" + ("" if n_blocks is not None else
-                                       ", or pass n_blocks= so an evenly spread choice can be exported"))
-        args[f"{ckpt_key}_kwargs"] = ckpt_kwargs
+    # autofit's non-reentrant checkpointing; HF's default is still reentrant on some versions.
+    ckpt_kwargs: dict[str, Any] = {"use_reentrant": False}
+    if n_blocks is not None and k < n_blocks and new_names and n_blocks % k == 0 and not config.freeze_blocks:
+        # Blocks 0, n/k, 2n/k, ...: the very blocks `knobs.spread_indices` picks when
+        # nothing is frozen (with freezing it spreads over the blocks after the frozen ones).
+        ckpt_kwargs["every_n_layers"] = n_blocks // k
+    elif n_blocks is None or k < n_blocks:
+        of = f"of {n_blocks} " if n_blocks is not None else ""
+        notes.append(
+            f"checkpoint_blocks={k}: the profile checkpoints {k} {of}blocks; TrainingArguments here "
+            f"checkpoints every block, which fits in no more memory but is slower. For the exact "
+            f"choice, apply it to the model (autofit.train.knobs.apply_checkpointing(model, {k}, "
+            f"first_block={config.freeze_blocks})) and set "
+            f"{ckpt_key}=False" + ("" if n_blocks is not None else
+                                   ", or pass n_blocks= so an evenly spread choice can be exported"))
+    args[f"{ckpt_key}_kwargs"] = ckpt_kwargs
+
+
+def _hf_knobs(args: dict, notes: list[str], profile, ckpt_key: str) -> None:
+    """What each changed knob's registry row writes for the Trainer."""
+    config = _config(profile)
     for knob, value in _changed(config):
         if not (knob.exports.names_optimizer and _optimizer_recorded(profile)):
             args |= knob.exports.hf_args.get(value, {})
         if knob.exports.hf_note is not None:
             notes.append(knob.exports.hf_note.format(config=config, ckpt_key=ckpt_key))
-    _hf_optimizer(args, notes, profile)
-    data = {} if isinstance(profile, TrainConfig) else profile.data
-    if data.get("kind") == "text":
-        _hf_lengths(args, notes, config, data)
-    _hf_spelling(args, fields)
+
+
+def _hf_parallelism(args: dict, notes: list[str], config: TrainConfig) -> None:
     if config.parallelism == "ddp":
         # The Trainer runs DDP by itself when launched by torchrun; only the buckets are set.
         args["ddp_bucket_cap_mb"] = config.bucket_cap_mb
@@ -103,6 +129,12 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
         args["fsdp"] = "full_shard auto_wrap" if config.reshard_after_forward else "shard_grad_op auto_wrap"
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": config.reshard_after_forward}
         notes.append(_launch_note(config))
+
+
+def _hf_caveats(notes: list[str], profile) -> None:
+    """What the profile ran that TrainingArguments leaves to the user: freezing, a bf16 cast,
+    TF32's hardware, the spec's own loss."""
+    config = _config(profile)
     if config.freeze_blocks > 0:
         notes.append(f"freeze_blocks={config.freeze_blocks}: TrainingArguments cannot freeze parameters; "
                      f"freeze them before building the Trainer: "
@@ -116,10 +148,6 @@ def _hf(profile, n_blocks: int | None) -> tuple[dict, list[str]]:
     if loss is not None:
         notes.append(f"loss: measured with your {loss}; in the Trainer, override compute_loss(model, inputs) to "
                      f"return it (or pass compute_loss_func)")
-    if fields is not None:
-        unknown = sorted(set(args) - fields)
-        assert not unknown, f"this transformers' TrainingArguments lacks {unknown}"
-    return args, notes
 
 
 def _device_kind(profile) -> str | None:

@@ -384,44 +384,22 @@ class Profile:
         (default: autofit's state folder)."""
         # torch here, not at the top: reading and writing profiles (the tune's parent) needs none.
         from autofit.train.knobs import prepare_process
-        from autofit.train.optim import build_optimizer, implementation
-        from autofit.train.plan import resolve_plan_device, TrainingPlan
+        from autofit.train.plan import TrainingPlan
 
         chosen = self.fitted(memory_budget=memory_budget, device=device, memory_headroom=memory_headroom)
         # Before the plan moves the model (CUDA may start): the allocator setting measured, and
         # inductor's cache in the state folder for a compiled config.
         prepare_process(chosen.config, state_dir)
-        # A folder, or a ProfileStore (its root); None: the store `load_profile` reads.
-        root = Path(store if isinstance(store, (str, Path)) else getattr(store, "root", None) or default_store_dir())
-        on_demotion = None
-        if (root / self.file_name).is_file():
-            def on_demotion(event):
-                record_demotion(root / self.file_name, event, spec_hash=self.model.spec_hash)
-
-        training = self.training
-        if max_grad_norm == "profile":
-            max_grad_norm = training.max_grad_norm if training is not None else None
-        elif training is not None and max_grad_norm != training.max_grad_norm:
-            logger.warning("profile {}: max_grad_norm={} differs from the {} it was measured with", self.file_name,
-                           max_grad_norm, training.max_grad_norm)
+        on_demotion = _demotion_recorder(self, store)
+        max_grad_norm = _clip_norm(self, max_grad_norm)
         factory = optimizer_factory
-        if factory is None and training is not None:
-            optimizer_spec, where = training.optimizer_spec(), resolve_plan_device(device)
-
-            def factory(params):
-                return build_optimizer(optimizer_spec, params, config=chosen.config, device=where)
-
+        if factory is None:
+            factory = _measured_optimizer_factory(self.training, chosen.config, device)
         plan = TrainingPlan(model, chosen.config, factory, device=device, max_grad_norm=max_grad_norm,
                             on_demotion=on_demotion, flags=chosen.measured.flags,
                             min_micro_batch_size=self.search.micro_batch_floor.get("size", 1))
-        measured = chosen.measured.optimizer
-        if optimizer_factory is not None and plan.optimizer is not None and measured is not None:
-            built = implementation(plan.optimizer)
-            if built != measured:
-                logger.warning("profile {}: the optimizer built is {}, the profile was measured with {}: its "
-                               "speed and peak memory may not hold (a foreach AdamW holds temporaries the size "
-                               "of all parameters; leave optimizer_factory out to build the measured one)",
-                               self.file_name, built, measured)
+        if optimizer_factory is not None:
+            _warn_other_optimizer(self, plan, chosen.measured.optimizer)
         return plan
 
     # The exports, like `apply`, take the fastest point that fits now (see `fitted`).
@@ -438,6 +416,59 @@ class Profile:
     def to_env(self, *, memory_budget: int | str | None = None, device=None) -> dict[str, str]:
         """AUTOFIT_* environment variables."""
         return export.to_env(self._for_export(memory_budget, device))
+
+
+def _demotion_recorder(profile: Profile, store):
+    """What records the plan's out-of-memory demotions beside the profile in `store` (a
+    folder, or a ProfileStore: its root; None: the store `load_profile` reads); None where the
+    profile is not in that store."""
+    root = Path(store if isinstance(store, (str, Path)) else getattr(store, "root", None) or default_store_dir())
+    if not (root / profile.file_name).is_file():
+        return None
+
+    def on_demotion(event):
+        record_demotion(root / profile.file_name, event, spec_hash=profile.model.spec_hash)
+    return on_demotion
+
+
+def _clip_norm(profile: Profile, max_grad_norm: float | None | str) -> float | None:
+    """The norm to clip at: the one the trials clipped at for "profile"; another value is kept,
+    with a warning where it is not the one measured."""
+    training = profile.training
+    if max_grad_norm == "profile":
+        return training.max_grad_norm if training is not None else None
+    if training is not None and max_grad_norm != training.max_grad_norm:
+        logger.warning("profile {}: max_grad_norm={} differs from the {} it was measured with", profile.file_name,
+                       max_grad_norm, training.max_grad_norm)
+    return max_grad_norm
+
+
+def _measured_optimizer_factory(training: TrainingSetup | None, config: TrainConfig, device):
+    """A factory for the optimizer the profile ran; None for a profile that did not record it."""
+    if training is None:
+        return None
+    from autofit.train.optim import build_optimizer  # torch: see Profile.apply
+    from autofit.train.plan import resolve_plan_device
+
+    optimizer_spec, where = training.optimizer_spec(), resolve_plan_device(device)
+
+    def factory(params):
+        return build_optimizer(optimizer_spec, params, config=config, device=where)
+    return factory
+
+
+def _warn_other_optimizer(profile: Profile, plan, measured: str | None) -> None:
+    """The user's factory built another implementation than the one measured: say so."""
+    from autofit.train.optim import implementation  # torch: see Profile.apply
+
+    if plan.optimizer is None or measured is None:
+        return
+    built = implementation(plan.optimizer)
+    if built != measured:
+        logger.warning("profile {}: the optimizer built is {}, the profile was measured with {}: its "
+                       "speed and peak memory may not hold (a foreach AdamW holds temporaries the size "
+                       "of all parameters; leave optimizer_factory out to build the measured one)",
+                       profile.file_name, built, measured)
 
 
 def _major(version: str | None) -> str | None:

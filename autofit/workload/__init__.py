@@ -129,6 +129,17 @@ class _Build:
         return declare_blocks(model, self.blocks)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ModelSource:
+    """What a spec's model source gives the workload before the data is known."""
+    inputs: InputSpec | None  # None: unknown until the user's model runs
+    factory: Callable[[], nn.Module]
+    loss_fn: Callable | None  # None: the model's own, bound by its signature (binding.ModelLoss)
+    loss_items: Callable | None
+    chunkable: bool  # whether autofit can chunk the LM head's loss
+    where: str  # the source in words, for errors
+
+
 def build_workload(spec) -> Workload:
     """Model source x data source x loss of a ModelSpec; incompatible pairs raise SpecError."""
     source, data = spec.model, spec.data
@@ -137,60 +148,79 @@ def build_workload(spec) -> Workload:
                         f"names a model with model.python: \"module.path:function\" (or builtin, hf)")
     if source.kind != "python" and source.batch_dim not in (None, 0):
         raise SpecError(f"model.batch_dim: only for python models; {source.kind} models take the batch in dim 0")
-    loss_items = None
     if source.kind == "builtin":
-        inputs = builtin_inputs(source.target, source.args)
-        if data.seq_len is not None:
-            if inputs.seq_len is None:
-                raise SpecError(f"data.seq_len: only for language models; {source.target} takes "
-                                f"{inputs.sample_shape}")
-            if data.seq_len > inputs.seq_len:
-                raise SpecError(f"data.seq_len: at most model.args.seq_len ({inputs.seq_len}), got {data.seq_len}")
-            inputs = inputs.with_seq_len(data.seq_len)
-        factory = functools.partial(BUILTIN_MODELS[source.target], dict(source.args))
-        loss_fn = _lm_loss if inputs.task == "causal_lm" else _classify_loss
-        chunkable = inputs.task == "causal_lm" and chunked.available()
-        where = f"model.builtin {source.target}"
+        model = _builtin_source(source, data)
     elif source.kind == "hf":
-        resolved = hf.resolve(source.target, dict(source.args), seq_len=data.seq_len, synthetic=data.kind != "python")
-        inputs, factory = resolved.inputs, resolved.build
-        # Any batch: the model computes its loss from the labels, micro batches weighted by them.
-        hf_loss = ModelLoss(key_path="model.hf", target=source.target, label_shift=resolved.label_shift,
-                            users_code=False)
-        loss_fn, loss_items = hf_loss, hf_loss.items
-        chunkable = resolved.task == "causal_lm" and data.kind != "python" and chunked.hf_chunkable(resolved.config)
-        where = f"model.hf {source.target}"
+        model = _hf_source(source, data)
     elif source.kind == "python":
-        fn = load_callable(source.target, "model.python", spec.source_dir)
-        check_kwargs(fn, source.args, "model.args", source.target)
-        _check_constructors(source.args, "model.args", spec.source_dir)
-        inputs = None  # unknown until the user's model runs
-        factory = functools.partial(_build_python, fn, dict(source.args), source.target, spec.source_dir)
-        loss_fn = None  # the model's own: bound by its signature (binding.ModelLoss)
-        chunkable = False  # autofit cannot find the head of a model it did not build
-        where = f"model.python {source.target}"
+        model = _python_source(source, spec.source_dir)
     else:
         raise SpecError(f"model: unknown source kind {source.kind!r}; allowed: builtin, hf, python")
-    source_data, tokens_per_sample, sample_shape = _data_source(spec, inputs, where)
-    if data.kind == "text":
-        loss_fn, loss_items = text_lm_loss, None  # a per-sample mean: micro batches weigh alike
-        chunked_loss_fn = chunked.chunked_text_lm_loss if chunkable else None
-    else:
-        chunked_loss_fn = chunked.chunked_lm_loss if chunkable and data.kind != "python" else None
-    if spec.loss.python is not None:
-        fn = load_callable(spec.loss.python, "loss.python", spec.source_dir)
-        check_kwargs(fn, spec.loss.args, "loss.args", spec.loss.python, positional=2)  # fn(model, micro_batch, ...)
-        loss_fn, loss_items, chunked_loss_fn = UserLoss(fn, dict(spec.loss.args), "loss.python", spec.loss.python), \
-            None, None
+    source_data, tokens_per_sample, sample_shape = _data_source(spec, model.inputs, model.where)
+    loss_fn, loss_items, chunked_loss_fn = _losses(spec, model)
     optimizer = None
     if spec.optimizer.python is not None:
         optimizer = load_user_optimizer(spec.optimizer.python, spec.optimizer.args, spec.source_dir)
-    return make_workload(factory, source_data, loss_fn, name=spec.name, per_sample=spec.loss.per_sample,
+    return make_workload(model.factory, source_data, loss_fn, name=spec.name, per_sample=spec.loss.per_sample,
                          batch_dim=source.batch_dim if source.kind == "python" else 0, blocks=source.blocks,
                          tokens_per_sample=tokens_per_sample, sample_shape=sample_shape,
                          chunked_loss_fn=chunked_loss_fn, loss_items=loss_items,
                          probe_batch_dim=spec.probes_batch_dim,
                          key_path=f"model.{source.kind}", target=source.target, optimizer=optimizer)
+
+
+def _builtin_source(source, data) -> _ModelSource:
+    inputs = builtin_inputs(source.target, source.args)
+    if data.seq_len is not None:
+        if inputs.seq_len is None:
+            raise SpecError(f"data.seq_len: only for language models; {source.target} takes "
+                            f"{inputs.sample_shape}")
+        if data.seq_len > inputs.seq_len:
+            raise SpecError(f"data.seq_len: at most model.args.seq_len ({inputs.seq_len}), got {data.seq_len}")
+        inputs = inputs.with_seq_len(data.seq_len)
+    return _ModelSource(inputs=inputs, factory=functools.partial(BUILTIN_MODELS[source.target], dict(source.args)),
+                        loss_fn=_lm_loss if inputs.task == "causal_lm" else _classify_loss, loss_items=None,
+                        chunkable=inputs.task == "causal_lm" and chunked.available(),
+                        where=f"model.builtin {source.target}")
+
+
+def _hf_source(source, data) -> _ModelSource:
+    resolved = hf.resolve(source.target, dict(source.args), seq_len=data.seq_len, synthetic=data.kind != "python")
+    # Any batch: the model computes its loss from the labels, micro batches weighted by them.
+    hf_loss = ModelLoss(key_path="model.hf", target=source.target, label_shift=resolved.label_shift,
+                        users_code=False)
+    return _ModelSource(inputs=resolved.inputs, factory=resolved.build, loss_fn=hf_loss, loss_items=hf_loss.items,
+                        chunkable=(resolved.task == "causal_lm" and data.kind != "python"
+                                   and chunked.hf_chunkable(resolved.config)),
+                        where=f"model.hf {source.target}")
+
+
+def _python_source(source, source_dir) -> _ModelSource:
+    fn = load_callable(source.target, "model.python", source_dir)
+    check_kwargs(fn, source.args, "model.args", source.target)
+    _check_constructors(source.args, "model.args", source_dir)
+    # autofit cannot find the head of a model it did not build: nothing to chunk.
+    return _ModelSource(inputs=None, factory=functools.partial(_build_python, fn, dict(source.args), source.target,
+                                                               source_dir),
+                        loss_fn=None, loss_items=None, chunkable=False, where=f"model.python {source.target}")
+
+
+def _losses(spec, model: _ModelSource) -> tuple[Callable | None, Callable | None, Callable | None]:
+    """(loss, loss_items, chunked loss): the model source's, unless the data is text or the
+    spec names its own loss."""
+    data = spec.data
+    loss_fn, loss_items = model.loss_fn, model.loss_items
+    if data.kind == "text":
+        loss_fn, loss_items = text_lm_loss, None  # a per-sample mean: micro batches weigh alike
+        chunked_loss_fn = chunked.chunked_text_lm_loss if model.chunkable else None
+    else:
+        chunked_loss_fn = chunked.chunked_lm_loss if model.chunkable and data.kind != "python" else None
+    if spec.loss.python is not None:
+        fn = load_callable(spec.loss.python, "loss.python", spec.source_dir)
+        check_kwargs(fn, spec.loss.args, "loss.args", spec.loss.python, positional=2)  # fn(model, micro_batch, ...)
+        loss_fn, loss_items, chunked_loss_fn = UserLoss(fn, dict(spec.loss.args), "loss.python", spec.loss.python), \
+            None, None
+    return loss_fn, loss_items, chunked_loss_fn
 
 
 def _data_source(spec, inputs: InputSpec | None, where: str) -> tuple[DataSource, int | None, str]:
