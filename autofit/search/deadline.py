@@ -3,7 +3,7 @@
 A tune is judged by what it hands back when its time is up, so every stage (the search,
 the re-measures, validation, the frontier) asks the same `Deadline` how long it has. The
 clock is a seam: real tunes read `time.monotonic`, the simulated devices of the tests and
-of benchmarks/landscapes.py their own device time.
+of `benchmarks/anytime.py` their own device time.
 """
 
 import math
