@@ -19,7 +19,9 @@ from autofit.measure.measurement import Measurement
 from autofit.profiles.profile import Profile
 from autofit.search import SearchResult, TrialRecord
 from autofit.search.health import LossCurveCheck
-from autofit.tuning.tune import _Chosen, _deadline, _loaded, _Tune, tune, TuneSetup
+from autofit.tuning._tune_state import Chosen
+from autofit.tuning._validating import loaded, loss_reference
+from autofit.tuning.tune import _deadline, tune, TuneSetup
 from conftest import run_cli, TINY_GPT_ARGS, tiny_gpt_dict, write_spec
 
 SEARCH = {"precisions": ["32-true", "bf16-mixed"], "activation_checkpointing": False, "trials": 6, "patience": 6,
@@ -335,13 +337,13 @@ def test_the_load_warning_names_other_work_only_where_it_was_measured():
     def chosen(foreign, host_load):
         runs = [Measurement(status="ok", config=config, samples_per_s=100.0, foreign_cores=foreign,
                             cores=None if foreign is None else 2)]
-        return _Chosen(winner=record, winner_runs=runs, baseline=record, baseline_runs=runs, speedup=None, note="",
+        return Chosen(winner=record, winner_runs=runs, baseline=record, baseline_runs=runs, speedup=None, note="",
                        host_load=host_load)
 
-    assert _loaded(chosen(0.1, 0.9)) == ""
-    assert _loaded(chosen(1.2, 0.9)) == "1.2 of 2 cores busy with other work"
-    assert _loaded(chosen(None, 0.9)) == "load 0.9 per core"  # where other work cannot be told apart
-    assert _loaded(chosen(None, 0.3)) == ""
+    assert loaded(chosen(0.1, 0.9)) == ""
+    assert loaded(chosen(1.2, 0.9)) == "1.2 of 2 cores busy with other work"
+    assert loaded(chosen(None, 0.9)) == "load 0.9 per core"  # where other work cannot be told apart
+    assert loaded(chosen(None, 0.3)) == ""
 
 
 def test_a_validation_window_is_sized_in_seconds_between_its_bounds(tmp_path):
@@ -443,7 +445,7 @@ def test_on_a_gpu_the_pairs_validate_the_one_liner_and_the_profile_states_its_sp
     assert len(pair_steps) == search.speedup_pairs  # its validation run stood as the first pair's W
 
 
-def test_where_32_true_ran_only_checkpointed_its_search_trials_losses_are_the_loss_curve():
+def test_where_32_true_ran_only_checkpointed_its_search_trials_losses_are_the_loss_curve(monkeypatch):
     """On the H100 the profile said "no 32-true baseline validated: loss curves not compared":
     32-true had run only with 6 blocks checkpointed. That trial's losses (from step 0, over the
     same batches) are the curve; no run is taken for it."""
@@ -461,8 +463,9 @@ def test_where_32_true_ran_only_checkpointed_its_search_trials_losses_are_the_lo
     def no_run(*_, **__):
         raise AssertionError("no run is needed for the curve")
 
-    tune_run = types.SimpleNamespace(spec=None, demoted=set(), curve=LossCurveCheck(0.01), run_long=no_run)
-    _Tune._loss_reference(tune_run, result, one_liner)
+    monkeypatch.setattr("autofit.tuning._validating.run_long", no_run)
+    tune_run = types.SimpleNamespace(spec=None, demoted=set(), curve=LossCurveCheck(0.01))
+    loss_reference(tune_run, result, one_liner)
     assert tune_run.curve.reference is checkpointed.measurement
     assert tune_run.curve.summary(winner.config)["reference"] == checkpointed.config.short()
 

@@ -140,7 +140,7 @@ def test_the_flag_is_set_and_a_second_signal_forces_the_exit():
 def test_a_stop_during_an_estimate_is_an_interruption_the_tune_can_catch(tmp_path):
     """A stop that lands while the resident child estimates (after a config was measured,
     the tune's best so far becomes the profile) reaches the tune as an InterruptedError, which
-    `_Tune.predict` catches once halted; the stop flag's own `Stopped` (a KeyboardInterrupt)
+    `tuning._trials.predict` catches once halted; the stop flag's own `Stopped` (a KeyboardInterrupt)
     would unwind past the anytime write, to exit 143 with nothing written."""
     from autofit.base import stopping as flag
     from autofit.config.spec import load_spec
