@@ -25,6 +25,7 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from loguru import logger
 
@@ -119,89 +120,121 @@ def build_frontier(result: SearchResult, winner: TrialRecord, winner_runs: list[
     are kept."""
     if max_points <= 1:
         return (_point(winner.config, winner_runs, validate_steps),)
+    points = _Points(winner=winner, runs_of={winner.config: winner_runs}, records={winner.config: winner},
+                     budget_bytes=result.budget_bytes, run_validation=run_validation,
+                     stop_now=should_stop if should_stop is not None else (lambda: False))
+    _validate_candidates(points, result, validations, max_points=max_points, validate_steps=validate_steps,
+                         demoted=demoted)
+    kept = _kept_in_order(points)
+    return pareto_in_written_figures(tuple(_point(c, points.runs_of[c], validate_steps)
+                                           for c in (*kept, winner.config)))
 
-    def failed(m: Measurement) -> bool:
-        return m.status != "ok" or not m.samples_per_s or total_peak(m) > result.budget_bytes
 
-    top_peak = max(total_peak(m) for m in winner_runs)
+@dataclass(kw_only=True, slots=True)
+class _Points:
+    """The frontier's points as `build_frontier` validates them: each config's validation
+    runs (taken before or here) and its record, and how one more run is taken."""
+
+    winner: TrialRecord
+    runs_of: dict[TrainConfig, list[Measurement]]  # the winner's is the caller's list: runs taken here join it
+    records: dict[TrainConfig, TrialRecord]
+    budget_bytes: int
+    run_validation: Callable[[TrialRecord], Measurement]
+    stop_now: Callable[[], bool]  # true once no further run may be taken
+
+    def failed(self, m: Measurement) -> bool:
+        return m.status != "ok" or not m.samples_per_s or total_peak(m) > self.budget_bytes
+
+    def speed(self, config: TrainConfig) -> float:
+        return median_run(self.runs_of[config]).samples_per_s
+
+    def peak(self, config: TrainConfig) -> int:
+        return max(total_peak(m) for m in self.runs_of[config])
+
+
+def _validate_candidates(points: _Points, result: SearchResult, validations: dict[TrainConfig, list[Measurement]],
+                         *, max_points: int, validate_steps: int, demoted: set) -> None:
+    """Into `points`: the search's Pareto points below the winner, with their validation runs
+    (those taken before cost nothing; up to `max_points - 1` more are spread in log-peak), less
+    those whose runs failed."""
+    winner = points.winner
+    top_peak = max(total_peak(m) for m in points.runs_of[winner.config])
     ranked_top = next((p for p in pareto(result, demoted) if p[0].config == winner.config), None)
     top_speed = ranked_top[2] if ranked_top else math.inf
     # Below the winner on both axes: smaller and slower (a smaller config measured faster
     # than the winner lost to it in the interleaved re-measurement: noise, not a point).
     candidates = [p for p in pareto(result, demoted) if p[0].config != winner.config
                   and p[1] < top_peak and p[2] < top_speed
-                  and not any(failed(m) for m in validations.get(p[0].config, []))]
+                  and not any(points.failed(m) for m in validations.get(p[0].config, []))]
     free = [p for p in candidates if validations.get(p[0].config)]
     to_run = spread([p for p in candidates if p not in free], top_peak, max_points - 1)
-    stop_now = should_stop if should_stop is not None else (lambda: False)
-    runs_of = {winner.config: winner_runs}  # each config's validation runs, taken before or here
-    records = {winner.config: winner}
     for record, _peak, _speed in sorted(free + to_run, key=lambda p: p[1]):
         runs = list(validations.get(record.config, []))
-        if not runs and stop_now():
+        if not runs and points.stop_now():
             continue
         if not runs:
             logger.info("validating frontier point {} over {} steps", record.config.short(), validate_steps)
-            runs = [run_validation(record)]
-        if _left_out_failed(record.config, runs[-1], failed):
+            runs = [points.run_validation(record)]
+        if _left_out_failed(record.config, runs[-1], points.failed):
             continue
-        runs_of[record.config], records[record.config] = runs, record
+        points.runs_of[record.config], points.records[record.config] = runs, record
 
-    def speed(config: TrainConfig) -> float:
-        return median_run(runs_of[config]).samples_per_s
 
-    def peak(config: TrainConfig) -> int:
-        return max(total_peak(m) for m in runs_of[config])
-
-    # The Pareto frontier again, in validated figures: each point faster than every smaller
-    # one and smaller and slower than the winner. A point that validated as fast as a larger
-    # one would be chosen over it wherever both fit, so the larger one goes; one that
-    # validated as fast as the winner is noise (the winner beat it in the search). Every
-    # point here was slower than the next larger one in the search, so a validation that
-    # says otherwise is taken again, interleaved with the point it contradicts, before it
-    # decides: medians of up to 1 + RECHECK_ROUNDS runs, not one noisy run.
+def _kept_in_order(points: _Points) -> list[TrainConfig]:
+    """The Pareto frontier again, in validated figures, smallest first, the winner not in it:
+    each point faster than every smaller one and smaller and slower than the winner. A point
+    that validated as fast as a larger one would be chosen over it wherever both fit, so the
+    larger one goes; one that validated as fast as the winner is noise (the winner beat it in
+    the search). Every point here was slower than the next larger one in the search, so a
+    validation that says otherwise is taken again, interleaved with the point it contradicts,
+    before it decides (`_settle`): medians of up to 1 + RECHECK_ROUNDS runs, not one noisy run."""
+    winner = points.winner.config
     kept: list[TrainConfig] = []
-
-    def settle(config: TrainConfig) -> bool:
-        """Validate `config` again beside the point it contradicts, while it does (at most
-        RECHECK_ROUNDS rounds). False when a run of it failed: no point."""
-        for _ in range(RECHECK_ROUNDS):
-            rival = kept[-1] if kept and speed(kept[-1]) >= speed(config) else (
-                winner.config if speed(config) >= speed(winner.config) else None)
-            if rival is None or stop_now():
-                return True
-            logger.info("frontier point {} validated out of the search's order ({:.4g} samples/s, {} {:.4g}): "
-                        "validating both again, interleaved", config.short(), speed(config),
-                        "the winner" if rival == winner.config else rival.short(), speed(rival))
-            for again in (config, rival):
-                m = run_validation(records[again])
-                if not failed(m):
-                    runs_of[again].append(m)
-                elif again == winner.config:  # it passed before: its figure stays its passing runs'
-                    logger.warning("the winner {} failed a repeated validation ({})", again.short(), _why(m))
-                elif again == config:
-                    _left_out_failed(config, m, failed)
-                    return False
-                else:  # the smaller point it contradicted is no point either
-                    _left_out_failed(again, m, failed)
-                    kept.remove(again)
-        return True
-
-    for config in sorted((c for c in runs_of if c != winner.config), key=lambda c: (peak(c), -speed(c))):
-        if peak(config) >= peak(winner.config):
+    for config in sorted((c for c in points.runs_of if c != winner),
+                         key=lambda c: (points.peak(c), -points.speed(c))):
+        if points.peak(config) >= points.peak(winner):
             logger.info("frontier point {} left out: it validated at the winner's peak or above", config.short())
             continue
-        if not settle(config):
+        if not _settle(points, config, kept):
             continue
         smaller = kept[-1] if kept else None
-        if ((smaller is None or (speed(smaller) < speed(config) and peak(smaller) < peak(config)))
-                and speed(config) < speed(winner.config) and peak(config) < peak(winner.config)):
+        if ((smaller is None or (points.speed(smaller) < points.speed(config)
+                                 and points.peak(smaller) < points.peak(config)))
+                and points.speed(config) < points.speed(winner) and points.peak(config) < points.peak(winner)):
             kept.append(config)
         else:
             logger.info("frontier point {} left out: in validation a smaller point or the winner was as fast "
-                        "({:.4g} samples/s, median of {} runs)", config.short(), speed(config),
-                        len(runs_of[config]))
-    return pareto_in_written_figures(tuple(_point(c, runs_of[c], validate_steps) for c in (*kept, winner.config)))
+                        "({:.4g} samples/s, median of {} runs)", config.short(), points.speed(config),
+                        len(points.runs_of[config]))
+    return kept
+
+
+def _settle(points: _Points, config: TrainConfig, kept: list[TrainConfig]) -> bool:
+    """Validate `config` again beside the point it contradicts (the largest kept so far, or the
+    winner), while it does (at most RECHECK_ROUNDS rounds). False when a run of it failed: no
+    point. A kept point whose repeated run failed leaves `kept`."""
+    winner, speed = points.winner.config, points.speed
+    for _ in range(RECHECK_ROUNDS):
+        rival = kept[-1] if kept and speed(kept[-1]) >= speed(config) else (
+            winner if speed(config) >= speed(winner) else None)
+        if rival is None or points.stop_now():
+            return True
+        logger.info("frontier point {} validated out of the search's order ({:.4g} samples/s, {} {:.4g}): "
+                    "validating both again, interleaved", config.short(), speed(config),
+                    "the winner" if rival == winner else rival.short(), speed(rival))
+        for again in (config, rival):
+            m = points.run_validation(points.records[again])
+            if not points.failed(m):
+                points.runs_of[again].append(m)
+            elif again == winner:  # it passed before: its figure stays its passing runs'
+                logger.warning("the winner {} failed a repeated validation ({})", again.short(), _why(m))
+            elif again == config:
+                _left_out_failed(config, m, points.failed)
+                return False
+            else:  # the smaller point it contradicted is no point either
+                _left_out_failed(again, m, points.failed)
+                kept.remove(again)
+    return True
 
 
 def pareto_in_written_figures(points: tuple[FrontierPoint, ...]) -> tuple[FrontierPoint, ...]:
