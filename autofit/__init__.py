@@ -4,7 +4,7 @@
     profile = autofit.load_profile("gpt-small")      # tuned by `autofit tune model.yaml`
     with profile.apply(model) as plan:
         ...
-    profile = autofit.tune(model, batch_fn, loss_fn, global_batch_size=32)   # a model in a notebook
+    profile = autofit.tune(model, batch_fn, loss_fn, autofit.TuneOptions(global_batch_size=32))  # a model in a notebook
 
 The public API is the names in `__all__`; each is imported from its module the first time
 it is used (as optuna does), so `import autofit` and the `autofit` command start without
@@ -33,6 +33,7 @@ _PUBLIC = {
     "load_profile": "autofit.profiles.store",
     "chunked_lm_loss": "autofit.workload.chunked",
     "tune": "autofit.tuning.notebook",
+    "TuneOptions": "autofit.tuning.notebook",  # `autofit.tune`'s settings as one value
     "train_model": "autofit.tuning.notebook",  # not `train`: the package autofit.train holds that name
 }
 

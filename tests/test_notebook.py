@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -121,3 +122,85 @@ def test_a_spec_file_cannot_name_a_model_object(tmp_path):
     with pytest.raises(SpecError, match=r"^model.object: __main__.Net was given to autofit.tune\(\) as a Python "
                                         r"object; a spec file names a model with model.python"):
         build_workload(spec)
+
+
+def _captured_setups(monkeypatch) -> list:
+    """`autofit.tune`'s TuneSetup and the names of the objects it pickled, per call, in place of tuning."""
+    import cloudpickle
+
+    seen = []
+
+    def tune_spec(setup, **_):
+        seen.append((setup, sorted(cloudpickle.loads(setup.objects.read_bytes()))))
+        return types.SimpleNamespace(profile=f"profile {len(seen)}")
+
+    monkeypatch.setattr("autofit.tuning.notebook.tune_spec", tune_spec)
+    return seen
+
+
+def test_the_options_form_and_the_keywords_tune_the_same(tmp_path, monkeypatch):
+    """`autofit.tune(model, batch_fn, loss_fn, TuneOptions(...))` and the keywords it has always
+    taken make the same spec, budget, device, study and settings."""
+    seen = _captured_setups(monkeypatch)
+    settings = {"global_batch_size": 8, "device": "cpu", "memory_budget": "64MiB", "trials": 3,
+                "optimizer": {"name": "adamw", "lr": 1e-3}, "name": "clf", "per_sample": False, "batch_dim": 0,
+                "max_grad_norm": 0.5, "search": {"precisions": ["32-true"]}, "timeout_s": 30.0,
+                "out_dir": tmp_path / "profiles", "state_dir": tmp_path / "state", "report": False}
+    assert notebook.tune(_classifier(), _batches, _loss, **settings) == "profile 1"
+    assert notebook.tune(_classifier(), _batches, _loss, notebook.TuneOptions(**settings)) == "profile 2"
+    assert notebook.tune(_classifier(), _batches, _loss, options=notebook.TuneOptions(**settings)) == "profile 3"
+    (by_keywords, objects), *by_options = seen
+    assert objects == ["batch_fn", "loss_fn", "model"]
+    for setup, names in by_options:
+        assert names == objects
+        assert setup.spec == by_keywords.spec and setup.spec.spec_hash == by_keywords.spec.spec_hash
+        assert setup.budget == by_keywords.budget
+        # The same device (its free memory, read at each call, moves with the host's).
+        assert (setup.device.kind, setup.device.name, setup.device.fingerprint) == (
+            by_keywords.device.kind, by_keywords.device.name, by_keywords.device.fingerprint)
+        assert (setup.storage, setup.trials, setup.report, setup.out_dir) == (
+            by_keywords.storage, by_keywords.trials, by_keywords.report, by_keywords.out_dir)
+    assert by_keywords.spec.name == "clf" and by_keywords.spec.train.max_grad_norm == 0.5
+    assert by_keywords.trials == 3 and by_keywords.report is False and by_keywords.budget.time_s == 30.0
+
+
+def test_an_optimizer_object_reaches_the_worker_in_either_form(tmp_path, monkeypatch):
+    seen = _captured_setups(monkeypatch)
+    where = {"device": "cpu", "out_dir": tmp_path / "profiles", "state_dir": tmp_path / "state", "report": False}
+    notebook.tune(_classifier(), _batches, _loss, global_batch_size=8, optimizer=torch.optim.SGD,
+                  optimizer_args={"lr": 0.1}, **where)
+    notebook.tune(_classifier(), _batches, _loss, notebook.TuneOptions(
+        global_batch_size=8, optimizer=torch.optim.SGD, optimizer_args={"lr": 0.1}, **where))
+    (first, first_objects), (second, second_objects) = seen
+    assert first_objects == second_objects == ["batch_fn", "loss_fn", "model", "optimizer"]
+    assert first.spec == second.spec and first.spec.to_dict()["optimizer"]["args"] == {"lr": 0.1}
+
+
+def test_options_and_keywords_at_once_or_unknown_keywords_are_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr("autofit.tuning.notebook.tune_spec", lambda *a, **k: pytest.fail("tuned"))
+    options = notebook.TuneOptions(global_batch_size=8, device="cpu", out_dir=tmp_path, state_dir=tmp_path)
+    with pytest.raises(TypeError, match=r"^autofit.tune\(\) takes options or keywords, not both: put trials in"):
+        notebook.tune(_classifier(), _batches, _loss, options, trials=2)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) global_batch; .* autofit.TuneOptions"):
+        notebook.tune(_classifier(), _batches, _loss, global_batch=8)
+    with pytest.raises(TypeError, match=r"needs global_batch_size=N"):
+        notebook.tune(_classifier(), _batches, _loss, device="cpu")
+    with pytest.raises(TypeError, match=r"options must be an autofit.TuneOptions, got dict"):
+        notebook.tune(_classifier(), _batches, _loss, {"global_batch_size": 8})
+    with pytest.raises(SpecError, match=r"^trials: must be a positive integer, got 0$"):
+        notebook.TuneOptions(global_batch_size=8, trials=0)  # checked at the door, as the keywords are
+    assert not any(tmp_path.iterdir())
+
+
+def test_tune_options_is_public_frozen_and_keyword_only():
+    import dataclasses
+
+    import autofit
+
+    assert "TuneOptions" in autofit.__all__ and autofit.TuneOptions is notebook.TuneOptions
+    options = autofit.TuneOptions(global_batch_size=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.trials = 3
+    with pytest.raises(TypeError):
+        autofit.TuneOptions(8)
+    assert not hasattr(options, "__dict__")  # slots

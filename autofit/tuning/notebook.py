@@ -1,7 +1,9 @@
 """`autofit.tune` and `autofit.train_model` for a model that lives in Python (a notebook, a script),
 not in a spec file.
 
-    profile = autofit.tune(model, batch_fn, loss_fn, global_batch_size=32, memory_budget="8GiB")
+    options = autofit.TuneOptions(global_batch_size=32, memory_budget="8GiB")
+    profile = autofit.tune(model, batch_fn, loss_fn, options)   # or its fields as keywords:
+    # profile = autofit.tune(model, batch_fn, loss_fn, global_batch_size=32, memory_budget="8GiB")
     with profile.apply(model, device="cuda") as plan:
         for step in range(1000):
             plan.step(batch=batch_fn(32, generator), loss_fn=loss_fn)
@@ -17,9 +19,11 @@ copied with them: pass a factory (`lambda: GPT(config)`) rather than a large mod
 weights would be pickled.
 """
 
+import dataclasses
 import hashlib
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import cloudpickle
@@ -31,7 +35,7 @@ from autofit.base.errors import SpecError
 from autofit.base.logs import adopt_default_handler
 from autofit.base.paths import default_state_dir, default_store_dir, sqlite_storage
 from autofit.config.arguments import check_count, check_seconds
-from autofit.config.spec import MAX_TRIALS, OBJECT_SOURCE, parse_spec
+from autofit.config.spec import MAX_TRIALS, ModelSpec, OBJECT_SOURCE, parse_spec
 from autofit.device.budget import budget_for
 from autofit.device.probe import select_device
 from autofit.workload.data import FunctionData
@@ -44,13 +48,43 @@ from autofit.tuning.training import train_module
 OBJECTS_FILE = "objects.pkl"
 
 
-def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn: Callable | None = None, *,
-         global_batch_size: int, device: str | int | None = None, memory_budget: str | int | None = None,
-         trials: int | None = None, optimizer: dict | Callable | type | None = None,
-         optimizer_args: dict | None = None, name: str | None = None,
-         per_sample: bool = True, batch_dim: int | None = None, blocks: str | Sequence[str] | None = None,
-         max_grad_norm: float | None = 1.0, search: dict | None = None, timeout_s: float | None = None,
-         out_dir: str | Path | None = None, state_dir: str | Path | None = None, report: bool = True) -> Profile:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuneOptions:
+    """How `autofit.tune` tunes a model that lives in Python: the settings a spec file would
+    give (the spec's `train:`, `optimizer:` and `search:`), the device and budget the CLI's
+    flags would, and where the study and the profile live. Each is also a keyword of
+    `autofit.tune` itself."""
+
+    global_batch_size: int  # the user's hyperparameter: micro batch x accumulation = this, never changed
+    device: str | int | None = None  # "cpu" or a CUDA index, as --device; None: the first GPU, else the CPU
+    memory_budget: str | int | None = None  # "8GiB" or bytes, as --memory-budget; None: what the card has free
+    trials: int | None = None  # most trials, as --trials; None: search.trials
+    # The spec's `optimizer:` section ({"name": "adamw", "lr": 3e-4, ...}), or your own optimizer:
+    # a `torch.optim.Optimizer` class or a function fn(params, **optimizer_args) (or a
+    # functools.partial of one), pickled with the model and used unchanged.
+    optimizer: dict | Callable | type | None = None
+    optimizer_args: dict | None = None  # your own optimizer's arguments (a built-in one takes them in its dict)
+    name: str | None = None  # in the profile's file name; None: the model's class (or factory's) name
+    per_sample: bool = True  # False: the loss couples a batch's samples (in-batch negatives): no batch is split
+    batch_dim: int | None = None  # where `forward` takes the batch; None: 0, probed
+    blocks: str | Sequence[str] | None = None  # dotted paths of the block stack; None: found
+    max_grad_norm: float | None = 1.0  # the spec's train.max_grad_norm: trials clip as training will
+    search: dict | None = None  # the spec's `search:` section (precisions, trials, validate_steps, ...)
+    timeout_s: float | None = None  # the search's time, as --timeout; None: until its trials are done
+    out_dir: str | Path | None = None  # the profile store; None: ./profiles
+    state_dir: str | Path | None = None  # the study (resumed when the same cell runs again); None: the default
+    report: bool = True  # the HTML report beside the profile
+
+    def __post_init__(self) -> None:
+        check_seconds("timeout_s", self.timeout_s)  # as `autofit tune --timeout`: before any work
+        check_count("trials", self.trials, maximum=MAX_TRIALS)
+
+
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(TuneOptions))
+
+
+def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn: Callable | None = None,
+         options: TuneOptions | None = None, **keywords) -> Profile:
     """Tune `model` as `autofit tune` tunes a spec's, and return the profile it wrote.
 
     `model`: an `nn.Module` on the CPU (each trial trains its own copy; the object itself is
@@ -59,22 +93,57 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
     the same generator state. `loss_fn(model, micro_batch) -> scalar tensor`: the micro
     batch's mean loss; None: the model's own (`.loss`, `["loss"]`, a scalar, else
     cross-entropy of its logits against the batch's targets, bound to `forward` by name).
-    `per_sample=False`: the loss couples a batch's samples (in-batch negatives): every step
-    runs the batch whole. `batch_dim`: where `forward` takes the batch (default 0, probed).
-    `blocks`: dotted paths of the block stack (default: found). `optimizer`: the spec's
-    `optimizer:` section (`{"name": "adamw", "lr": 3e-4, ...}`), or your own optimizer: a
-    `torch.optim.Optimizer` class or a function `fn(params, **optimizer_args)` (or a
-    `functools.partial` of one), pickled with the model and used unchanged; the profile
-    records it as `{python: "module:name", args: ...}`. `search`: the spec's `search:`
-    section. `memory_budget`: `"8GiB"` or bytes, as `--memory-budget`.
+    `options`: a `TuneOptions` (its fields say what each setting does); or its fields as
+    keywords (`global_batch_size=32, memory_budget="8GiB"`), not both. The optimizer a user
+    gives as an object is recorded in the profile as `{python: "module:name", args: ...}`.
 
     The study (state_dir) and the profile (out_dir, default ./profiles) are keyed by the
     model's class, the shapes of its parameters and of a sample batch, so running the same
     cell again resumes the study instead of measuring again."""
-    check_seconds("timeout_s", timeout_s)  # as `autofit tune --timeout`: before any work
-    check_count("trials", trials, maximum=MAX_TRIALS)
+    options = _options(options, keywords)
     adopt_default_handler()  # the CLI's log lines, not loguru's default ones
+    spec, objects = _spec(model, batch_fn, loss_fn, options)
+    info = select_device(None if options.device is None else str(options.device))
+    budget = budget_for(info, options.memory_budget, headroom=spec.search.memory_headroom, time_s=options.timeout_s)
+    state = Path(options.state_dir) if options.state_dir is not None else default_state_dir()
+    state.mkdir(parents=True, exist_ok=True)
+    use_inductor_cache(state)  # beside the study: a re-tune and the validation load its graphs
+    out = Path(options.out_dir) if options.out_dir is not None else default_store_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="autofit-objects-") as folder:
+        path = Path(folder) / OBJECTS_FILE
+        _pickle(objects, path)
+        outcome = tune_spec(TuneSetup(spec=spec, device=info, budget=budget, out_dir=out,
+                                      storage=sqlite_storage(state), trials=options.trials, report=options.report,
+                                      objects=path))
+    return outcome.profile
+
+
+def _options(options: TuneOptions | None, keywords: dict) -> TuneOptions:
+    """The options given, or those the keywords make (the keywords `autofit.tune` has always
+    taken); both at once is a mistake said in one line."""
+    unknown = sorted(set(keywords) - _OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"autofit.tune() got unexpected keyword argument(s) {', '.join(unknown)}; its settings are "
+                        f"the fields of autofit.TuneOptions")
+    if options is None:
+        if "global_batch_size" not in keywords:
+            raise TypeError("autofit.tune() needs global_batch_size=N (or options=autofit.TuneOptions(...))")
+        return TuneOptions(**keywords)
+    if keywords:
+        raise TypeError(f"autofit.tune() takes options or keywords, not both: put {', '.join(sorted(keywords))} in "
+                        f"the TuneOptions (dataclasses.replace(options, ...))")
+    if not isinstance(options, TuneOptions):
+        raise TypeError(f"autofit.tune(): options must be an autofit.TuneOptions, got {type(options).__name__}")
+    return options
+
+
+def _spec(model, batch_fn: Callable, loss_fn: Callable | None, options: TuneOptions) -> tuple[ModelSpec, dict]:
+    """The spec the options make for the model, and the objects the trial worker loads: the
+    model, `batch_fn`, `loss_fn` and a user's own optimizer."""
     objects = {"model": model, "batch_fn": batch_fn, "loss_fn": loss_fn}
+    optimizer, optimizer_args, blocks, batch_dim = (options.optimizer, options.optimizer_args, options.blocks,
+                                                    options.batch_dim)
     optimizer_section = optimizer or {}
     if optimizer is not None and not isinstance(optimizer, dict):
         objects["optimizer"], target, args = from_object(optimizer, optimizer_args)
@@ -86,22 +155,13 @@ def tune(model: nn.Module | Callable[[], nn.Module], batch_fn: Callable, loss_fn
                      "args": {"fingerprint": _fingerprint(model, batch_fn, loss_fn, batch_dim)},
                      **({"blocks": [blocks] if isinstance(blocks, str) else list(blocks)} if blocks else {}),
                      **({"batch_dim": batch_dim} if batch_dim is not None else {})}
-    spec = parse_spec({"name": name or _default_name(model), "model": model_section, "optimizer": optimizer_section,
-                       "train": {"global_batch_size": global_batch_size, "max_grad_norm": max_grad_norm},
-                       "loss": {"per_sample": per_sample}, "search": search or {}}, source_dir=Path.cwd())
-    info = select_device(None if device is None else str(device))
-    budget = budget_for(info, memory_budget, headroom=spec.search.memory_headroom, time_s=timeout_s)
-    state = Path(state_dir) if state_dir is not None else default_state_dir()
-    state.mkdir(parents=True, exist_ok=True)
-    use_inductor_cache(state)  # beside the study: a re-tune and the validation load its graphs
-    out = Path(out_dir) if out_dir is not None else default_store_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="autofit-objects-") as folder:
-        path = Path(folder) / OBJECTS_FILE
-        _pickle(objects, path)
-        outcome = tune_spec(TuneSetup(spec=spec, device=info, budget=budget, out_dir=out,
-                                      storage=sqlite_storage(state), trials=trials, report=report, objects=path))
-    return outcome.profile
+    spec = parse_spec({"name": options.name or _default_name(model), "model": model_section,
+                       "optimizer": optimizer_section,
+                       "train": {"global_batch_size": options.global_batch_size,
+                                 "max_grad_norm": options.max_grad_norm},
+                       "loss": {"per_sample": options.per_sample}, "search": options.search or {}},
+                      source_dir=Path.cwd())
+    return spec, objects
 
 
 def train_model(model: nn.Module, batch_fn: Callable, loss_fn: Callable | None = None, *, profile: Profile, steps: int,
