@@ -27,7 +27,7 @@ _PUBLIC = {
     "ModelSpec": "autofit.config.spec",
     "load_spec": "autofit.config.spec",
     "TrainConfig": "autofit.config.train_config",
-    "TrainingPlan": "autofit.train.plan",
+    "TrainingPlan": "autofit.train.training_plan",
     "Profile": "autofit.profiles.profile",
     "ProfileStore": "autofit.profiles.store",
     "load_profile": "autofit.profiles.store",

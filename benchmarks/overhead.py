@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from autofit.config.train_config import TrainConfig
-from autofit.train.knobs import apply_config
+from autofit.train.configure import apply_config
 from autofit.train.runner import resolve_device, Runner
 from autofit.config.spec import load_spec
 from autofit.workload import build_workload

@@ -18,7 +18,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.device.probe import cpu_device
 from autofit.workload import build_workload, make_workload, split_batch
 from autofit.workload.batch_dim import check_batch_dim
-from autofit.train.knobs import apply_checkpointing, find_block_stack
+from autofit.train.configure import apply_checkpointing, find_block_stack
 from autofit.train.runner import Runner
 from autofit.tuning.space import search_space
 from conftest import assert_tuned, FIXTURES, REPO, run_cli, run_main, write_spec

@@ -77,7 +77,7 @@ def test_a_distributed_profile_outside_torchrun_names_the_launch_command(tmp_pat
     config = TrainConfig(micro_batch_size=4, parallelism="fsdp", world_size=2)
     with pytest.raises(ProfileError, match="torchrun --nproc-per-node 2"):
         Runner(spec, build_workload(spec), config, device=torch.device("cpu"))
-    from autofit.train.plan import TrainingPlan
+    from autofit.train.training_plan import TrainingPlan
 
     with pytest.raises(ProfileError, match="needs a process group"):
         TrainingPlan(build_workload(spec).build_model(), config)

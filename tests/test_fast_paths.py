@@ -3,7 +3,7 @@
 import os
 
 from autofit.device.compiler_cache import INDUCTOR_CACHE_ENV, use_inductor_cache
-from autofit.train.knobs import apply_compile
+from autofit.train.configure import apply_compile
 from autofit.workload.zoo import gpt
 
 
@@ -55,7 +55,7 @@ from autofit.device.alloc_conf import ALLOC_CONF_ENV  # noqa: E402
 from autofit.device.probe import cpu_device  # noqa: E402
 from autofit.measure.messages import Analysis  # noqa: E402
 from autofit.measure.process import child_env  # noqa: E402
-from autofit.train.knobs import prepare_process  # noqa: E402
+from autofit.train.configure import prepare_process  # noqa: E402
 from autofit.tuning.space import search_space  # noqa: E402
 from conftest import REPO, tiny_gpt_dict, write_spec  # noqa: E402
 
@@ -173,14 +173,14 @@ def test_prepare_process_warns_when_cuda_started_first(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     warnings = []
-    monkeypatch.setattr("autofit.train.knobs.logger.warning", lambda *a: warnings.append(a[0]))
+    monkeypatch.setattr("autofit.train.configure.logger.warning", lambda *a: warnings.append(a[0]))
     prepare_process(TrainConfig(micro_batch_size=1, expandable_segments=True))
     assert warnings and "CUDA had started" in warnings[0]
 
 
 def test_the_cudnn_benchmark_hook_sets_the_flag_the_profile_records(monkeypatch):
     from autofit.device.precision import process_flags
-    from autofit.train.knobs import apply_config
+    from autofit.train.configure import apply_config
 
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     apply_config(torch.nn.Linear(2, 2), TrainConfig(micro_batch_size=1))

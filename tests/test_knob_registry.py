@@ -68,12 +68,12 @@ def test_the_scan_finds_a_hand_written_list(tmp_path):
 
 
 def test_each_hook_is_a_registered_knob():
-    from autofit.train.knobs import HOOKS, KnobHook
+    from autofit.train.configure import HOOKS, KnobHook
 
     assert set(HOOKS) <= set(KNOBS)
     for name, hook in HOOKS.items():
         assert isinstance(hook, KnobHook)
-        assert KNOBS[name].applied_by.startswith("autofit.train.knobs:")
+        assert KNOBS[name].applied_by.startswith("autofit.train.configure:")
 
 
 def test_the_typed_fields_name_what_exists():
@@ -217,7 +217,7 @@ class _Recording:
     """A hook with every entry, recording what reached it (the shape an offload knob takes)."""
 
     def __init__(self):
-        from autofit.train.knobs import KnobHook
+        from autofit.train.configure import KnobHook
 
         class Hook(KnobHook):
             def model(hook, model, value):
@@ -237,8 +237,8 @@ class _Recording:
 def test_a_hook_sees_the_model_the_optimizer_and_each_micro_batch(monkeypatch):
     import torch
 
-    from autofit.train import knobs
-    from autofit.train.plan import TrainingPlan
+    from autofit.train import configure as knobs
+    from autofit.train.training_plan import TrainingPlan
 
     recording = _Recording()
     monkeypatch.setitem(knobs.HOOKS, "length_bucketing", recording.hook)

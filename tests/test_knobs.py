@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autofit.config.train_config import TrainConfig, with_overrides
-from autofit.train.knobs import apply_checkpointing, find_block_stack, spread_indices
+from autofit.train.configure import apply_checkpointing, find_block_stack, spread_indices
 from autofit.base.errors import SpecError
 from autofit.train.runner import Runner
 from autofit.config.spec import parse_spec
@@ -166,7 +166,7 @@ def test_selective_checkpointing_keeps_matmul_outputs_and_recomputes_the_rest():
     """The named policy: backward recomputes a selective block's layer norms and GELU but
     none of its matmuls or its attention; a full block recomputes them all. Gradients are
     the plain step's."""
-    from autofit.train.knobs import save_matmul_attention
+    from autofit.train.configure import save_matmul_attention
 
     aten = torch.ops.aten
     assert save_matmul_attention(None, aten.mm.default).name == "MUST_SAVE"
@@ -224,7 +224,7 @@ def aot_eager(monkeypatch):
 
 
 def test_compiled_blocks_keep_keys_and_gradients(aot_eager):
-    from autofit.train.knobs import compile_count
+    from autofit.train.configure import compile_count
 
     config = TrainConfig(micro_batch_size=4, grad_accum_steps=2, checkpoint_blocks=1, checkpoint_policy="selective")
     plain, compiled = make_runner(config), make_runner(config.replace(compile=True))

@@ -11,7 +11,7 @@ import torch
 from autofit.config.train_config import TrainConfig
 from autofit.device.memory import LiveBytesTracker
 from autofit.train import offload
-from autofit.train.knobs import apply_config, apply_optimizer_hooks
+from autofit.train.configure import apply_config, apply_optimizer_hooks
 from autofit.train.optim import OptimizerMissingError
 from autofit.workload.zoo import gpt
 

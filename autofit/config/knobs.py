@@ -9,7 +9,7 @@ values, the Optuna parameter, the short tag, the memory model's order, the expor
 (`autofit.profiles.export`), the validation's reference and the table in docs/design.md.
 
 To add a knob: one row here, its `TrainConfig` field (written out, at its default: a test
-checks the two agree), its hook object (`autofit.train.knobs.HOOKS`: entries for the model,
+checks the two agree), its hook object (`autofit.train.configure.HOOKS`: entries for the model,
 the batch and the optimizer; or the module `applied_by` names), and tests. Its memory rule
 is the row's `holds_more` (or `calibrated_apart`); the estimator traces the applied knob on
 fake tensors like any other. `tests/test_knob_registry.py` fails when a list of knob names is
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from autofit.base.errors import SpecError
 
-CHECKPOINT_POLICIES = ("full", "selective")  # what a checkpointed block keeps (train/knobs.py)
+CHECKPOINT_POLICIES = ("full", "selective")  # what a checkpointed block keeps (train/configure.py)
 # A vocabulary this large makes the logits (and their gradient) a large share of a step's
 # memory: the chunked loss is tried on the leaders of such LM heads (GPT-2's 50257 is one).
 LARGE_VOCAB_TOKENS = 32768
@@ -71,7 +71,7 @@ class Exports:
     hf_args: dict = field(default_factory=dict)  # value -> `TrainingArguments` keywords
     hf_note: str | None = None  # what `TrainingArguments` cannot say, and how to get it anyway
     lightning_note: str | None = None
-    # Applied to the model by `autofit.train.knobs.apply_config`: Lightning's note on
+    # Applied to the model by `autofit.train.configure.apply_config`: Lightning's note on
     # `configure_model()` names it with checkpointing and freezing.
     model_setup: bool = False
     # It chooses the optimizer's implementation: where the profile recorded the implementation
@@ -237,11 +237,11 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
                             hf_note="offload_activations: the activations each block not checkpointed saves for "
                                     "backward were kept in pinned host memory (torch.autograd.graph.save_on_cpu("
                                     "pin_memory=True) around the block's forward); TrainingArguments has no slot: "
-                                    "call autofit.train.knobs.apply_config(model, profile.config) (freezing, "
+                                    "call autofit.train.configure.apply_config(model, profile.config) (freezing, "
                                     "checkpointing and offloading as measured) before building the Trainer",
                             lightning_note="offload_activations: each block not checkpointed keeps its saved "
                                            "activations in pinned host memory (save_on_cpu)"),
-            applied_by="autofit.train.knobs:offload_activations",
+            applied_by="autofit.train.configure:offload_activations",
             doc="the activations of the blocks not checkpointed kept in pinned host memory (save_on_cpu), "
                 "so a config checkpoints some blocks and offloads the others; on CUDA where nothing "
                 "fits without it"),
@@ -267,7 +267,7 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
                             lightning_note="offload_optimizer: return torchao.optim.CPUOffloadOptimizer("
                                            "self.parameters(), torch.optim.AdamW, lr=...) from "
                                            "configure_optimizers(), the CPU step autofit measured"),
-            applied_by="autofit.train.knobs:offload_optimizer",
+            applied_by="autofit.train.configure:offload_optimizer",
             doc="the optimizer's state and its step on the CPU (torchao CPUOffloadOptimizer), one "
                 "process; on CUDA where nothing fits without it"),
     KnobDef(name="fsdp_offload", type=bool, values=(False, True), choices="fsdp_offload",
@@ -294,11 +294,11 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
                             hf_note="checkpoint_policy=selective: the profile keeps each checkpointed block's "
                                     "matmul and attention outputs and recomputes only the rest; TrainingArguments "
                                     "can only recompute whole layers, which fits in no more memory but is slower. "
-                                    "For the exact choice, apply it to the model (autofit.train.knobs."
+                                    "For the exact choice, apply it to the model (autofit.train.configure."
                                     "apply_checkpointing(model, {config.checkpoint_blocks}, "
                                     "first_block={config.freeze_blocks}, policy='selective')) and set "
                                     "{ckpt_key}=False"),
-            applied_by="autofit.train.knobs:apply_checkpointing",
+            applied_by="autofit.train.configure:apply_checkpointing",
             doc="what each checkpointed block keeps: its input (full) or also its matmul and "
                 "attention outputs (selective); opt-in"),
     KnobDef(name="compile", type=bool, values=(False, True), choices="compile", role=Role.REFINE,
@@ -309,9 +309,9 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
                             hf_note="compile: torch_compile=True compiles the whole model, and a graph break "
                                     "outside the blocks leaves that part eager; autofit measured each block "
                                     "compiled (fullgraph) with inductor. For the exact setup call "
-                                    "autofit.train.knobs.apply_compile(model) before building the Trainer and "
+                                    "autofit.train.configure.apply_compile(model) before building the Trainer and "
                                     "leave torch_compile=False"),
-            applied_by="autofit.train.knobs:apply_compile",
+            applied_by="autofit.train.configure:apply_compile",
             doc="torch.compile of each block (the whole model without a block stack), tried on the "
                 "leaders only; compile time measured apart from throughput, inductor's cache in the "
                 "state folder; on CUDA by default, on the CPU opt-in"),
@@ -332,7 +332,7 @@ KNOBS: dict[str, KnobDef] = {k.name: k for k in (
             calibrated_apart=True,  # the autotuner may pick algorithms with larger workspaces
             # Process-wide: `Profile.apply` sets it from the profile's recorded flags.
             exports=Exports(env="AUTOFIT_CUDNN_BENCHMARK"),
-            applied_by="autofit.train.knobs:apply_cudnn_benchmark",
+            applied_by="autofit.train.configure:apply_cudnn_benchmark",
             doc="cuDNN's autotuner picks each convolution's fastest algorithm, tried on the leaders "
                 "of models with convolutions; CUDA only"),
 )}

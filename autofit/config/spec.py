@@ -64,7 +64,7 @@ class ModelSource:
     # value `{python: "module:Callable", args: {...}}` is built first (a config object).
     args: dict
     # Where the block stack is (dotted paths of nn.ModuleList / nn.Sequential modules, in
-    # forward order); None: found (train.knobs.find_block_stack).
+    # forward order); None: found (train.configure.find_block_stack).
     blocks: tuple[str, ...] | None = None
     # The dimension of its inputs and outputs where the model takes the batch; None: 0,
     # checked by a probe before training (workload.batch_dim).

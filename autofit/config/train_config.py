@@ -1,5 +1,5 @@
 """`TrainConfig`: one point of the search space, as plain data (no torch). What a profile
-records, a trial measures and a run applies (`autofit.train.knobs` applies it to a model).
+records, a trial measures and a run applies (`autofit.train.configure` applies it to a model).
 
     config = TrainConfig(precision="bf16-mixed", micro_batch_size=8, grad_accum_steps=4)
     config.short()                        # 'bf16-mixed mb=8x4 ckpt=0 freeze=0'

@@ -30,7 +30,7 @@ from autofit.device.oom import is_oom, needed_bytes
 from autofit.device.precision import process_flags
 from autofit.workload import build_workload, Workload
 from autofit.train import distributed
-from autofit.train.knobs import compile_count, prepare_process
+from autofit.train.configure import compile_count, prepare_process
 from autofit.train.optim import implementation
 from autofit.train.runner import Runner
 from autofit.train.stagnation import UpdateProbe

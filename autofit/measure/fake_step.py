@@ -29,7 +29,7 @@ from autofit.device.memory import LiveBytesTracker
 from autofit.device.support import same_tensors
 from autofit.workload import build_workload, Workload
 from autofit.train.distributed import DEVICE_BUILD_SHARE
-from autofit.train.knobs import apply_optimizer_hooks, trainable_parameters
+from autofit.train.configure import apply_optimizer_hooks, trainable_parameters
 from autofit.train.offload import HostCounter
 from autofit.train.optim import build_optimizer, implementation
 from autofit.train.optim_state import fill_state, inferred_layout, state_layout, unfakeable_reason

@@ -25,7 +25,7 @@ import math
 from torch import nn
 
 from autofit.config.train_config import TrainConfig
-from autofit.train.knobs import find_block_stack
+from autofit.train.configure import find_block_stack
 
 
 def per_rank(one, model: nn.Module, config: TrainConfig, device_kind: str):

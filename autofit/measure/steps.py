@@ -31,7 +31,7 @@ from autofit.device.load import HostLoad
 from autofit.device.memory import check_growth, HeapMeter, LiveBytesTracker
 from autofit.device.oom import is_oom
 from autofit.train import distributed
-from autofit.train.knobs import compile_count
+from autofit.train.configure import compile_count
 from autofit.train.runner import Runner
 
 TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist

@@ -21,7 +21,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.workload import build_workload, make_workload, TextData, Workload
 from autofit.workload.flops import train_flops_per_sample
 from autofit.workload.batch_dim import check_batch_dim
-from autofit.train.knobs import block_count, micro_batch_floor
+from autofit.train.configure import block_count, micro_batch_floor
 from autofit.measure.child import run_request
 from autofit.measure.messages import Analysis, EstimateRequest, TrialRequest
 from autofit.measure.fake_step import cuda_poisoned, estimate_memory, EstimateError, max_micro_batch_size

@@ -103,7 +103,7 @@ def _hf_checkpointing(args: dict, notes: list[str], config: TrainConfig, n_block
         notes.append(
             f"checkpoint_blocks={k}: the profile checkpoints {k} {of}blocks; TrainingArguments here "
             f"checkpoints every block, which fits in no more memory but is slower. For the exact "
-            f"choice, apply it to the model (autofit.train.knobs.apply_checkpointing(model, {k}, "
+            f"choice, apply it to the model (autofit.train.configure.apply_checkpointing(model, {k}, "
             f"first_block={config.freeze_blocks})) and set "
             f"{ckpt_key}=False" + ("" if n_blocks is not None else
                                    ", or pass n_blocks= so an evenly spread choice can be exported"))
@@ -138,7 +138,7 @@ def _hf_caveats(notes: list[str], profile) -> None:
     if config.freeze_blocks > 0:
         notes.append(f"freeze_blocks={config.freeze_blocks}: TrainingArguments cannot freeze parameters; "
                      f"freeze them before building the Trainer: "
-                     f"autofit.train.knobs.apply_freezing(model, {config.freeze_blocks})")
+                     f"autofit.train.configure.apply_freezing(model, {config.freeze_blocks})")
     if config.precision == "bf16-true":
         notes.append("bf16-true: bf16=True only autocasts; the Trainer keeps fp32 weights and optimizer "
                      "state unless the model is cast first: model.to(torch.bfloat16)")
@@ -326,7 +326,7 @@ def lightning_notes(profile) -> list[str]:
                  f"freeze_blocks={config.freeze_blocks}"] + [f"{k.name}={_spell(getattr(config, k.name))}"
                                                             for k in setup]
         notes.append(f"{', '.join(knobs)}: apply them to the model in configure_model() with "
-                     f"autofit.train.knobs.apply_config(model, profile.config)")
+                     f"autofit.train.configure.apply_config(model, profile.config)")
     return notes
 
 

@@ -345,7 +345,7 @@ class Profile:
                 diffs.append(f"{name}: profile {mine!r}, here {theirs!r}")
         return diffs
 
-    # --- using a profile: the plan (autofit.train.plan) and the exports (autofit.profiles.export)
+    # --- using a profile: the plan (autofit.train.training_plan) and the exports (autofit.profiles.export)
 
     def fitted(self, *, memory_budget: int | str | None = None, device=None,
                memory_headroom: float | None = None, name: str | None = None) -> "Profile":
@@ -383,8 +383,8 @@ class Profile:
         next `autofit tune` starts from it. `state_dir`: where the tune kept inductor's cache
         (default: autofit's state folder)."""
         # torch here, not at the top: reading and writing profiles (the tune's parent) needs none.
-        from autofit.train.knobs import prepare_process
-        from autofit.train.plan import TrainingPlan
+        from autofit.train.configure import prepare_process
+        from autofit.train.training_plan import TrainingPlan
 
         chosen = self.fitted(memory_budget=memory_budget, device=device, memory_headroom=memory_headroom)
         # Before the plan moves the model (CUDA may start): the allocator setting measured, and
@@ -448,7 +448,7 @@ def _measured_optimizer_factory(training: TrainingSetup | None, config: TrainCon
     if training is None:
         return None
     from autofit.train.optim import build_optimizer  # torch: see Profile.apply
-    from autofit.train.plan import resolve_plan_device
+    from autofit.train.training_plan import resolve_plan_device
 
     optimizer_spec, where = training.optimizer_spec(), resolve_plan_device(device)
 

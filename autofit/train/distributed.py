@@ -31,7 +31,7 @@ from autofit.base.atomic import atomic_write, guarded_write
 from autofit.base.errors import ProfileError
 from autofit.config.train_config import TrainConfig
 from autofit.device.memory import usable_cuda_bytes
-from autofit.train.knobs import find_block_stack
+from autofit.train.configure import find_block_stack
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

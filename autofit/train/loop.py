@@ -22,7 +22,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.device.memory import check_growth, cuda_memory_stats, HeapMeter, LiveBytesTracker
 from autofit.workload import Workload
 from autofit.train import distributed
-from autofit.train.knobs import compile_count
+from autofit.train.configure import compile_count
 from autofit.train.optim import implementation
 from autofit.train.recover import Demotion, StepOutOfMemory
 from autofit.train.runner import Runner

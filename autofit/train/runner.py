@@ -1,5 +1,5 @@
 """The training step: one code path for trials, `autofit train` (`autofit.train.loop`) and
-profile plans (`autofit.train.plan`). `Runner` builds the model with a `TrainConfig` applied
+profile plans (`autofit.train.training_plan`). `Runner` builds the model with a `TrainConfig` applied
 and runs optimizer steps; `optimizer_step` is the end of every step, whoever runs it.
 """
 
@@ -18,7 +18,7 @@ from autofit.workload import split_batch, TextData, Workload
 from autofit.workload.binding import check_loss
 from autofit.workload.text import count_tokens
 from autofit.train import distributed
-from autofit.train.knobs import (apply_config, apply_optimizer_hooks, micro_batch_floor, prepare_batch,
+from autofit.train.configure import (apply_config, apply_optimizer_hooks, micro_batch_floor, prepare_batch,
                                  trainable_parameters)
 from autofit.train.optim import build_optimizer
 from autofit.train.recover import accumulate, demotion, Demotion, release_memory

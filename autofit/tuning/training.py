@@ -43,7 +43,7 @@ from autofit.workload import build_workload, make_workload
 from autofit.workload.optimizer import from_object
 from autofit.workload.batch_dim import check_batch_dim
 from autofit.train import distributed
-from autofit.train.knobs import prepare_process
+from autofit.train.configure import prepare_process
 from autofit.train.loop import train
 from autofit.train.runner import resolve_device
 from autofit.profiles.demotions import record_demotion

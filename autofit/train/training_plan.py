@@ -41,7 +41,7 @@ from autofit.device.precision import check_supported, PrecisionPolicy, process_f
 from autofit.workload import Batch, batch_size_of, split_batch
 from autofit.workload.binding import check_loss
 from autofit.train import distributed
-from autofit.train.knobs import apply_config, apply_optimizer_hooks, prepare_batch, trainable_parameters
+from autofit.train.configure import apply_config, apply_optimizer_hooks, prepare_batch, trainable_parameters
 from autofit.train.optim import implementation
 from autofit.train.recover import accumulate, Demotion, demotion, release_memory, StepOutOfMemory
 from autofit.train.runner import optimizer_step, resolve_device
@@ -126,7 +126,7 @@ class TrainingPlan:
 
     def to_device(self, batch: Batch) -> Batch:
         """A micro batch as the step takes it: on the plan's device, under bf16-true its float
-        inputs in bf16 too, with the knobs' batch entries (`autofit.train.knobs.prepare_batch`,
+        inputs in bf16 too, with the knobs' batch entries (`autofit.train.configure.prepare_batch`,
         as the runner's)."""
         return prepare_batch(batch, self.config, self.policy.param_dtype, self.device)
 
