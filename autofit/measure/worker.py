@@ -108,7 +108,7 @@ class Worker:
                                              stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         theirs.close()
         self.wire = LineSocket(ours)
-        self._send({"preload": list(self.preload), "setup": self.setup, "payload": self.payload})
+        self.wire.send({"preload": list(self.preload), "setup": self.setup, "payload": self.payload})
         self._setting_up = True
 
     def start(self, *, timeout_s: float, stop_event=None) -> None:
@@ -138,7 +138,7 @@ class Worker:
             companion.close()
         if self.wire is not None:
             with contextlib.suppress(OSError):
-                self._send({"op": "exit"})
+                self.wire.send({"op": "exit"})
             self.wire.close()
             self.wire = None
         if self.proc is not None:
@@ -213,7 +213,7 @@ class Worker:
         """Fork a child that runs `function` on `folder`'s payload; its pid, or None when the
         worker is gone."""
         try:
-            self._send({"op": "fork", "function": function, "folder": str(folder)})
+            self.wire.send({"op": "fork", "function": function, "folder": str(folder)})
         except OSError:
             self._lost()
             return None
@@ -234,7 +234,7 @@ class Worker:
         self._exits.pop(pid, None)
         self._forked.discard(pid)  # an exit reported after this is of a pid the worker reaped
         with contextlib.suppress(OSError, AttributeError):
-            self._send({"op": "reap", "pid": pid})
+            self.wire.send({"op": "reap", "pid": pid})
 
     def exit_status(self, pid: int) -> int | None:
         """The child's exit status if the worker has reported it by now (without waiting)."""
@@ -291,9 +291,6 @@ class Worker:
 
     # --- the socket ------------------------------------------------------------------------
 
-    def _send(self, message: dict) -> None:
-        self.wire.send(message)
-
     def _receive(self, timeout_s: float) -> dict | None:
         """The next message, None when none came in time. A child's exit is kept aside for
         whoever waits for that child (a resident task's may come while a trial runs)."""
@@ -317,7 +314,7 @@ class Worker:
                 self.close()
                 raise WorkerStopped(what)
             if time.monotonic() > deadline:
-                tail = self._log_tail()
+                tail = _last_line(_log_text(self.folder))
                 self.close()
                 raise TrialTimeoutError(f"the trial worker gave no answer to {what}: it timed out after {timeout_s:g} s "
                                         f"(importing torch and the model's module, loading the data; raise "
@@ -327,11 +324,11 @@ class Worker:
         """The worker died while `what`: an exit of its own during its setup is the user's code
         ending the process (their module, data factory or model called os._exit or exit):
         InputError; a signal (the kernel's OOM killer, someone's kill) is not."""
-        tail = self._log_tail()
+        tail = _last_line(_log_text(self.folder))
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         code = self.proc.returncode
-        exhaustion = exhausted_output(self._log_text(), "the trial worker")
+        exhaustion = exhausted_output(_log_text(self.folder), "the trial worker")
         self._lost()
         if exhaustion is not None:  # the host's limit, not the model's or data's code
             return exhaustion
@@ -341,13 +338,6 @@ class Worker:
                               f"(the model's or data's code ended the process){where}")
         how = f"was killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exited ({code})"
         return TrialError(f"the trial worker {how} during {what}{where}")
-
-    def _log_tail(self) -> str:
-        return next((line.strip() for line in reversed(self._log_text().splitlines()) if line.strip()), "")
-
-    def _log_text(self) -> str:
-        path = None if self.folder is None else self.folder / "log"
-        return path.read_text(errors="replace") if path is not None and path.exists() else ""
 
     def _lost(self) -> None:
         """The worker died (killed from outside, out of host memory): the next task starts another."""
@@ -367,6 +357,16 @@ class Worker:
         for folder in (self._task_folder, self.folder):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _log_text(folder: Path | None) -> str:
+    """`folder`'s `log` (the worker's: its setup's output and its tasks'; a task child's), "" before it has one."""
+    path = None if folder is None else folder / "log"
+    return path.read_text(errors="replace") if path is not None and path.exists() else ""
+
+
+def _last_line(text: str) -> str:
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
 
 
 def _signal_name(signum: int) -> str:
@@ -389,8 +389,7 @@ def _raise_setup_error(error: dict) -> None:
 
 def task_log_tail(folder: Path) -> str:
     """The end of a task child's log (its folder's `log`), "" when it wrote none."""
-    log = folder / "log"
-    return log.read_text(errors="replace")[-_LOG_TAIL_CHARS:] if log.exists() else ""
+    return _log_text(folder)[-_LOG_TAIL_CHARS:]
 
 
 def stop_asked(stop_event) -> bool:

@@ -362,7 +362,7 @@ class Tuner:
             return True
         left_s = (search_s - self.deadline.elapsed_s() if left_s is None else left_s) - spare_s
         # A smaller micro batch is predicted slower in proportion (a GPU's way), but for the look
-        # from below a slow micro step (`Plan._look_down`): that step may be slow for its size.
+        # from below a slow micro step (`plan._look_down`): that step may be slow for its size.
         looks_down = self.plan is not None and config == self.plan.look_down
 
         def scale(r: TrialRecord) -> float:

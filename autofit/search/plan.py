@@ -31,7 +31,7 @@ PROBE_AFTER_OOMS = 2
 PROBE_SHARE = 0.75
 # A first trial one of whose micro steps (forward and backward over one micro batch) takes
 # longer than this: its micro batch may be past the throughput's peak (a CPU's caches), and
-# its line at `LOOK_DOWN_SHARE` of the micro batch is measured next (`Plan._look_down`). A
+# its line at `LOOK_DOWN_SHARE` of the micro batch is measured next (`plan._look_down`). A
 # step that is slow for its accumulation (a GPU's small micro batch, many of them) is not.
 SLOW_MICRO_STEP_S = 0.5
 LOOK_DOWN_SHARE = 1 / 8
@@ -72,7 +72,7 @@ def allowed_of(records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
 
 
 def probes_in(records: list[TrialRecord]) -> set[TrainConfig]:
-    """The probe a study measured (`Plan._probe`), read from its records (so a resumed study,
+    """The probe a study measured (`plan._probe`), read from its records (so a resumed study,
     or another worker's, knows it too): the first trial that ran, where `PROBE_AFTER_OOMS` OOMs
     came before it."""
     ooms = 0
@@ -125,28 +125,51 @@ class Plan:
         """The next config to measure, re-checked now: not known, predicted to fit, numerics
         not seen to drift, not being measured by another worker (`running`: their configs),
         its trial can end in the time left. In order: the smallest config while only OOMs
-        were seen, a slow first step's look from below (`_look_down`), the best's reference,
+        were seen (`_probe`), a slow first step's look from below (`_look_down`), the best's reference,
         the queue (seeds, retries, contenders' twins), the best's refinements (planned under
         the fit as it is now, not as it was when the best was found), then the next wave of
         seeds (capped at the best's micro batch once a smaller one paid: `_seed_fits`). None:
         let the sampler propose."""
         allowed, fits = allowed_of(records), self.fits_of(records)
         model = step_model.fitted(records, self.space)
+        ready = self._ready(records, best, fits, allowed, running)
+        down = _look_down(self, records, fits)
+        if down is not None and ready(down):
+            return down
+        floor = self._floor(records, best, model, ready)
+        if floor is not None:
+            return floor
+        probe = _probe(self, records, allowed)
+        if probe is not None:
+            return probe
+        for config in self._reference(best.config, records) if best is not None else []:
+            if ready(config):
+                return config
+        # The leader's refinement twins (compiling: 1.1-1.3x on a GPU) come after the cheap
+        # moves around it; while those keep finding new leaders the twins wait, so a twin whose
+        # last moment has come goes now (a compile costs several trials).
+        for config in seeding.plain_twins(self.space, best.config) if best is not None else []:
+            if self.last_chance(config, records) and ready(config):
+                return config
+        return self._queued_or_refined(records, best, model, fits, allowed, ready)
+
+    def _ready(self, records: list[TrialRecord], best: TrialRecord | None, fits: seeding.Fits,
+               allowed: Callable[[TrainConfig], bool], running: set[TrainConfig]) -> Callable[[TrainConfig], bool]:
+        """Whether a config can be measured now (`next`'s checks). A seed queued before its
+        precision was seen slow is dropped (`_seed_lists`)."""
         slow = self._slow(records, best)
-        seed_fits = self._seed_fits(fits, records, best)
 
         def ready(config: TrainConfig) -> bool:
-            # A seed queued before its precision was seen slow is dropped (`_seed_lists`).
             return (self.known(config, records) is None and fits(config) and allowed(config)
                     and not (config in self.seeds and config.precision in slow)
                     and config not in running
                     and self.affordable(config, records))
+        return ready
 
-        down = self._look_down(records, fits)
-        if down is not None and ready(down):
-            return down
-        # The floors next (the one-liner's retry, the expert's fallback), before the probe and
-        # the best's reference: the fallback is itself a look below what ran out of memory.
+    def _floor(self, records: list[TrialRecord], best: TrialRecord | None, model: step_model.StepModel,
+               ready: Callable[[TrainConfig], bool]) -> TrainConfig | None:
+        """The floors queued (the one-liner's retry, the expert's fallback), before the probe and
+        the best's reference: the fallback is itself a look below what ran out of memory."""
         for config in [c for c in self.queue if c in self.floors]:
             if config.checkpoint_blocks and seeding.paid_down(self.space.micro_batch_sizes, records):
                 # The throughput peaks below a micro batch that ran: the fallback, at a larger
@@ -159,19 +182,16 @@ class Plan:
             elif ready(config):
                 self.queue.remove(config)
                 return config
-        probe = self._probe(records, allowed)
-        if probe is not None:
-            return probe
-        for config in self._reference(best.config, records) if best is not None else []:
-            if ready(config):
-                return config
-        # The leader's refinement twins (compiling: 1.1-1.3x on a GPU) come after the cheap
-        # moves around it; while those keep finding new leaders the twins wait, so a twin whose
-        # last moment has come goes now (a compile costs several trials).
-        for config in seeding.plain_twins(self.space, best.config) if best is not None else []:
-            if self.last_chance(config, records) and ready(config):
-                return config
-        deferred: list[TrainConfig] = []  # seeds predicted slower than the best: after its refinements
+        return None
+
+    def _queued_or_refined(self, records: list[TrialRecord], best: TrialRecord | None, model: step_model.StepModel,
+                           fits: seeding.Fits, allowed: Callable[[TrainConfig], bool],
+                           ready: Callable[[TrainConfig], bool]) -> TrainConfig | None:
+        """The queue, then the best's refinements, then the seeds the step model put well below
+        the best (`outpaced`: deferred, not dropped); with nothing there, one more wave of seeds
+        and the same again."""
+        seed_fits = self._seed_fits(fits, records, best)
+        deferred: list[TrainConfig] = []
 
         def taking(config: TrainConfig) -> TrainConfig:
             self.queue[:0] = deferred
@@ -196,22 +216,24 @@ class Plan:
                 if config in self.seeds and self.known(config, records) is None and allowed(config):
                     self._replace_seed(config, records, seed_fits)
             if best is not None:
-                config = next((c for c in seeding.refinements(self.space, fits, best.config, allowed, records)
-                               if ready(c)),
-                              None)
+                refined = seeding.refinements(self.space, fits, best.config, allowed, records)
+                config = next((c for c in refined if ready(c)), None)
                 if config is not None:
                     return taking(config)
             if deferred:
                 return taking(deferred.pop(0))
             if refill == 0:
-                # One wave: each seed group's next seed, found only now (the seed lists are
-                # lazy: a group's later seeds cost estimates when a later wave reads them).
-                lists = self._seed_lists(seed_fits, allowed, records, best)
-                self.queue = [c for seeds in lists
-                              for c in [next((c for c in seeds if self.known(c, records) is None), None)]
-                              if c is not None]
-                self.seeds.update(self.queue)
+                self._wave(records, best, seed_fits, allowed)
         return None
+
+    def _wave(self, records: list[TrialRecord], best: TrialRecord | None, seed_fits: seeding.Fits,
+              allowed: Callable[[TrainConfig], bool]) -> None:
+        """One wave: each seed group's next seed, found only now (the seed lists are lazy: a
+        group's later seeds cost estimates when a later wave reads them)."""
+        lists = self._seed_lists(seed_fits, allowed, records, best)
+        self.queue = [c for seeds in lists for c in [next((c for c in seeds if self.known(c, records) is None), None)]
+                      if c is not None]
+        self.seeds.update(self.queue)
 
     def _seed_lists(self, fits, allowed, records: list[TrialRecord] = (),
                     best: TrialRecord | None = None, *, groups: bool = False) -> list:
@@ -238,31 +260,6 @@ class Plan:
             return set(REFERENCE_PRECISIONS)
         return set()
 
-    def _probe(self, records: list[TrialRecord], allowed: Callable[[TrainConfig], bool]) -> TrainConfig | None:
-        """After PROBE_AFTER_OOMS out-of-memory trials and none that ran: the smallest config
-        (with `peak_share`, its shape at the largest micro batch at most PROBE_SHARE of the budget).
-        Each OOM only raises the fit to the least that explains it, so an estimator far too
-        low walks every seed group down its frontier one OOM at a time; one trial that runs
-        gives the fit a point (or says nothing fits)."""
-        ran = any(r.status in ("ok", "unhealthy") for r in records)
-        if ran or sum(r.status == "oom" for r in records) < PROBE_AFTER_OOMS:
-            return None
-        smallest = seeding.smallest(self.space, self.estimate, allowed)
-        fits = self.fits_of(records)
-        probe = smallest
-        if self.peak_share is not None:
-            # Its shape at the largest micro batch well inside the budget: as sure to fit, and
-            # a step the time budget can afford (a micro batch of 1 may take a minute).
-            def roomy(config: TrainConfig) -> bool:
-                return fits(config) and self.peak_share(config, records) <= PROBE_SHARE
-
-            probe = seeding.largest_fitting(self.space, roomy, smallest.precision, smallest.checkpoint_blocks,
-                                            smallest.freeze_blocks, self.space.kept(smallest),
-                                            smallest.checkpoint_policy) or smallest
-            if self.known(probe, records) is not None:
-                probe = smallest
-        return probe if self.known(probe, records) is None and fits(probe) else None
-
     def _seed_fits(self, fits: seeding.Fits, records: list[TrialRecord], best: TrialRecord | None) -> seeding.Fits:
         """`fits` for seeds: once a move down the micro batches paid on any line (a smaller
         micro batch measured faster, beyond noise, than a larger one checkpointed alike and
@@ -273,36 +270,6 @@ class Plan:
             return fits
         cap = best.config.micro_batch_size
         return lambda config: config.micro_batch_size <= cap and fits(config)
-
-    def _look_down(self, records: list[TrialRecord], fits: seeding.Fits) -> TrainConfig | None:
-        """Once, right after the first trial that ran (the only one so far): where one of its
-        micro steps (its optimizer step over its accumulation) took longer than
-        `SLOW_MICRO_STEP_S` at a micro batch of 8 or more with nothing checkpointed, and the
-        time budget holds few trials as dear (`LOOK_DOWN_TRIALS`), and no other work held the
-        host while it ran (a loaded host's slow step is the host's), its line at the largest
-        micro batch at most `LOOK_DOWN_SHARE` of its own. A GPU's throughput rises with the
-        micro batch; a CPU's often peaks at a few samples, and each seed wave measures its
-        groups at their largest, so without this one look such a landscape is never seen the
-        other way. The look is judged affordable at the speed measured, not at a speed scaled
-        down with the micro batch (`look_down`); where it is not, or another worker runs it,
-        it is dropped."""
-        if self.look_decided:
-            return None
-        ran = [r for r in records if r.status == "ok" and not r.repeat]
-        if not ran:
-            return None
-        self.look_decided = True
-        config = ran[0].config
-        step_s = ran[0].measurement.step_time_s if ran[0].measurement is not None else None
-        sizes = [m for m in self.space.micro_batch_sizes if m <= LOOK_DOWN_SHARE * config.micro_batch_size]
-        if (len(ran) > 1 or step_s is None or not sizes or config.checkpoint_blocks or ran[0].loaded
-                or step_s / config.grad_accum_steps <= SLOW_MICRO_STEP_S
-                or self.trials_within(step_s) >= LOOK_DOWN_TRIALS):
-            return None
-        self.look_down = seeding.fewest_checkpointed(self.space, fits, config.precision, sizes[-1],
-                                                     config.freeze_blocks, self.space.kept(config),
-                                                     config.checkpoint_policy)
-        return self.look_down
 
     def contender(self, config: TrainConfig, records: list[TrialRecord]) -> None:
         """A checkpointed config measured close to the best: its other-policy twin next
@@ -402,3 +369,60 @@ class Plan:
                 self.seeds.add(fresh)
                 return [fresh]
         return []
+
+
+def _probe(plan: "Plan", records: list[TrialRecord], allowed: Callable[[TrainConfig], bool]) -> TrainConfig | None:
+    """After PROBE_AFTER_OOMS out-of-memory trials and none that ran: the smallest config
+    (with `peak_share`, its shape at the largest micro batch at most PROBE_SHARE of the budget).
+    Each OOM only raises the fit to the least that explains it, so an estimator far too
+    low walks every seed group down its frontier one OOM at a time; one trial that runs
+    gives the fit a point (or says nothing fits)."""
+    ran = any(r.status in ("ok", "unhealthy") for r in records)
+    if ran or sum(r.status == "oom" for r in records) < PROBE_AFTER_OOMS:
+        return None
+    smallest = seeding.smallest(plan.space, plan.estimate, allowed)
+    fits = plan.fits_of(records)
+    probe = smallest
+    if plan.peak_share is not None:
+        # Its shape at the largest micro batch well inside the budget: as sure to fit, and
+        # a step the time budget can afford (a micro batch of 1 may take a minute).
+        def roomy(config: TrainConfig) -> bool:
+            return fits(config) and plan.peak_share(config, records) <= PROBE_SHARE
+
+        probe = seeding.largest_fitting(plan.space, roomy, smallest.precision, smallest.checkpoint_blocks,
+                                        smallest.freeze_blocks, plan.space.kept(smallest),
+                                        smallest.checkpoint_policy) or smallest
+        if plan.known(probe, records) is not None:
+            probe = smallest
+    return probe if plan.known(probe, records) is None and fits(probe) else None
+
+
+def _look_down(plan: "Plan", records: list[TrialRecord], fits: seeding.Fits) -> TrainConfig | None:
+    """Once, right after the first trial that ran (the only one so far): where one of its
+    micro steps (its optimizer step over its accumulation) took longer than
+    `SLOW_MICRO_STEP_S` at a micro batch of 8 or more with nothing checkpointed, and the
+    time budget holds few trials as dear (`LOOK_DOWN_TRIALS`), and no other work held the
+    host while it ran (a loaded host's slow step is the host's), its line at the largest
+    micro batch at most `LOOK_DOWN_SHARE` of its own. A GPU's throughput rises with the
+    micro batch; a CPU's often peaks at a few samples, and each seed wave measures its
+    groups at their largest, so without this one look such a landscape is never seen the
+    other way. The look is judged affordable at the speed measured, not at a speed scaled
+    down with the micro batch (`look_down`); where it is not, or another worker runs it,
+    it is dropped."""
+    if plan.look_decided:
+        return None
+    ran = [r for r in records if r.status == "ok" and not r.repeat]
+    if not ran:
+        return None
+    plan.look_decided = True
+    config = ran[0].config
+    step_s = ran[0].measurement.step_time_s if ran[0].measurement is not None else None
+    sizes = [m for m in plan.space.micro_batch_sizes if m <= LOOK_DOWN_SHARE * config.micro_batch_size]
+    if (len(ran) > 1 or step_s is None or not sizes or config.checkpoint_blocks or ran[0].loaded
+            or step_s / config.grad_accum_steps <= SLOW_MICRO_STEP_S
+            or plan.trials_within(step_s) >= LOOK_DOWN_TRIALS):
+        return None
+    plan.look_down = seeding.fewest_checkpointed(plan.space, fits, config.precision, sizes[-1],
+                                                 config.freeze_blocks, plan.space.kept(config),
+                                                 config.checkpoint_policy)
+    return plan.look_down
