@@ -126,7 +126,7 @@ def test_estimates_never_starve_the_search_a_trial_starts_in_the_first_quarter(l
 
 
 def test_a_deferred_estimate_is_unknown_and_not_cached():
-    from autofit.search.memory import EstimateDeferred, MemoryModel
+    from autofit.search.memory_model import EstimateDeferred, MemoryModel
 
     answers = [EstimateDeferred(), 5000]
 

@@ -13,7 +13,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
 from autofit.search import make_study, MemoryModel, SearchSpace, seeding, TrialRecord, Tuner
-from autofit.search.memory import fit_points
+from autofit.search.memory_model import fit_points
 from simulated import generated, GiB, LANDSCAPES, Landscape, search, SHAPED
 
 DEFAULTS = SearchSpec()  # the budget a user gets: 40 trials, patience 12
@@ -263,7 +263,7 @@ def test_checkpoint_policies_join_the_space_only_when_opted_in():
 
 
 def test_an_oom_blocks_only_configs_that_keep_at_least_as_much():
-    from autofit.search.memory import _needs_more
+    from autofit.search.memory_model import _needs_more
 
     full2 = TrainConfig(micro_batch_size=4, checkpoint_blocks=2)
     sel2 = full2.replace(checkpoint_policy="selective")
@@ -535,7 +535,7 @@ def test_the_contenders_freezing_depths_get_their_references_after_the_search():
 def test_drifting_8bit_state_leaves_the_chunked_loss_as_the_lean_seed():
     """8-bit moments that drift under 32-true math are blamed on the state: no precision's
     lean seed runs them, and the chunked loss (the same loss) is the lean setting left."""
-    from autofit.search.health import drifting
+    from autofit.search.trial_health import drifting
     from autofit.search.plan import allowed_of
     from autofit.search.seeding import seed_groups
 
@@ -894,7 +894,7 @@ def test_a_trial_another_worker_ends_while_this_one_plans_is_not_measured_again(
     """A trial is told outside the claim lock: one running when this worker read the study's
     records may end before it checks what is running. Its config is then neither in those
     records nor running, and was measured twice (seen on PostgreSQL with three workers)."""
-    from autofit.search.loop import _Progress
+    from autofit.search.tuner import _Progress
 
     landscape, space, study, tuner = _worker("ended")
     config = space.config("bf16-mixed", space.micro_batch_sizes[2], 0, 0)

@@ -9,7 +9,7 @@ Both measure through the tuner (`Tuner.measure_now`), so their trials are stored
 study like any other: a resumed tune does not take a reference again, and reads the old
 repeats back without letting them decide.
 
-A private helper of `search/loop.py` (as optuna's `study/_tell.py` is of its `Study`): only the
+A private helper of `search/tuner.py` (as optuna's `study/_tell.py` is of its `Study`): only the
 `Tuner` calls it, and it is typed on `Tuner`, the protocol below: the part of the search loop's
 `Tuner` it reads (the loop imports this module, so this one does not import the loop).
 """
@@ -22,13 +22,13 @@ from loguru import logger
 
 from autofit.config.train_config import TrainConfig
 from autofit.search import choice, seeding
-from autofit.search.health import is_reference, reference_for, REFERENCE_PRECISIONS
-from autofit.search.space import SearchSpace
+from autofit.search.search_space import SearchSpace
 from autofit.search.study import TrialRecord
+from autofit.search.trial_health import is_reference, reference_for, REFERENCE_PRECISIONS
 
 
 class Tuner(Protocol):
-    """What the finish reads and calls of `autofit.search.loop.Tuner`."""
+    """What the finish reads and calls of `autofit.search.tuner.Tuner`."""
 
     space: SearchSpace
     budget_bytes: int

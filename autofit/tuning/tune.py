@@ -41,9 +41,9 @@ from autofit.measure.trial import measure, raise_input_error, trial_worker
 from autofit.measure.worker import StopAfter, Worker
 from autofit.search import FULL_PRECISION_SLOWDOWN, make_study, SearchResult, SearchSpace, TrialRecord, Tuner
 from autofit.search.deadline import Deadline, SIZED_MIN_S, sized_to_training
-from autofit.search.health import LossCurveCheck, reference_for, REFERENCE_TRIAL_STEPS
 from autofit.search.shared import profiles_written, record_profile, shared_profile, StudyLocks
-from autofit.search.warm import warm_starts, WarmStart
+from autofit.search.trial_health import LossCurveCheck, reference_for, REFERENCE_TRIAL_STEPS
+from autofit.search.warm_start import warm_starts, WarmStart
 from autofit.profiles.demotions import read_demotions
 from autofit.profiles.profile import device_from_info, Profile, ProfileModel, SearchSummary, TrainingSetup, utc_now
 from autofit.profiles.store import ProfileStore
@@ -161,7 +161,7 @@ class TuneSetup:
     # so its start-up runs while the study opens); None: the tune starts its own.
     trial_worker: Worker | None = None
     # Another GPU kind's configs for the same spec, measured first (translated) when the
-    # study is new: the service's warm start for a new kind (`search.warm`).
+    # study is new: the service's warm start for a new kind (`search.warm_start`).
     warm: WarmStart | None = None
 
 

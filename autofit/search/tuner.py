@@ -24,12 +24,12 @@ from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
 from autofit.search import _finish, choice, fallback, seeding
 from autofit.search.deadline import Deadline
-from autofit.search.health import health_problem, REFERENCE_PRECISIONS
-from autofit.search.memory import EstimateDeferred, MemoryModel, record_budget
+from autofit.search.memory_model import EstimateDeferred, MemoryModel, record_budget
 from autofit.search.plan import Plan
+from autofit.search.search_space import SearchSpace
 from autofit.search.shared import StudyLocks
-from autofit.search.space import SearchSpace
 from autofit.search.study import ask, fail_stale_trials, heartbeat, read_records, RECORD_ATTR, SearchResult, TrialRecord
+from autofit.search.trial_health import health_problem, REFERENCE_PRECISIONS
 
 WAITING = (optuna.trial.TrialState.WAITING,)
 RUNNING = (optuna.trial.TrialState.RUNNING,)
