@@ -148,7 +148,7 @@ def test_where_memory_decides_few_trials_run_out_of_memory_and_no_slow_reference
     a halving its estimate put over the budget ran too (a second OOM), then a 32-true reference
     (6x slower steps) spent half the search and was killed. Here: the first trial's OOM gets its
     estimate and calibrates the fit, and a full precision's trial is priced before it runs
-    (`Tuner.full_precision_slowdown`), so it is skipped where it cannot end in time."""
+    (`Timing.full_precision_slowdown`), so it is skipped where it cannot end in time."""
     dear, _ = _first_measured(landscape, estimate_s=9.0)
     search(dear, 0, budget_s=120.0, anytime=True)
     ooms = [c for c in dear.calls if dear.peak_bytes(c) > dear.budget_bytes]
@@ -159,13 +159,13 @@ def test_where_memory_decides_few_trials_run_out_of_memory_and_no_slow_reference
 
 def test_a_full_precision_trial_is_priced_from_the_16_bit_ones_before_its_own_run():
     tuner = _tuner(LLAMA, 120.0)
-    tuner._searching_since = 0.0  # the search loop runs; 72 s of it left
+    tuner.timing.searching_since = 0.0  # the search loop runs; 72 s of it left
     space = LLAMA.space()
     sixteen = _record(0, space.config("bf16-mixed", 4, LLAMA.n_blocks), LLAMA.global_batch_size / 6.0)  # 6 s a step
     reference = space.config("32-true", 4, LLAMA.n_blocks)
-    tuner.full_precision_slowdown = 1.0  # priced as the 16-bit step: 4 steps, 24 s
+    tuner.timing.full_precision_slowdown = 1.0  # priced as the 16-bit step: 4 steps, 24 s
     assert tuner._affordable(reference, [sixteen])
-    tuner.full_precision_slowdown = 5.0  # 120 s: past the search's share
+    tuner.timing.full_precision_slowdown = 5.0  # 120 s: past the search's share
     assert not tuner._affordable(reference, [sixteen])
     assert tuner._affordable(space.config("bf16-mixed", 4, LLAMA.n_blocks), [sixteen])
 

@@ -12,7 +12,7 @@ from autofit.config.spec import SearchSpec
 from autofit.config.train_config import TrainConfig
 from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
-from autofit.search import make_study, MemoryModel, SearchSpace, seeding, TrialRecord, Tuner
+from autofit.search import _trial, make_study, MemoryModel, SearchSpace, seeding, TrialRecord, Tuner
 from autofit.search.memory_model import fit_points
 from simulated import generated, GiB, LANDSCAPES, Landscape, search, SHAPED
 
@@ -849,11 +849,11 @@ def test_a_sampled_trial_another_worker_runs_is_busy_though_its_raw_params_diffe
         study.enqueue_trial(params)
         running = study.ask()
         assert space.suggest(running, params) == config  # what that worker measures
-    assert tuner._running() == {deep, plain}  # what the plan and the claim skip
+    assert _trial.running(tuner.trials) == {deep, plain}  # what the plan and the claim skip
     # A worker killed while it set a trial's params leaves it running with some: no config.
     partial = study.ask()
     partial.suggest_categorical("precision", list(space.precisions))
-    assert tuner._running() == {deep, plain}
+    assert _trial.running(tuner.trials) == {deep, plain}
 
 
 def test_a_move_along_the_micro_batches_that_paid_is_followed_twice_as_far():
@@ -894,26 +894,28 @@ def test_a_trial_another_worker_ends_while_this_one_plans_is_not_measured_again(
     """A trial is told outside the claim lock: one running when this worker read the study's
     records may end before it checks what is running. Its config is then neither in those
     records nor running, and was measured twice (seen on PostgreSQL with three workers)."""
-    from autofit.search.tuner import _Progress
+    from autofit.search import _claim
+    from autofit.search._state import Progress
 
     landscape, space, study, tuner = _worker("ended")
     config = space.config("bf16-mixed", space.micro_batch_sizes[2], 0, 0)
     study.enqueue_trial(space.params(config))
     theirs = study.ask()  # another worker's trial, running when this worker reads the records
-    measured = tuner._evaluate(theirs, space.suggest(theirs, space.params(config)), [])
+    measured = _trial.evaluate(tuner.trials, tuner.timing, theirs, space.suggest(theirs, space.params(config)), [])
 
     class Plan:  # the other worker tells its trial while this one plans, and this one plans the same config
         def next(self, records, best, running):
             assert not records  # theirs was running
-            tuner._tell(theirs, measured)
+            _trial.tell(tuner.trials, theirs, measured)
             return config
 
         def neighbours_first(self, config):
             pass
 
     tuner.plan = Plan()
-    progress = _Progress(best=None, since_best=0, start=time.monotonic())
-    claimed, stop_reason = tuner._claim_next(progress)
+    progress = Progress(best=None, since_best=0, start=time.monotonic())
+    claimed, stop_reason = _claim.claim_next(tuner.trials, tuner.timing, tuner.plan, progress,
+                                             max_trials=tuner.max_trials, patience=tuner.patience)
     assert claimed is None and stop_reason is None and progress.skipped["known"] == 1
     assert len(landscape.calls) == 1  # measured once, by the other worker
 
@@ -927,7 +929,7 @@ def test_a_reference_another_worker_measured_since_the_records_were_read_is_not_
     theirs = study.ask()
     space.suggest(theirs, space.params(config))  # claimed: its params set
     assert tuner.measure_now(config, [], unless_busy=True) is None  # running in another worker's trial
-    tuner._tell(theirs, tuner._evaluate(theirs, config, []))
+    _trial.tell(tuner.trials, theirs, _trial.evaluate(tuner.trials, tuner.timing, theirs, config, []))
     assert tuner.measure_now(config, [], unless_busy=True) is None  # measured since `[]` was read
     assert len(landscape.calls) == 1
 

@@ -9,9 +9,9 @@ Both measure through the tuner (`Tuner.measure_now`), so their trials are stored
 study like any other: a resumed tune does not take a reference again, and reads the old
 repeats back without letting them decide.
 
-A private helper of `search/tuner.py` (as optuna's `study/_tell.py` is of its `Study`): only the
+A private stage of `search/tuner.py` (as optuna's `study/_tell.py` is of its `Study`): only the
 `Tuner` calls it, and it is typed on `Tuner`, the protocol below: the part of the search loop's
-`Tuner` it reads (the loop imports this module, so this one does not import the loop).
+`Tuner` it reads (the tuner imports this module, so this one does not import the tuner).
 """
 
 import time
@@ -69,7 +69,7 @@ def ensure_reference(tuner: Tuner) -> None:
         if depth is None:
             return
         # Priced before it is planned: planning costs estimates, and the price depends only on
-        # the precision and the micro batch (`Tuner._affordable`).
+        # the precision and the micro batch (`_timing.affordable`).
         precision = next(p for p in REFERENCE_PRECISIONS if p in tuner.space.precisions)
         priced = tuner.space.config(precision, micro or tuner.space.micro_batch_sizes[-1], 0, depth)
         if tuner.reference_affordable(priced, records):
