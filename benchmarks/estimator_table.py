@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from autofit.base.atomic import write_json  # noqa: E402
-from autofit.search.memory import fit_points  # noqa: E402
+from autofit.search.memory_model import fit_points  # noqa: E402
 
 MiB = 2**20
 GiB = 2**30

@@ -27,7 +27,7 @@ import autofit.train.runner as runner_module  # noqa: E402
 from autofit.measure.child import run_request  # noqa: E402
 from autofit.config.train_config import TrainConfig  # noqa: E402
 from autofit.train.optim import build_optimizer  # noqa: E402
-from autofit.search.health import LOSS_CURVE_WINDOW_STEPS, loss_curve_gap  # noqa: E402
+from autofit.search.trial_health import LOSS_CURVE_WINDOW_STEPS, loss_curve_gap  # noqa: E402
 from autofit.config.spec import load_spec  # noqa: E402
 from autofit.measure.trial import trial_request  # noqa: E402
 

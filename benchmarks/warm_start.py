@@ -1,4 +1,4 @@
-"""A new GPU kind tuned from another kind's experience (`autofit.search.warm`) against a cold
+"""A new GPU kind tuned from another kind's experience (`autofit.search.warm_start`) against a cold
 start, on simulated cards calibrated to an H100-80G, an A100-40G and an L4-24G.
 
 For each (source kind -> target kind) pair and sampler seed: the source card is tuned cold (the

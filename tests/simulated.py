@@ -51,9 +51,9 @@ from autofit.config.train_config import TrainConfig
 from autofit.config.spec import SearchSpec
 from autofit.search import FULL_PRECISION_SLOWDOWN, SearchSpace, Tuner, make_study
 from autofit.search.deadline import Deadline, SEARCH_SHARE
-from autofit.search.health import REFERENCE_TRIAL_STEPS
-from autofit.search.memory import MemoryModel
-from autofit.search.warm import translate
+from autofit.search.memory_model import MemoryModel
+from autofit.search.trial_health import REFERENCE_TRIAL_STEPS
+from autofit.search.warm_start import translate
 from autofit.measure.measurement import Measurement
 
 GiB = 2**30
@@ -330,7 +330,7 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
     search. `anytime`: the one-liner measured first, windows sized in time, the search loop
     held to its share of the budget; else as before (step windows, the budget a timeout on
     the search loop, what follows it cut at the budget). `warm_from`: another card's ranked
-    configs, translated here (`search.warm`, estimates on this card's clock) and measured first."""
+    configs, translated here (`search.warm_start`, estimates on this card's clock) and measured first."""
     landscape.reset(seed)
     landscape.stop_at_s[0] = math.inf if budget_s is None else budget_s
     study = make_study(study_name=f"{landscape.name}-{seed}", storage=None, seed=seed)

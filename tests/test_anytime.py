@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from autofit.search import make_study, Tuner
+from autofit.search._timing import COMPILE_PRIOR_S
 from autofit.search.deadline import Deadline
-from autofit.search.loop import COMPILE_PRIOR_S
 from autofit.search.seeding import one_liner
 from simulated import (generated, GiB, LANDSCAPES, MIN_WINDOW_STEPS, ONE_LINER_GPU, search, SHAPED, STEP_WINDOW, TIMED,
                        WARMUP_STEPS)

@@ -18,7 +18,7 @@ from autofit.device.probe import cpu_device
 from autofit.measure.measurement import Measurement
 from autofit.profiles.profile import Profile
 from autofit.search import SearchResult, TrialRecord
-from autofit.search.health import LossCurveCheck
+from autofit.search.trial_health import LossCurveCheck
 from autofit.tuning._tune_state import Chosen
 from autofit.tuning._validating import loaded, loss_reference
 from autofit.tuning.tune import _deadline, tune, TuneSetup
@@ -504,7 +504,7 @@ def test_search_trials_are_capped_at_a_share_of_the_search_and_references_skip_t
     child cuts warm-up and window past it: `measure.steps`); a reference planned for its losses
     runs `REFERENCE_TRIAL_STEPS` steps with no warm-up and no cap; a validation run has no cap."""
     from autofit.search.deadline import SEARCH_SHARE, TRIAL_SHARE
-    from autofit.search.health import REFERENCE_TRIAL_STEPS
+    from autofit.search.trial_health import REFERENCE_TRIAL_STEPS
 
     asked, simulated = [], _measure(validation_blocks=False, calls=[])
 

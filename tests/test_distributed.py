@@ -301,7 +301,7 @@ def test_estimate_orders_the_strategies_by_what_they_keep(tmp_path):
 
 
 def test_nproc_adds_the_strategies_and_their_memory_knobs_to_the_space():
-    from autofit.search.space import SearchSpace
+    from autofit.search.search_space import SearchSpace
 
     one = SearchSpace(global_batch_size=16, precisions=("32-true",), micro_batch_sizes=(1, 2, 4, 8, 16),
                       max_checkpoint_blocks=0, max_freeze_blocks=0)

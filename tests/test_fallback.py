@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from autofit.search import fallback, make_study, SearchResult, TrialRecord, Tuner
+from autofit.search import _claim, _timing, fallback, make_study, SearchResult, TrialRecord, Tuner
+from autofit.search._state import Progress
 from autofit.search.deadline import Deadline, SEARCH_SHARE
 from autofit.measure.measurement import Measurement
 from autofit.tuning.validation import baseline_record, floor_kind
@@ -126,7 +127,7 @@ def test_estimates_never_starve_the_search_a_trial_starts_in_the_first_quarter(l
 
 
 def test_a_deferred_estimate_is_unknown_and_not_cached():
-    from autofit.search.memory import EstimateDeferred, MemoryModel
+    from autofit.search.memory_model import EstimateDeferred, MemoryModel
 
     answers = [EstimateDeferred(), 5000]
 
@@ -148,7 +149,7 @@ def test_where_memory_decides_few_trials_run_out_of_memory_and_no_slow_reference
     a halving its estimate put over the budget ran too (a second OOM), then a 32-true reference
     (6x slower steps) spent half the search and was killed. Here: the first trial's OOM gets its
     estimate and calibrates the fit, and a full precision's trial is priced before it runs
-    (`Tuner.full_precision_slowdown`), so it is skipped where it cannot end in time."""
+    (`Timing.full_precision_slowdown`), so it is skipped where it cannot end in time."""
     dear, _ = _first_measured(landscape, estimate_s=9.0)
     search(dear, 0, budget_s=120.0, anytime=True)
     ooms = [c for c in dear.calls if dear.peak_bytes(c) > dear.budget_bytes]
@@ -159,13 +160,13 @@ def test_where_memory_decides_few_trials_run_out_of_memory_and_no_slow_reference
 
 def test_a_full_precision_trial_is_priced_from_the_16_bit_ones_before_its_own_run():
     tuner = _tuner(LLAMA, 120.0)
-    tuner._searching_since = 0.0  # the search loop runs; 72 s of it left
+    tuner.timing.searching_since = 0.0  # the search loop runs; 72 s of it left
     space = LLAMA.space()
     sixteen = _record(0, space.config("bf16-mixed", 4, LLAMA.n_blocks), LLAMA.global_batch_size / 6.0)  # 6 s a step
     reference = space.config("32-true", 4, LLAMA.n_blocks)
-    tuner.full_precision_slowdown = 1.0  # priced as the 16-bit step: 4 steps, 24 s
+    tuner.timing.full_precision_slowdown = 1.0  # priced as the 16-bit step: 4 steps, 24 s
     assert tuner._affordable(reference, [sixteen])
-    tuner.full_precision_slowdown = 5.0  # 120 s: past the search's share
+    tuner.timing.full_precision_slowdown = 5.0  # 120 s: past the search's share
     assert not tuner._affordable(reference, [sixteen])
     assert tuner._affordable(space.config("bf16-mixed", 4, LLAMA.n_blocks), [sixteen])
 
@@ -175,14 +176,19 @@ def test_the_search_stops_planning_once_no_trial_can_end_in_its_time_left():
     speed measured outlast the search's time left, no config is affordable and the loop stops.
     Not while a precision has nothing to predict it (a 16-bit trial may be faster than 32-true)."""
     tuner = _tuner(LLAMA, 120.0)
-    tuner._searching_since = 0.0  # the search loop runs; 72 s of it left
+    tuner.timing.searching_since = 0.0  # the search loop runs; 72 s of it left
     space, g = LLAMA.space(), LLAMA.global_batch_size
+
+    def least_s(records):
+        return _timing.least_trial_s(tuner.timing, space, records)
+
     twenty_s_a_step = _record(0, space.config("bf16-mixed", 4, LLAMA.n_blocks), g / 20.0)
-    assert tuner._least_trial_s([twenty_s_a_step]) == pytest.approx(80.0)
-    assert tuner._stop_reason([twenty_s_a_step], 0, {"known": 0, "pruned": 0, "late": 0}, 0.0).startswith(
-        "no trial can end in the search's time left")
-    assert tuner._least_trial_s([twenty_s_a_step, _record(1, space.config("bf16-true", 4), g / 10.0)]) is None
-    assert tuner._least_trial_s([_record(0, space.config("32-true", 1, LLAMA.n_blocks), g / 20.0)]) is None
+    assert least_s([twenty_s_a_step]) == pytest.approx(80.0)
+    reason = _claim._stop_reason(tuner.trials, tuner.timing, [twenty_s_a_step], Progress(best=None, since_best=0, start=0.0),
+                                 max_trials=40, patience=12)
+    assert reason.startswith("no trial can end in the search's time left")
+    assert least_s([twenty_s_a_step, _record(1, space.config("bf16-true", 4), g / 10.0)]) is None
+    assert least_s([_record(0, space.config("32-true", 1, LLAMA.n_blocks), g / 20.0)]) is None
 
 
 def test_a_first_trial_run_unestimated_that_runs_out_of_memory_gets_its_estimate():

@@ -303,7 +303,7 @@ def test_a_measurement_whose_trial_was_taken_over_is_kept():
     """A worker that stopped beating while alive (frozen, or cut off from the database)
     finds its trial failed by another worker: telling it must not crash the tune, and the
     measurement is kept as a trial of its own."""
-    from autofit.search import Tuner, make_study, read_records
+    from autofit.search import _trial, Tuner, make_study, read_records
     from autofit.search.study import ask
     from simulated import LANDSCAPES
 
@@ -314,7 +314,7 @@ def test_a_measurement_whose_trial_was_taken_over_is_kept():
     trial = ask(study)
     config = tuner.space.suggest(trial)
     study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)  # the takeover
-    tuner._tell(trial, tuner._evaluate(trial, config, []))
+    _trial.tell(tuner.trials, trial, _trial.evaluate(tuner.trials, tuner.timing, trial, config, []))
     (record,) = read_records(study)
     assert record.config == config and record.status == "ok"
 
@@ -322,7 +322,7 @@ def test_a_measurement_whose_trial_was_taken_over_is_kept():
 def test_the_reference_another_worker_is_measuring_is_waited_for_not_measured_again(monkeypatch):
     """The finisher's 32-true reference is the config another worker may be measuring at
     that moment: it waits for that result instead of measuring the config a second time."""
-    from autofit.search import _finish as finish, Tuner, make_study, read_records
+    from autofit.search import _finish as finish, _trial, Tuner, make_study, read_records
     from autofit.search.study import ask
     from simulated import LANDSCAPES
 
@@ -344,7 +344,7 @@ def test_the_reference_another_worker_is_measuring_is_waited_for_not_measured_ag
     def wait(seconds):  # the other worker's result lands while the finisher waits (no wall-clock race)
         waits.append(seconds)
         if len(waits) == 1:
-            other._tell(trial, other._evaluate(trial, config, []))
+            _trial.tell(other.trials, trial, _trial.evaluate(other.trials, other.timing, trial, config, []))
 
     monkeypatch.setattr(finish.time, "sleep", wait)
     finisher.ensure_reference()

@@ -142,7 +142,7 @@ def test_validation_compares_the_winner_s_loss_curve_with_the_reference_s(tmp_pa
 
 
 def test_loss_curve_gap_is_the_largest_gap_of_windowed_medians():
-    from autofit.search.health import loss_curve_gap
+    from autofit.search.trial_health import loss_curve_gap
 
     reference = [4.0 - 0.01 * i for i in range(7)]
     assert loss_curve_gap(reference, reference) == 0.0

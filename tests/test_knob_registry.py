@@ -14,7 +14,7 @@ from autofit.config.knobs import Axis, KNOBS, knob_table, ModelFact, Role, spec_
 from autofit.config.spec import load_spec, SearchSpec
 from autofit.config.train_config import TrainConfig
 from autofit.measure.messages import Analysis
-from autofit.search.space import SearchSpace
+from autofit.search.search_space import SearchSpace
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY = Path("autofit/config/knobs.py")

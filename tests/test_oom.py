@@ -8,7 +8,7 @@ from autofit.device.memory import cap_cuda_memory, check_growth, LiveBytesTracke
 from autofit.device.oom import needed_bytes
 from autofit.measure.measurement import Measurement
 from autofit.measure.trial import _read_result
-from autofit.search.memory import MemoryModel
+from autofit.search.memory_model import MemoryModel
 from autofit.search.study import TrialRecord
 
 GiB, MiB = 2**30, 2**20

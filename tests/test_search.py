@@ -12,8 +12,8 @@ from autofit.config.spec import SearchSpec
 from autofit.config.train_config import TrainConfig
 from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
-from autofit.search import make_study, MemoryModel, SearchSpace, seeding, TrialRecord, Tuner
-from autofit.search.memory import fit_points
+from autofit.search import _trial, make_study, MemoryModel, SearchSpace, seeding, TrialRecord, Tuner
+from autofit.search.memory_model import fit_points
 from simulated import generated, GiB, LANDSCAPES, Landscape, search, SHAPED
 
 DEFAULTS = SearchSpec()  # the budget a user gets: 40 trials, patience 12
@@ -263,7 +263,7 @@ def test_checkpoint_policies_join_the_space_only_when_opted_in():
 
 
 def test_an_oom_blocks_only_configs_that_keep_at_least_as_much():
-    from autofit.search.memory import _needs_more
+    from autofit.search.memory_model import _needs_more
 
     full2 = TrainConfig(micro_batch_size=4, checkpoint_blocks=2)
     sel2 = full2.replace(checkpoint_policy="selective")
@@ -535,7 +535,7 @@ def test_the_contenders_freezing_depths_get_their_references_after_the_search():
 def test_drifting_8bit_state_leaves_the_chunked_loss_as_the_lean_seed():
     """8-bit moments that drift under 32-true math are blamed on the state: no precision's
     lean seed runs them, and the chunked loss (the same loss) is the lean setting left."""
-    from autofit.search.health import drifting
+    from autofit.search.trial_health import drifting
     from autofit.search.plan import allowed_of
     from autofit.search.seeding import seed_groups
 
@@ -849,11 +849,11 @@ def test_a_sampled_trial_another_worker_runs_is_busy_though_its_raw_params_diffe
         study.enqueue_trial(params)
         running = study.ask()
         assert space.suggest(running, params) == config  # what that worker measures
-    assert tuner._running() == {deep, plain}  # what the plan and the claim skip
+    assert _trial.running(tuner.trials) == {deep, plain}  # what the plan and the claim skip
     # A worker killed while it set a trial's params leaves it running with some: no config.
     partial = study.ask()
     partial.suggest_categorical("precision", list(space.precisions))
-    assert tuner._running() == {deep, plain}
+    assert _trial.running(tuner.trials) == {deep, plain}
 
 
 def test_a_move_along_the_micro_batches_that_paid_is_followed_twice_as_far():
@@ -894,26 +894,28 @@ def test_a_trial_another_worker_ends_while_this_one_plans_is_not_measured_again(
     """A trial is told outside the claim lock: one running when this worker read the study's
     records may end before it checks what is running. Its config is then neither in those
     records nor running, and was measured twice (seen on PostgreSQL with three workers)."""
-    from autofit.search.loop import _Progress
+    from autofit.search import _claim
+    from autofit.search._state import Progress
 
     landscape, space, study, tuner = _worker("ended")
     config = space.config("bf16-mixed", space.micro_batch_sizes[2], 0, 0)
     study.enqueue_trial(space.params(config))
     theirs = study.ask()  # another worker's trial, running when this worker reads the records
-    measured = tuner._evaluate(theirs, space.suggest(theirs, space.params(config)), [])
+    measured = _trial.evaluate(tuner.trials, tuner.timing, theirs, space.suggest(theirs, space.params(config)), [])
 
     class Plan:  # the other worker tells its trial while this one plans, and this one plans the same config
         def next(self, records, best, running):
             assert not records  # theirs was running
-            tuner._tell(theirs, measured)
+            _trial.tell(tuner.trials, theirs, measured)
             return config
 
         def neighbours_first(self, config):
             pass
 
     tuner.plan = Plan()
-    progress = _Progress(best=None, since_best=0, start=time.monotonic())
-    claimed, stop_reason = tuner._claim_next(progress)
+    progress = Progress(best=None, since_best=0, start=time.monotonic())
+    claimed, stop_reason = _claim.claim_next(tuner.trials, tuner.timing, tuner.plan, progress,
+                                             max_trials=tuner.max_trials, patience=tuner.patience)
     assert claimed is None and stop_reason is None and progress.skipped["known"] == 1
     assert len(landscape.calls) == 1  # measured once, by the other worker
 
@@ -927,7 +929,7 @@ def test_a_reference_another_worker_measured_since_the_records_were_read_is_not_
     theirs = study.ask()
     space.suggest(theirs, space.params(config))  # claimed: its params set
     assert tuner.measure_now(config, [], unless_busy=True) is None  # running in another worker's trial
-    tuner._tell(theirs, tuner._evaluate(theirs, config, []))
+    _trial.tell(tuner.trials, theirs, _trial.evaluate(tuner.trials, tuner.timing, theirs, config, []))
     assert tuner.measure_now(config, [], unless_busy=True) is None  # measured since `[]` was read
     assert len(landscape.calls) == 1
 

@@ -1,4 +1,4 @@
-"""A new GPU kind tuned from another kind's experience (`autofit.search.warm`,
+"""A new GPU kind tuned from another kind's experience (`autofit.search.warm_start`,
 `autofit.service.warm`): the translation, its worth on simulated cards, and the service using it."""
 
 import statistics
@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from autofit.profiles.profile import Profile
-from autofit.search.space import SearchSpace
-from autofit.search.warm import kept_precision, translate
+from autofit.search.search_space import SearchSpace
+from autofit.search.warm_start import kept_precision, translate
 from conftest import write_spec
 from simulated import CARDS, search
 from test_daemon import A100, H100, model, ready, Serve, write_config, write_inventory

@@ -22,8 +22,8 @@ from autofit.measure.fake_step import estimate_memory
 from autofit.measure.measurement import Measurement
 from autofit.measure.process import child_env
 from autofit.measure.trial import measure
-from autofit.search.health import FIRST_LOSS_RTOL
-from autofit.search.memory import UNCALIBRATED_MARGIN
+from autofit.search.memory_model import UNCALIBRATED_MARGIN
+from autofit.search.trial_health import FIRST_LOSS_RTOL
 from autofit.doctor._base import Context, example_spec
 from autofit.doctor.results import fail, ok, skip
 

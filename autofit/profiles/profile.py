@@ -47,7 +47,7 @@ class Baseline(TypedDict, total=False):
 
 
 class LossCurve(TypedDict, total=False):
-    """`search.health.LossCurveCheck.summary()`."""
+    """`search.trial_health.LossCurveCheck.summary()`."""
 
     reference: str | None
     steps: int
@@ -185,7 +185,7 @@ class SearchSummary:
     # measured config that differs in that knob alone (tuning/ablation.py); None: no such twin.
     knob_shares: dict[str, float | None] = field(default_factory=dict)
     # The GPU kind (fingerprint) whose configs for the same spec were measured first
-    # (`search.warm`, the service's new kinds); "" for a cold start.
+    # (`search.warm_start`, the service's new kinds); "" for a cold start.
     warm_start_from: str = ""
     # The winner's offloading (tuning/offload_record.py): the knobs, the pinned host bytes, its
     # step time and the fastest measured config without offloading; {}: nothing offloaded.

@@ -9,9 +9,9 @@ Both measure through the tuner (`Tuner.measure_now`), so their trials are stored
 study like any other: a resumed tune does not take a reference again, and reads the old
 repeats back without letting them decide.
 
-A private helper of `search/loop.py` (as optuna's `study/_tell.py` is of its `Study`): only the
+A private stage of `search/tuner.py` (as optuna's `study/_tell.py` is of its `Study`): only the
 `Tuner` calls it, and it is typed on `Tuner`, the protocol below: the part of the search loop's
-`Tuner` it reads (the loop imports this module, so this one does not import the loop).
+`Tuner` it reads (the tuner imports this module, so this one does not import the tuner).
 """
 
 import time
@@ -22,15 +22,15 @@ from loguru import logger
 
 from autofit.config.train_config import TrainConfig
 from autofit.search import choice, seeding, step_model
-from autofit.search.health import is_reference, reference_for, REFERENCE_PRECISIONS
-from autofit.search.space import SearchSpace
+from autofit.search.search_space import SearchSpace
 from autofit.search.study import TrialRecord
+from autofit.search.trial_health import is_reference, reference_for, REFERENCE_PRECISIONS
 
 T = TypeVar("T")
 
 
 class Tuner(Protocol):
-    """What the finish reads and calls of `autofit.search.loop.Tuner`."""
+    """What the finish reads and calls of `autofit.search.tuner.Tuner`."""
 
     space: SearchSpace
     budget_bytes: int
@@ -80,7 +80,7 @@ def ensure_reference(tuner: Tuner) -> None:
         if depth is None:
             return
         # Priced before it is planned: planning costs estimates, and the price depends only on
-        # the precision and the micro batch (`Tuner._affordable`).
+        # the precision and the micro batch (`_timing.affordable`).
         precision = next(p for p in REFERENCE_PRECISIONS if p in tuner.space.precisions)
         priced = tuner.space.config(precision, micro or tuner.space.micro_batch_sizes[-1], 0, depth)
         if tuner.affordable_after_search(priced, records):

@@ -13,8 +13,8 @@ import statistics
 from dataclasses import dataclass
 
 from autofit.config.train_config import TrainConfig
-from autofit.search.health import health_problem
 from autofit.search.study import TrialRecord
+from autofit.search.trial_health import health_problem
 
 # Run-to-run spread assumed before any config has been measured twice: throughput on a
 # shared GPU or a busy CPU moves by a few percent between calls.

@@ -15,7 +15,7 @@ information) and the fallback halves again from there (`after_oom`).
 from collections.abc import Callable, Sequence
 
 from autofit.config.train_config import TrainConfig
-from autofit.search.space import SearchSpace
+from autofit.search.search_space import SearchSpace
 from autofit.search.step_model import PRIOR, StepModel
 from autofit.search.study import TrialRecord
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from autofit.config.train_config import TrainConfig
 from autofit.search import seeding, step_model
-from autofit.search.health import drifting, drifts, is_reference, reference_for, REFERENCE_PRECISIONS
-from autofit.search.space import SearchSpace
+from autofit.search.search_space import SearchSpace
 from autofit.search.study import TrialRecord
+from autofit.search.trial_health import drifting, drifts, is_reference, reference_for, REFERENCE_PRECISIONS
 
 Known = Callable[[TrainConfig, list[TrialRecord]], "TrialRecord | None"]
 FitsOf = Callable[[list[TrialRecord]], Callable[[TrainConfig], bool]]

@@ -16,9 +16,9 @@ from typing import NamedTuple
 from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
 from autofit.search.choice import NOISE_PRIOR
-from autofit.search.health import REFERENCE_PRECISIONS
-from autofit.search.space import SearchSpace
+from autofit.search.search_space import SearchSpace
 from autofit.search.study import TrialRecord
+from autofit.search.trial_health import REFERENCE_PRECISIONS
 
 Fits = Callable[[TrainConfig], bool]
 Allowed = Callable[[TrainConfig], bool]

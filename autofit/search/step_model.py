@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from autofit.config.train_config import TrainConfig
 from autofit.search import seeding
-from autofit.search.space import SearchSpace
+from autofit.search.search_space import SearchSpace
 from autofit.search.study import TrialRecord
 
 # The micro batch at half of a GPU's saturation, before any trial ran: a few samples of a

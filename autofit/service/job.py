@@ -138,7 +138,7 @@ class TuneJob:
             device = self.gpu.device
             ranked_device = device_for_ranks(device, self.nproc)
             self.resumed = self.trials_done = finished_trials(storage, study_name(self.spec, ranked_device))
-            # A new study starts from what other GPU kinds learnt about this spec (search.warm).
+            # A new study starts from what other GPU kinds learnt about this spec (search.warm_start).
             warm = None if self.resumed else fleet_warm_start(self.spec, ranked_device.fingerprint, self.nproc,
                                                                 store_dir=store_dir, storage=storage)
 

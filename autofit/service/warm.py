@@ -1,10 +1,10 @@
 """The fleet's experience with a spec, for a GPU kind that has none yet: the profiles in the
 store and the studies in the shared storage that the same spec (by `spec_hash`) has on other
-kinds, as one `search.warm.WarmStart`.
+kinds, as one `search.warm_start.WarmStart`.
 
 One source kind is used, the one with the most evidence: a profile (validated) before a study
 alone, then the most measured trials. Its ranking is its profile's config first, then its
-study's measured configs by their speed; `search.warm` translates them to the new card.
+study's measured configs by their speed; `search.warm_start` translates them to the new card.
 """
 
 import optuna
@@ -15,7 +15,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.profiles.store import ProfileStore
 from autofit.search.shared import creation_lock
 from autofit.search.study import read_records
-from autofit.search.warm import WarmStart
+from autofit.search.warm_start import WarmStart
 from autofit.tuning.space import study_prefix
 
 _RANKED_LIMIT = 8  # configs read per source: the translation uses the leaders only

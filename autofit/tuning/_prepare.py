@@ -12,7 +12,7 @@ from autofit.measure import asks
 from autofit.measure.trial import trial_worker
 from autofit.search import FULL_PRECISION_SLOWDOWN, Tuner
 from autofit.search.shared import profiles_written, StudyLocks
-from autofit.search.warm import warm_starts
+from autofit.search.warm_start import warm_starts
 from autofit.profiles.demotions import read_demotions
 from autofit.tuning._halting import halted
 from autofit.tuning._trials import predict, report_trial, run_reference, run_trial

@@ -14,7 +14,7 @@ from autofit.measure.trial import raise_input_error
 from autofit.measure.worker import StopAfter
 from autofit.search import TrialRecord
 from autofit.search.deadline import sized_to_training
-from autofit.search.health import REFERENCE_TRIAL_STEPS
+from autofit.search.trial_health import REFERENCE_TRIAL_STEPS
 from autofit.tuning._halting import halted
 from autofit.tuning._tune_state import TuneState
 from autofit.tuning.report import format_trial_line

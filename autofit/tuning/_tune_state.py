@@ -12,7 +12,7 @@ from autofit.measure.measurement import Measurement
 from autofit.measure.worker import Worker
 from autofit.search import SearchSpace, TrialRecord, Tuner
 from autofit.search.deadline import Deadline
-from autofit.search.health import LossCurveCheck
+from autofit.search.trial_health import LossCurveCheck
 from autofit.search.shared import StudyLocks
 from autofit.tuning.frontier import median_run, total_peak
 from autofit.tuning.speedup import Speedup

@@ -11,7 +11,7 @@ from autofit.base.errors import TrialTimeoutError
 from autofit.base.sizes import format_bytes
 from autofit.measure.measurement import Measurement
 from autofit.search import SearchResult, TrialRecord
-from autofit.search.health import reference_for
+from autofit.search.trial_health import reference_for
 from autofit.tuning._halting import halt_reason, halted
 from autofit.tuning._trials import run_long
 from autofit.tuning._tune_state import Chosen, passed, TuneState

@@ -30,7 +30,7 @@ from autofit.measure.trial import measure
 from autofit.measure.worker import Worker
 from autofit.search import make_study, SearchResult, TrialRecord
 from autofit.search.deadline import Deadline, SIZED_MIN_S
-from autofit.search.health import LossCurveCheck
+from autofit.search.trial_health import LossCurveCheck
 from autofit.tuning import _halting, _prepare, _searching, _validating, _writing
 from autofit.tuning._tune_state import Chosen, TrialSeams, TuneState
 from autofit.tuning.space import device_for_ranks

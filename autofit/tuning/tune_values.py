@@ -11,7 +11,7 @@ from autofit.device.probe import DeviceInfo
 from autofit.measure.measurement import Measurement
 from autofit.measure.worker import Worker
 from autofit.search import SearchResult, TrialRecord
-from autofit.search.warm import WarmStart
+from autofit.search.warm_start import WarmStart
 from autofit.profiles.profile import Profile
 from autofit.tuning.speedup import keeps_winner, Speedup
 

@@ -37,7 +37,7 @@ READ_OFF_NEAR = 0.04
 
 
 class EstimateDeferred(Exception):
-    """An estimate not run now (the first trial comes first, `Tuner._gated`): the config's
+    """An estimate not run now (the first trial comes first, `_timing.gated`): the config's
     bytes are unknown until it is asked again, and nothing is cached."""
 CALIBRATED_MARGIN = 0.02
 # An affine fit needs points whose estimates differ by more than this fraction; closer

@@ -23,9 +23,9 @@ from loguru import logger
 
 from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
-from autofit.search.memory import MemoryModel
+from autofit.search.memory_model import MemoryModel
+from autofit.search.search_space import SearchSpace
 from autofit.search.seeding import fewest_checkpointed, Fits, largest_fitting
-from autofit.search.space import SearchSpace
 
 # Where a card lacks a precision, the nearest that keeps its tensor sizes or its numerics.
 _FALLBACK = {"bf16-true": ("bf16-mixed", "16-mixed"), "bf16-mixed": ("16-mixed",), "16-mixed": ("bf16-mixed",),
