@@ -4,13 +4,14 @@ curve give that curve back; where nothing on one line has two shapes the prior h
 plan's deferral follows the fitted curve, not the prior's, once the trials say otherwise. After
 the search, one more trial goes to a move the fitted model puts well past the best."""
 
+import dataclasses
 import math
 import types
 
 import pytest
 
 from autofit.measure.measurement import Measurement
-from autofit.search import _finish as finish, step_model, TrialRecord
+from autofit.search import _finish as finish, _known, step_model, trial_health, TrialRecord
 from autofit.search.plan import outpaced
 from autofit.search.step_model import fitted, PRIOR, StepModel
 from simulated import MEMORY_BOUND
@@ -18,11 +19,11 @@ from simulated import MEMORY_BOUND
 LLAMA = MEMORY_BOUND[0]
 
 
-def _record(number, config, samples_per_s, loaded=False):
-    m = Measurement(status="ok", config=config, samples_per_s=samples_per_s, peak_memory_bytes=2**30,
-                    budget_bytes=2**34, losses=[4.0, 3.9], cores=2, foreign_cores=2.0 if loaded else 0.0)
-    return TrialRecord(number=number, config=config, status="ok", measurement=m, budget_bytes=2**34,
-                       predicted_peak_bytes=2**30)
+def _record(number, config, samples_per_s, loaded=False, status="ok", measured_at=None, losses=(4.0, 3.9)):
+    m = Measurement(status=status, config=config, samples_per_s=samples_per_s, peak_memory_bytes=2**30,
+                    budget_bytes=2**34, losses=list(losses), cores=2, foreign_cores=2.0 if loaded else 0.0)
+    return TrialRecord(number=number, config=config, status=status, measurement=m, budget_bytes=2**34,
+                       predicted_peak_bytes=2**30, measured_at=measured_at)
 
 
 def _on_curve(space, truth: StepModel, shapes, scale: float, precision: str = "bf16-mixed"):
@@ -72,19 +73,23 @@ def test_a_saturated_curve_measured_stops_the_plan_deferring_a_small_micro_batch
     assert not outpaced(space, seed, [at_16, at_4], at_16, model)
 
 
-def _finishing(space, records, *, fits=lambda config: True, affordable=True):
-    """A tuner as `_finish.one_more` sees it; its trials measured on `LLAMA`'s true curve."""
+def _finishing(space, records, *, fits=lambda config: True, affordable=True, status="ok", landscape=LLAMA,
+               session_start=0.0):
+    """A tuner as `_finish.one_more` sees it; its trials measured on `landscape`'s true curve
+    (ending in `status`)."""
     measured = []
 
     def measure_now(config, records_then, *, repeat=False, unless_busy=False):
         measured.append(config)
-        record = _record(len(records), config, LLAMA.samples_per_s(config))
+        record = _record(len(records), config, landscape.samples_per_s(config) if status == "ok" else None,
+                         status=status, measured_at=session_start + 1)
         records.append(record)
         return record
 
     tuner = types.SimpleNamespace(
-        space=space, budget_bytes=2**34, session_start=0.0, records=lambda: list(records), halted=lambda: False,
-        fits=lambda records: fits, known=lambda config, records: next((r for r in records if r.config == config), None),
+        space=space, budget_bytes=2**34, session_start=session_start, records=lambda: list(records),
+        halted=lambda: False,
+        fits=lambda records: fits, known=lambda config, records: _known.known(config, records, 2**34),
         affordable_after_search=lambda config, records: affordable, measure_now=measure_now,
         planned_within=lambda share, plan: plan())
     return tuner, measured
@@ -123,3 +128,69 @@ def test_after_the_search_one_more_trial_goes_to_a_move_predicted_well_past_the_
                                  or c.micro_batch_size <= 1)
     finish.one_more(tuner)
     assert measured == []
+
+
+def _floors_of(space, landscape=LLAMA, **kw):
+    """The one-liner (micro batch 1) and the fallback (4, every block recomputed), measured."""
+    configs = [space.config("bf16-mixed", 1), space.config("bf16-mixed", 4, space.max_checkpoint_blocks)]
+    return [_record(i, c, landscape.samples_per_s(c), **kw) for i, c in enumerate(configs)]
+
+
+def _roomy(config):  # micro batch 4 fits with 4 blocks checkpointed, 1 with none
+    return config.micro_batch_size <= 1 or (config.micro_batch_size <= 4 and config.checkpoint_blocks >= 4)
+
+
+def test_a_compiled_bests_move_is_compiled_and_predicted_along_its_own_line():
+    """The step model predicts along a line; a compiled best's move dropped to eager would be
+    predicted from the compiled speed (1.29x predicted where it is 0.95x)."""
+    compiled = dataclasses.replace(LLAMA, compile=(False, True))
+    space = compiled.space()
+    records = _floors_of(space, compiled)
+    best = records[1].config.replace(compile=True)
+    records.append(_record(2, best, compiled.samples_per_s(best)))
+    tuner, measured = _finishing(space, records, fits=_roomy, landscape=compiled)
+    finish.one_more(tuner)
+    assert measured and all(c.compile for c in measured), [c.short() for c in measured]
+
+
+def test_a_move_that_did_not_run_ends_the_trials_after_the_search():
+    """A move that timed out (or ran out of memory) is not measured again: each try may cost a
+    whole trial's cap, and the fit or the price that chose it was wrong."""
+    space = LLAMA.space()
+    records = _floors_of(space)
+    tuner, measured = _finishing(space, records, fits=_roomy, status="timeout")
+    finish.one_more(tuner)
+    assert len(measured) == 1
+
+
+def test_no_move_goes_where_an_older_sessions_figure_leads():
+    space = LLAMA.space()
+    # Resumed: the study's fastest is another session's; this session's best is a slow floor.
+    old = _record(9, space.config("bf16-true", 2), 100.0, measured_at=-1.0)
+    records = [*_floors_of(space, measured_at=1.0), old]
+    tuner, measured = _finishing(space, records, fits=_roomy, session_start=0.0)
+    finish.one_more(tuner)
+    assert measured == []
+
+
+def test_no_move_goes_where_numerics_drift():
+    """bf16-mixed was seen to drift from a full-precision reference: none of its moves."""
+    space = LLAMA.space()
+    reference = _record(3, space.config("32-true", 1, space.max_checkpoint_blocks), 1.0, losses=(4.0, 3.9))
+    drifting = _record(4, space.config("bf16-mixed", 2, space.max_checkpoint_blocks), 0.5, losses=(9.0, 9.5))
+    records = [*_floors_of(space), reference, drifting]
+    tuner, measured = _finishing(space, records, fits=_roomy)
+    assert trial_health.drifting(records), "the drift must be seen for this case to test anything"
+    finish.one_more(tuner)
+    assert measured == []
+
+
+def test_selectively_checkpointed_shapes_and_bad_figures_stay_out_of_the_fit():
+    """`recompute_share` is the full policy's: a selective block recomputes less, and fitting
+    both as one would bias it. A figure that is not a finite positive speed says nothing."""
+    space = dataclasses.replace(LLAMA, checkpoint_policies=("full", "selective")).space()
+    plain = _record(0, space.config("bf16-mixed", 1), 2.0)
+    selective = _record(1, space.config("bf16-mixed", 4, space.max_checkpoint_blocks, checkpoint_policy="selective"), 3.5)
+    assert fitted([plain, selective], space) == PRIOR
+    for bad in (float("nan"), -1.0, math.inf):
+        assert fitted([plain, _record(2, space.config("bf16-mixed", 2), bad)], space) == PRIOR

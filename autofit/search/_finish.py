@@ -24,7 +24,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.search import choice, seeding, step_model
 from autofit.search.search_space import SearchSpace
 from autofit.search.study import TrialRecord
-from autofit.search.trial_health import is_reference, reference_for, REFERENCE_PRECISIONS
+from autofit.search.trial_health import drifting, drifts, is_reference, reference_for, REFERENCE_PRECISIONS
 
 T = TypeVar("T")
 
@@ -226,39 +226,47 @@ def _fresh_ranked(records: list[TrialRecord], budget_bytes: int, since: float | 
 def one_more(tuner: Tuner) -> None:
     """Before the re-measures: while a move along the best's line (`_promising`) is predicted
     at least `ONE_MORE_GAIN` times the best's speed and its trial fits in half of the time left
-    (`affordable_after_search`), measure it; each trial refits the step model. The search's share
+    (`affordable_after_search`), measure it; each trial refits the step model, and one that did
+    not run (out of memory or time) ends it. Not while an older session's figure leads (the
+    re-measures refresh it first). The search's share
     ended with such a move planned but too dear for what the share had left (its trials cost
     a tenth of the budget and more where memory decides); the rest of the budget, spent on
     re-measuring floors a few percent apart, is worth less than it."""
     while not tuner.halted():
         records = tuner.records()
         ranked = choice.rank(records, tuner.budget_bytes, repeats=False, fresh_since=tuner.session_start)
-        if not ranked:
-            return
-        config = tuner.planned_within(ONE_MORE_ESTIMATES_SHARE, lambda: _promising(tuner, records, ranked[0].record))
+        if not ranked or any(r.samples_per_s > ranked[0].samples_per_s for r in ranked):
+            return  # nothing ran, or an older session's figure leads: the re-measures settle that first
+        best = ranked[0].record
+        config = tuner.planned_within(ONE_MORE_ESTIMATES_SHARE, lambda: _promising(tuner, records, best))
         if config is None:
             return
         logger.info("one more trial before the re-measures: {} (the step model predicts {:.2f}x the best)",
-                    config.short(), _gain(tuner, records, ranked[0].record, config))
-        if tuner.measure_now(config, records, unless_busy=True) is None:
-            return
+                    config.short(), _gain(tuner, records, best, config))
+        record = tuner.measure_now(config, records, unless_busy=True)
+        if record is None or record.status != "ok":
+            return  # another worker's, or out of memory or time: the fit or the price was wrong
 
 
 def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord) -> TrainConfig | None:
     """Of the best's line at its own micro batch and the two next to it, each with the fewest
-    blocks checkpointed predicted to fit, not measured yet and affordable: the largest predicted
-    gain per device-second (a trial's steps take in inverse proportion to its speed), where it
-    is at least `ONE_MORE_GAIN`."""
+    blocks checkpointed predicted to fit (the best's refinement knobs kept: a compiled best's
+    moves are compiled), not measured yet, numerics not seen to drift and affordable: the
+    largest predicted gain per device-second (a trial's steps take in inverse proportion to
+    its speed), where it is at least `ONE_MORE_GAIN`."""
     space, config = tuner.space, best.config
     sizes = space.micro_batch_sizes
     here = sizes.index(config.micro_batch_size)
-    fits = tuner.fits(records)
-    moves = [seeding.fewest_checkpointed(space, fits, config.precision, m, config.freeze_blocks,
-                                         space.kept(config), config.checkpoint_policy)
-             for m in sizes[max(0, here - 1):here + 2]]
-    scored = [(gain * (gain - 1), move) for move in moves if move is not None and move != config
+    fits, seen = tuner.fits(records), drifting(records)
+    refined = {k.name: getattr(config, k.name) for k in space.refine_knobs()}
+    shapes = [seeding.fewest_checkpointed(space, fits, config.precision, m, config.freeze_blocks,
+                                          space.kept(config), config.checkpoint_policy)
+              for m in sizes[max(0, here - 1):here + 2]]
+    moves = [move for shape in shapes if shape is not None for move in [shape.replace(**refined)]
+             if move != config and seeding.line_of(move) == seeding.line_of(config) and fits(move)]
+    scored = [(gain * (gain - 1), move) for move in moves
               for gain in [_gain(tuner, records, best, move)]
-              if gain >= ONE_MORE_GAIN and tuner.known(move, records) is None
+              if gain >= ONE_MORE_GAIN and tuner.known(move, records) is None and not drifts(move, seen)
               and tuner.affordable_after_search(move, records)]
     return max(scored, key=lambda x: x[0], default=(None, None))[1]
 
@@ -266,4 +274,4 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord) -> T
 def _gain(tuner: Tuner, records: list[TrialRecord], best: TrialRecord, config: TrainConfig) -> float:
     """`config`'s speed over the best's, as the step model fitted to `records` predicts it."""
     model = step_model.fitted(records, tuner.space)
-    return model.predicted(config, best, tuner.space) / best.samples_per_s
+    return model.speed(config, tuner.space) / model.speed(best.config, tuner.space)

@@ -78,7 +78,7 @@ def fallback_next(trials: Trials, floors: Floors, plan: Plan, measured: TrainCon
     """After a trial of the one-liner or of the fallback. The one-liner's, with no fallback
     yet: where it ran out of memory or fits only below the global batch, the fallback is
     planned under the fit that has just learned from it, and measured next (after the
-    one-liner's retry, unless a prior favours it). The fallback's OOM: halve again."""
+    one-liner's retry, unless the step model favours it). The fallback's OOM: halve again."""
     if measured == floors.fallback:
         if not oom:
             return

@@ -6,8 +6,9 @@ of it alike, fitted to the trials measured so far.
 m is the micro batch, k the blocks checkpointed of the K there are. A GPU's throughput rises
 with the micro batch and saturates (at half of its saturation at `half_micro_batch` samples);
 each checkpointed block recomputes its forward (a fully checkpointed step costs
-`recompute_share` more). Before any two trials on one line (`seeding.line_of`: configs that
-differ only in this shape) the prior holds; each such pair moves the fit, so a landscape whose
+`recompute_share` more: the full policy's; a selective block keeps more and recomputes less,
+so its shapes stay out of the fit). Before two shapes on one line are measured
+(`seeding.line_of`: configs that differ only in this shape) the prior holds; each such pair moves the fit, so a landscape whose
 throughput is saturated at 8 samples, or whose recomputation is cheap, is seen as such after
 its first move along the shape, not ranked by one fixed curve for every model and card.
 """
@@ -45,7 +46,7 @@ PRIOR_WEIGHT = 0.0005
 class StepModel:
     half_micro_batch: float = PRIOR_HALF_MICRO_BATCH
     recompute_share: float = PRIOR_RECOMPUTE_SHARE
-    fitted_on: int = 0  # trials on lines with two shapes or more that moved the fit; 0: the prior
+    fitted_on: int = 0  # the shapes (configs) on lines of two or more it was fitted to; 0: the prior
 
     def speed(self, config: TrainConfig, space: SearchSpace) -> float:
         """`config`'s throughput relative to another config on its line (a ratio of two is
@@ -88,10 +89,13 @@ def fitted(records: Sequence[TrialRecord], space: SearchSpace) -> StepModel:
 
 def _lines(records: Sequence[TrialRecord]) -> list[list[tuple[TrainConfig, float]]]:
     """The measured (config, samples/s) of each line with two shapes or more: healthy trials
-    that ran on a host no other work held (the median of a config's trials)."""
+    with a finite positive figure that ran on a host no other work held (the median of a
+    config's trials), checkpointed under the full policy or not at all."""
     by_line: dict[str, dict[TrainConfig, list[float]]] = {}
     for r in records:
-        if r.status == "ok" and r.samples_per_s and not r.loaded:
+        full = r.config.checkpoint_blocks == 0 or r.config.checkpoint_policy == "full"
+        if (r.status == "ok" and r.samples_per_s is not None and 0 < r.samples_per_s < math.inf
+                and not r.loaded and full):
             by_line.setdefault(repr(seeding.line_of(r.config)), {}).setdefault(r.config, []).append(r.samples_per_s)
     return [[(c, sorted(speeds)[len(speeds) // 2]) for c, speeds in shapes.items()]
             for shapes in by_line.values() if len(shapes) >= 2]
