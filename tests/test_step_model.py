@@ -113,7 +113,7 @@ def test_after_the_search_one_more_trial_goes_to_a_move_predicted_well_past_the_
 
     records = floors()
     tuner, measured = _finishing(space, records, fits=fits)
-    assert finish._gain(tuner, records, records[1], space.config("bf16-mixed", 4, few)) >= finish.ONE_MORE_GAIN
+    assert fitted(records, space).ratio(space.config("bf16-mixed", 4, few), records[1].config, space) >= finish.ONE_MORE_GAIN
     finish.one_more(tuner)
     assert measured == [space.config("bf16-mixed", 4, few)]
 

@@ -228,32 +228,33 @@ def one_more(tuner: Tuner) -> None:
     at least `ONE_MORE_GAIN` times the best's speed and its trial fits in half of the time left
     (`affordable_after_search`), measure it; each trial refits the step model, and one that did
     not run (out of memory or time) ends it. Not while an older session's figure leads (the
-    re-measures refresh it first). The search's share
-    ended with such a move planned but too dear for what the share had left (its trials cost
-    a tenth of the budget and more where memory decides); the rest of the budget, spent on
-    re-measuring floors a few percent apart, is worth less than it."""
+    re-measures refresh it first). The search's share ended with such a move planned but too
+    dear for what the share had left (its trials cost a tenth of the budget and more where
+    memory decides); the rest of the budget, spent on re-measuring floors a few percent apart,
+    is worth less than it."""
     while not tuner.halted():
         records = tuner.records()
         ranked = choice.rank(records, tuner.budget_bytes, repeats=False, fresh_since=tuner.session_start)
         if not ranked or any(r.samples_per_s > ranked[0].samples_per_s for r in ranked):
             return  # nothing ran, or an older session's figure leads: the re-measures settle that first
-        best = ranked[0].record
-        config = tuner.planned_within(ONE_MORE_ESTIMATES_SHARE, lambda: _promising(tuner, records, best))
+        best, model = ranked[0].record, step_model.fitted(records, tuner.space)
+        config = tuner.planned_within(ONE_MORE_ESTIMATES_SHARE, lambda: _promising(tuner, records, best, model))
         if config is None:
             return
         logger.info("one more trial before the re-measures: {} (the step model predicts {:.2f}x the best)",
-                    config.short(), _gain(tuner, records, best, config))
+                    config.short(), model.ratio(config, best.config, tuner.space))
         record = tuner.measure_now(config, records, unless_busy=True)
         if record is None or record.status != "ok":
             return  # another worker's, or out of memory or time: the fit or the price was wrong
 
 
-def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord) -> TrainConfig | None:
+def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
+               model: step_model.StepModel) -> TrainConfig | None:
     """Of the best's line at its own micro batch and the two next to it, each with the fewest
     blocks checkpointed predicted to fit (the best's refinement knobs kept: a compiled best's
     moves are compiled), not measured yet, numerics not seen to drift and affordable: the
     largest predicted gain per device-second (a trial's steps take in inverse proportion to
-    its speed), where it is at least `ONE_MORE_GAIN`."""
+    its speed), where `model` puts it at `ONE_MORE_GAIN` or more."""
     space, config = tuner.space, best.config
     sizes = space.micro_batch_sizes
     here = sizes.index(config.micro_batch_size)
@@ -265,13 +266,7 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord) -> T
     moves = [move for shape in shapes if shape is not None for move in [shape.replace(**refined)]
              if move != config and seeding.line_of(move) == seeding.line_of(config) and fits(move)]
     scored = [(gain * (gain - 1), move) for move in moves
-              for gain in [_gain(tuner, records, best, move)]
+              for gain in [model.ratio(move, config, space)]
               if gain >= ONE_MORE_GAIN and tuner.known(move, records) is None and not drifts(move, seen)
               and tuner.affordable_after_search(move, records)]
     return max(scored, key=lambda x: x[0], default=(None, None))[1]
-
-
-def _gain(tuner: Tuner, records: list[TrialRecord], best: TrialRecord, config: TrainConfig) -> float:
-    """`config`'s speed over the best's, as the step model fitted to `records` predicts it."""
-    model = step_model.fitted(records, tuner.space)
-    return model.speed(config, tuner.space) / model.speed(best.config, tuner.space)

@@ -55,9 +55,13 @@ class StepModel:
         recompute = self.recompute_share * config.checkpoint_blocks / max(1, space.max_checkpoint_blocks)
         return m / (m + self.half_micro_batch) / (1 + recompute)
 
+    def ratio(self, config: TrainConfig, other: TrainConfig, space: SearchSpace) -> float:
+        """`config`'s throughput over `other`'s, on one line."""
+        return self.speed(config, space) / self.speed(other, space)
+
     def predicted(self, config: TrainConfig, anchor: TrialRecord, space: SearchSpace) -> float:
         """`config`'s samples/s predicted from `anchor`'s measured figure, along the shape."""
-        return anchor.samples_per_s * self.speed(config, space) / self.speed(anchor.config, space)
+        return anchor.samples_per_s * self.ratio(config, anchor.config, space)
 
 
 PRIOR = StepModel()
