@@ -72,3 +72,46 @@ def test_an_estimate_request_of_another_schema_is_refused_by_name():
     assert EstimateRequest.from_dict(json.loads(json.dumps(raw))).config.micro_batch_size == 8
     with pytest.raises(ValueError, match=f"estimate request: schema {SCHEMA + 1}"):
         EstimateRequest.from_dict(raw | {"schema": SCHEMA + 1})
+
+
+def test_an_estimate_reply_is_built_whole_in_the_child_and_read_back_whole(tmp_path):
+    """The estimate task's reply, as the resident child's wire carries it (JSON), read back as
+    the parent's `EstimateReply`: the estimate a `MemoryEstimate` equal to the fake step's,
+    the largest micro batch beside it."""
+    from autofit.measure.fake_step import estimate_memory
+    from autofit.measure.memory_estimate import MemoryEstimate
+    from autofit.measure.messages import EstimateReply, EstimateRequest
+    from autofit.measure.tasks import estimate
+    from autofit.workload import build_workload
+
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+    workload = build_workload(spec)
+    config = TrainConfig(micro_batch_size=8)
+    request = EstimateRequest(config=config, device_kind="cpu", budget_bytes=2**30)
+    wired = json.loads(json.dumps(estimate(request.to_dict(), {"spec": spec, "workload": workload})))
+    reply = EstimateReply.from_dict(wired)
+    assert reply.ok and isinstance(reply.estimate, MemoryEstimate)
+    assert reply.estimate == estimate_memory(spec, config, device_kind="cpu", workload=workload)
+    assert reply.max_micro_batch_size == spec.train.global_batch_size  # a GiB holds the tiny model's every size
+
+
+def test_a_tasks_input_error_reply_is_the_parents_input_error_with_its_exit_code_and_traceback():
+    from autofit.base.errors import InputError, NonFiniteLossError
+    from autofit.measure.asks import _answer
+    from autofit.measure.messages import EstimateReply, TaskReply
+    from autofit.measure.worker import TaskOutcome
+
+    def outcome(reply):
+        return TaskOutcome(ended="exited", result=json.loads(json.dumps(reply.to_dict())), returncode=0, log_tail="",
+                           wall_s=0.1)
+
+    spec = None  # `_answer` reads the reply only
+    failed = EstimateReply(status="input_error", reason="model: forward raised KeyError", exit_code=2,
+                           traceback="Traceback ... KeyError")
+    with pytest.raises(InputError, match="forward raised KeyError") as raised:
+        _answer(outcome(failed), spec)
+    assert raised.value.exit_code == 2 and "KeyError" in raised.value.traceback_text
+    nonfinite = TaskReply(status="input_error", reason="loss is NaN", exit_code=NonFiniteLossError.exit_code)
+    with pytest.raises(NonFiniteLossError):
+        _answer(outcome(nonfinite), spec)
+    assert _answer(outcome(TaskReply(status="estimate_error", reason="x")), spec)["reason"] == "x"

@@ -11,7 +11,7 @@ from autofit.config.spec import ModelSpec, PROBE_SKIPPED
 from autofit.config.train_config import TrainConfig
 from autofit.measure.memory_estimate import EstimateError, MemoryEstimate
 from autofit.measure.process import failure_reason
-from autofit.measure.messages import Analysis, EstimateRequest, task
+from autofit.measure.messages import Analysis, EstimateReply, EstimateRequest, TaskReply, task
 from autofit.measure.resident import Resident
 from autofit.measure.worker import TaskOutcome, Worker
 
@@ -36,9 +36,9 @@ def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kin
                               capacity_bytes=budget_bytes if capacity_bytes is None else capacity_bytes)
     outcome = Resident.of(worker, ESTIMATE_TASK).call(request.to_dict(), timeout_s=spec.search.trial_timeout_s,
                                                       stop_event=stop_event)
-    result = _answer(outcome, spec)
-    if result.get("status") == "ok":
-        return MemoryEstimate(**result["estimate"]), result.get("max_micro_batch_size")
+    reply = EstimateReply.from_dict(_answer(outcome, spec))
+    if reply.ok:
+        return reply.estimate, reply.max_micro_batch_size
     reason = _reason(outcome, spec)
     raise EstimateError(reason if reason.startswith("estimate:") else f"estimate: {reason}")
 
@@ -49,7 +49,7 @@ def analyze(worker: Worker, spec: ModelSpec, nproc: int = 1, *, stop_event=None)
                          timeout_s=max(spec.search.trial_timeout_s, ANALYSIS_LEAST_TIMEOUT_S),
                          start_timeout_s=spec.search.trial_timeout_s, stop_event=stop_event)
     result = _answer(outcome, spec)
-    if result.get("status") == "ok":
+    if TaskReply.from_dict(result).ok:
         return Analysis.from_dict(result)
     raise TrialError(f"the model's analysis failed: {_reason(outcome, spec)}")
 
@@ -68,10 +68,11 @@ def probe_batch_dim(worker: Worker, spec: ModelSpec, *, timeout_s: float | None 
     outcome = worker.run(PROBE_TASK, {}, timeout_s=timeout_s, stop_event=stop_event,
                          start_timeout_s=spec.search.trial_timeout_s)
     result = _answer(outcome, spec)
-    if result.get("status") == "ok":
+    if result and TaskReply.from_dict(result).ok:
         return
     if result:  # the child answered, with an error of its own
-        raise TrialError(f"model: the batch-dimension probe failed: {result.get('reason')}; {_SKIP_PROBE}")
+        raise TrialError(f"model: the batch-dimension probe failed: {TaskReply.from_dict(result).reason}; "
+                         f"{_SKIP_PROBE}")
     _status, reason = failure_reason(outcome.ended, outcome.returncode, timeout_s, outcome.log_tail)
     error = TrialTimeoutError if outcome.ended == "timeout" else TrialError
     raise error(f"model: the batch-dimension probe (3 samples on the CPU) gave no answer: {reason}; {_SKIP_PROBE}")
@@ -85,13 +86,14 @@ def _answer(outcome: TaskOutcome, spec: ModelSpec) -> dict:
     if outcome.ended == "stopped":
         raise InterruptedError("stopped")
     result = outcome.result or {}
-    if result.get("status") == "input_error":  # the user's code raised: every config would fail alike
-        error = NonFiniteLossError if result.get("exit_code") == NonFiniteLossError.exit_code else InputError
-        raise error(result["reason"], traceback_text=result.get("traceback"))
+    failed = TaskReply.from_dict(result) if result else None
+    if failed is not None and failed.status == "input_error":  # the user's code raised: every config would fail alike
+        error = NonFiniteLossError if failed.exit_code == NonFiniteLossError.exit_code else InputError
+        raise error(failed.reason, traceback_text=failed.traceback)
     return result
 
 
 def _reason(outcome: TaskOutcome, spec: ModelSpec) -> str:
-    result = outcome.result or {}
-    return result.get("reason") or failure_reason(outcome.ended, outcome.returncode, spec.search.trial_timeout_s,
+    reason = TaskReply.from_dict(outcome.result).reason if outcome.result else None
+    return reason or failure_reason(outcome.ended, outcome.returncode, spec.search.trial_timeout_s,
                                                   outcome.log_tail)[1]

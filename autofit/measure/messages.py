@@ -1,7 +1,9 @@
 """What crosses the process boundary between a tune (the parent) and its children, built and
 read here only: the tasks a child can run, by name, and a trial's request as a typed value
-with a schema version, as are an estimate's request and the model's analysis. A trial's reply
-is a `Measurement` (`measure/measurement.py`).
+with a schema version, as are an estimate's request and reply, the model's analysis and a
+task's failure. A trial's reply is a `Measurement` (`measure/measurement.py`). Each is built
+whole on one side, crosses as its `to_dict()` and is read back whole (`from_dict`) on the
+other: the wire's keys are the fields' names, written nowhere else.
 
 Which side runs what:
 
@@ -23,6 +25,7 @@ from typing import ClassVar
 
 from autofit.config.spec import ModelSpec, parse_spec
 from autofit.config.train_config import MicroBatchFloor, TrainConfig
+from autofit.measure.memory_estimate import MemoryEstimate
 
 SCHEMA = 1  # of every message here; a side refuses a message of another schema by name
 
@@ -103,6 +106,40 @@ class EstimateRequest(_Message):
     @classmethod
     def from_dict(cls, raw: dict) -> "EstimateRequest":
         return _read(cls, raw, cls._WHAT, config=TrainConfig.from_dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskReply(_Message):
+    """A task's answer where it is not a result of its own (a probe's "ok"), or how the task
+    failed: `input_error` (the user's code or spec raised: every config would fail alike, and
+    the parent exits `exit_code`), `error` (autofit's own), `estimate_error` (the model cannot
+    run on fake tensors: measured instead), each with its reason."""
+
+    status: str  # "ok", "input_error", "error" or "estimate_error"
+    reason: str | None = None
+    exit_code: int | None = None  # an input error's: 2, or NonFiniteLossError's
+    traceback: str | None = None  # the user's code's, its last characters
+    schema: int = SCHEMA
+    _WHAT: ClassVar[str] = "task reply"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EstimateReply(TaskReply):
+    """The `estimate` task's reply: the estimate, and with the request's `budget_bytes` the
+    largest micro batch that fits it; or a `TaskReply`'s failure."""
+
+    estimate: MemoryEstimate | None = None
+    max_micro_batch_size: int | None = None
+    end_child: bool = False  # a sticky CUDA error: the resident child is replaced after answering
+    _WHAT: ClassVar[str] = "estimate reply"
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "EstimateReply":
+        return _read(cls, raw, cls._WHAT, estimate=lambda e: None if e is None else MemoryEstimate(**e))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

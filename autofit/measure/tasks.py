@@ -3,8 +3,9 @@ the user's model module imported, the data loaded), and the tasks it forks a chi
 trial, a memory estimate, the model's analysis. The user's code runs only here, in children
 with a timeout, never in the tuner's own process.
 
-Each task takes the request (JSON) and the setup's context, and returns a JSON-able dict;
-an error in the user's code is a result (`input_error`), never an exception out of the task.
+Each task takes the request (JSON) and the setup's context, and returns its reply (a message
+of `messages.py`) as the JSON-able dict that crosses back; an error in the user's code is a
+reply (`input_error`), never an exception out of the task.
 """
 
 import dataclasses
@@ -23,7 +24,7 @@ from autofit.workload.flops import train_flops_per_sample
 from autofit.workload.batch_dim import check_batch_dim
 from autofit.train.configure import block_count, micro_batch_floor
 from autofit.measure.child import run_request
-from autofit.measure.messages import Analysis, EstimateRequest, TrialRequest
+from autofit.measure.messages import Analysis, EstimateReply, EstimateRequest, TaskReply, TrialRequest
 from autofit.measure.fake_step import cuda_poisoned, estimate_memory, EstimateError, max_micro_batch_size
 
 _TRACEBACK_CHARS = 8000
@@ -66,30 +67,28 @@ def trial(request: dict, context: dict) -> dict:
 
 def estimate(request: dict, context: dict) -> dict:
     """The predicted peak of `config` on fake tensors; with `budget_bytes`, also the
-    largest micro batch that fits it."""
+    largest micro batch that fits it: an `EstimateReply`, as it crosses back."""
     spec, workload = context["spec"], context["workload"]
     asked = EstimateRequest.from_dict(request)
-    out = _estimate(spec, workload, asked.config, asked)
+    reply = _estimate(spec, workload, asked.config, asked)
     if cuda_poisoned():  # a CUDA error is sticky: this child is replaced after answering
-        out["end_child"] = True
-    return out
+        reply = dataclasses.replace(reply, end_child=True)
+    return reply.to_dict()
 
 
-def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, request: EstimateRequest) -> dict:
+def _estimate(spec: ModelSpec, workload: Workload, config: TrainConfig, request: EstimateRequest) -> EstimateReply:
     try:
         found = estimate_memory(spec, config, device_kind=request.device_kind, workload=workload,
                                 compute_capability=request.compute_capability,
                                 capacity_bytes=request.capacity_bytes)
-        out = {"status": "ok", "estimate": dataclasses.asdict(found)}
-        if request.budget_bytes is not None:
-            out["max_micro_batch_size"] = max_micro_batch_size(
-                spec, config, request.budget_bytes, device_kind=request.device_kind, workload=workload,
-                compute_capability=request.compute_capability)  # the card `fits` was judged for
-        return out
+        largest = None if request.budget_bytes is None else max_micro_batch_size(
+            spec, config, request.budget_bytes, device_kind=request.device_kind, workload=workload,
+            compute_capability=request.compute_capability)  # the card `fits` was judged for
+        return EstimateReply(status="ok", estimate=found, max_micro_batch_size=largest)
     except EstimateError as exc:  # fake tensors' limit (data-dependent shapes): measured instead
-        return {"status": "estimate_error", "reason": str(exc)}
+        return EstimateReply(status="estimate_error", reason=str(exc))
     except AutofitError as exc:
-        return _input_error(exc)
+        return _failure(exc, EstimateReply)
 
 
 def analyze(request: dict, context: dict) -> dict:
@@ -98,7 +97,7 @@ def analyze(request: dict, context: dict) -> dict:
     try:
         return {"status": "ok", **analysis(context["spec"], context["workload"], request.get("nproc", 1)).to_dict()}
     except AutofitError as exc:
-        return _input_error(exc)
+        return _failure(exc).to_dict()
 
 
 def probe(request: dict, context: dict) -> dict:
@@ -108,8 +107,8 @@ def probe(request: dict, context: dict) -> dict:
     try:
         check_batch_dim(context["workload"])
     except AutofitError as exc:
-        return _input_error(exc)
-    return {"status": "ok"}
+        return _failure(exc).to_dict()
+    return TaskReply(status="ok").to_dict()
 
 
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
@@ -145,8 +144,9 @@ def analysis(spec: ModelSpec, workload: Workload, nproc: int = 1) -> Analysis:
                     flops_per_sample=train_flops_per_sample(model, workload.tokens_per_sample))
 
 
-def _input_error(exc: AutofitError) -> dict:
+def _failure(exc: AutofitError, reply: type[TaskReply] = TaskReply) -> TaskReply:
+    """`exc` as a failed task's `reply`: an input error where the user's code or spec raised,
+    with its exit code and the end of its traceback."""
     cause = exc.__cause__ or exc
-    return {"status": "input_error" if isinstance(exc, (InputError, SpecError)) else "error", "reason": str(exc),
-            "exit_code": exc.exit_code,
-            "traceback": "".join(traceback.format_exception(cause))[-_TRACEBACK_CHARS:]}
+    return reply(status="input_error" if isinstance(exc, (InputError, SpecError)) else "error", reason=str(exc),
+                 exit_code=exc.exit_code, traceback="".join(traceback.format_exception(cause))[-_TRACEBACK_CHARS:])
