@@ -74,7 +74,7 @@ def test_a_saturated_curve_measured_stops_the_plan_deferring_a_small_micro_batch
 
 
 def _finishing(space, records, *, fits=lambda config: True, affordable=True, status="ok", landscape=LLAMA,
-               session_start=0.0):
+               session_start=0.0, peak_share=lambda config: 0.5):
     """A tuner as `_finish.one_more` sees it; its trials measured on `landscape`'s true curve
     (ending in `status`)."""
     measured = []
@@ -91,7 +91,7 @@ def _finishing(space, records, *, fits=lambda config: True, affordable=True, sta
         halted=lambda: False,
         fits=lambda records: fits, known=lambda config, records: _known.known(config, records, 2**34),
         affordable_after_search=lambda config, records: affordable, measure_now=measure_now,
-        planned_within=lambda share, plan: plan())
+        planned_within=lambda share, plan: plan(), peak_share=lambda config, records: peak_share(config))
     return tuner, measured
 
 
@@ -174,7 +174,9 @@ def test_no_move_goes_where_an_older_sessions_figure_leads():
 
 
 def test_no_move_goes_where_numerics_drift():
-    """bf16-mixed was seen to drift from a full-precision reference: none of its moves."""
+    """bf16-mixed was seen to drift from a full-precision reference: none of its moves (another
+    precision's may go: each trial's health is judged on its own). With bf16-true seen to drift
+    too, none at all."""
     space = LLAMA.space()
     reference = _record(3, space.config("32-true", 1, space.max_checkpoint_blocks), 1.0, losses=(4.0, 3.9))
     drifting = _record(4, space.config("bf16-mixed", 2, space.max_checkpoint_blocks), 0.5, losses=(9.0, 9.5))
@@ -182,7 +184,43 @@ def test_no_move_goes_where_numerics_drift():
     tuner, measured = _finishing(space, records, fits=_roomy)
     assert trial_health.drifting(records), "the drift must be seen for this case to test anything"
     finish.one_more(tuner)
+    assert not any(c.precision == "bf16-mixed" for c in measured), [c.short() for c in measured]
+
+    true_drifting = _record(5, space.config("bf16-true", 2, space.max_checkpoint_blocks), 0.5, losses=(9.0, 9.5))
+    records = [*_floors_of(space), reference, drifting, true_drifting]
+    tuner, measured = _finishing(space, records, fits=_roomy)
+    finish.one_more(tuner)
     assert measured == []
+
+
+def test_a_16_bit_bests_move_may_go_to_another_16_bit_precision_that_needs_fewer_blocks():
+    """The fallback (bf16-mixed, every block recomputed) is the best; bf16-true holds no fp32
+    master weights and fits micro batch 4 with 1 block checkpointed where bf16-mixed needs
+    every one. The 16-bit precisions run at about one speed, so the step model predicts that
+    move from the best's figure (1.3x), and it is measured. Not a full precision's (5x slower
+    on a GPU: nothing of the best's predicts it), and not where the precision's numerics were
+    seen to drift."""
+    space = LLAMA.space()
+    n = space.max_checkpoint_blocks
+
+    def fits(config):  # bf16-true: 1 block at micro batch 4; bf16-mixed: every block; 32-true: none
+        if config.precision == "bf16-true":
+            return config.micro_batch_size <= 4 and config.checkpoint_blocks >= 1
+        return config.precision == "bf16-mixed" and config.micro_batch_size <= 4 and config.checkpoint_blocks >= n
+
+    records = _floors_of(space)[1:]  # the one-liner did not fit
+    tuner, measured = _finishing(space, records, fits=fits)
+    finish.one_more(tuner)
+    assert measured[:1] == [space.config("bf16-true", 4, 1)], [c.short() for c in measured]
+    assert all(c.precision not in trial_health.REFERENCE_PRECISIONS for c in measured)
+
+    # Nothing in bf16-true has run: its bytes are bf16-mixed's fit carried over, so a move
+    # predicted at the budget's edge (0.95 of it with 1 or 2 blocks) is not taken; 3 blocks is.
+    records = _floors_of(space)[1:]
+    tuner, measured = _finishing(space, records, fits=fits,
+                                 peak_share=lambda c: 0.95 if c.checkpoint_blocks < 3 else 0.85)
+    finish.one_more(tuner)
+    assert measured[:1] == [space.config("bf16-true", 4, 3)], [c.short() for c in measured]
 
 
 def test_selectively_checkpointed_shapes_and_bad_figures_stay_out_of_the_fit():

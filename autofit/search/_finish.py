@@ -20,8 +20,10 @@ from typing import Protocol, TypeVar
 
 from loguru import logger
 
+from autofit.config.knobs import coherent
 from autofit.config.train_config import TrainConfig
 from autofit.search import choice, seeding, step_model
+from autofit.search._state import SearchTimeUp
 from autofit.search.search_space import SearchSpace
 from autofit.search.study import TrialRecord
 from autofit.search.trial_health import drifting, drifts, is_reference, reference_for, REFERENCE_PRECISIONS
@@ -53,6 +55,8 @@ class Tuner(Protocol):
 
     def planned_within(self, share: float, plan: Callable[[], T]) -> T | None: ...
 
+    def peak_share(self, config: TrainConfig, records: list[TrialRecord]) -> float: ...
+
 BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
 # References measured at most after a search: an OOM refits the model (the next frontier
 # point is smaller), and contenders at several freezing depths need one each.
@@ -64,6 +68,11 @@ REFERENCE_ATTEMPTS = 4
 ONE_MORE_GAIN = 1.1
 # ... found with estimates (fake steps of device time) taking at most this share of the time left.
 ONE_MORE_ESTIMATES_SHARE = 0.25
+# ... and, in a precision nothing has measured yet, predicted at most this share of the budget:
+# its bytes are another precision's fit carried over (an uncalibrated estimator's error is
+# about a tenth, `memory_model.UNCALIBRATED_MARGIN`), and a move at the edge that runs out of
+# memory ends the trials after the search (seen: 1.04x the budget, predicted under it).
+UNMEASURED_PEAK_SHARE = 0.9
 
 
 def ensure_reference(tuner: Tuner) -> None:
@@ -250,23 +259,59 @@ def one_more(tuner: Tuner) -> None:
 
 def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
                model: step_model.StepModel) -> TrainConfig | None:
-    """Of the best's line at its own micro batch and the two next to it, each with the fewest
-    blocks checkpointed predicted to fit (the best's refinement knobs kept: a compiled best's
-    moves are compiled), not measured yet, numerics not seen to drift and affordable: the
-    largest predicted gain per device-second (a trial's steps take in inverse proportion to
-    its speed), where `model` puts it at `ONE_MORE_GAIN` or more."""
+    """The move after the search (`one_more`): the best's shape moved to its own micro batch or
+    the two next to it, in its precision or another whose speed the best's predicts
+    (`_alike_precisions`: a 16-bit best's shapes in the other 16-bit precisions, whose smaller
+    tensors may need fewer blocks), each with the fewest blocks checkpointed predicted to fit and
+    the best's other knobs kept (a compiled best's moves are compiled); not measured yet,
+    numerics not seen to drift, coherent and affordable. Of those `model` puts at
+    `ONE_MORE_GAIN` or more, the largest predicted gain per device-second (a trial's steps take
+    in inverse proportion to its speed). Estimates go where the gain can be largest first, and
+    only to depths that would be worth it: where their share runs out, what was found stands."""
     space, config = tuner.space, best.config
+    fits, seen = tuner.fits(records), drifting(records)
     sizes = space.micro_batch_sizes
     here = sizes.index(config.micro_batch_size)
-    fits, seen = tuner.fits(records), drifting(records)
-    refined = {k.name: getattr(config, k.name) for k in space.refine_knobs()}
-    shapes = [seeding.fewest_checkpointed(space, fits, config.precision, m, config.freeze_blocks,
-                                          space.kept(config), config.checkpoint_policy)
-              for m in sizes[max(0, here - 1):here + 2]]
-    moves = [move for shape in shapes if shape is not None for move in [shape.replace(**refined)]
-             if move != config and seeding.line_of(move) == seeding.line_of(config) and fits(move)]
-    scored = [(gain * (gain - 1), move) for move in moves
-              for gain in [model.ratio(move, config, space)]
-              if gain >= ONE_MORE_GAIN and tuner.known(move, records) is None and not drifts(move, seen)
-              and tuner.affordable_after_search(move, records)]
+    lines = [config.replace(precision=p) for p in (config.precision, *_alike_precisions(space, config.precision))]
+    lines = [line for line in lines if coherent(line.to_dict()) and not drifts(line, seen)]
+    measured = {r.config.precision for r in records if r.status == "ok"}
+
+    def fits_line(line: TrainConfig) -> Callable[[TrainConfig], bool]:
+        if line.precision in measured:
+            return fits
+        return lambda c: fits(c) and tuner.peak_share(c, records) <= UNMEASURED_PEAK_SHARE
+
+    shapes = [(line, m) for line in lines for m in sizes[max(0, here - 1):here + 2]]
+    # The gain of each with nothing checkpointed bounds what its estimates can find.
+    bound = {shape: _gain(space, config, model, *shape, 0) for shape in shapes}
+    scored = []
+    for line, micro in sorted((s for s in shapes if bound[s] >= ONE_MORE_GAIN), key=bound.get, reverse=True):
+        most = max((k for k in range(space.checkpointable(config.freeze_blocks) + 1)
+                    if _gain(space, config, model, line, micro, k) >= ONE_MORE_GAIN), default=-1)
+        try:
+            shape = seeding.fewest_checkpointed(space, fits_line(line), line.precision, micro, config.freeze_blocks,
+                                                space.kept(config), config.checkpoint_policy, most_blocks=most)
+        except SearchTimeUp:
+            break
+        move = None if shape is None else shape.replace(**{k.name: getattr(config, k.name) for k in space.refine_knobs()})
+        if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line) and fits(move)
+                and tuner.known(move, records) is None and tuner.affordable_after_search(move, records)):
+            gain = model.ratio(move, config, space)
+            scored.append((gain * (gain - 1), move))
     return max(scored, key=lambda x: x[0], default=(None, None))[1]
+
+
+def _gain(space: SearchSpace, best: TrainConfig, model: step_model.StepModel, line: TrainConfig, micro: int,
+          blocks: int) -> float:
+    """What `model` predicts for `line` at `micro` with `blocks` checkpointed, over `best`."""
+    shape = line.replace(micro_batch_size=micro, grad_accum_steps=line.micro_batch_size * line.grad_accum_steps // micro,
+                         checkpoint_blocks=blocks)
+    return model.ratio(shape, best, space)
+
+
+def _alike_precisions(space: SearchSpace, precision: str) -> list[str]:
+    """The space's other precisions a trial in `precision` predicts the speed of: the 16-bit
+    ones run at about one speed (`_timing.speeds_alike`); a full precision predicts none."""
+    if precision in REFERENCE_PRECISIONS:
+        return []
+    return [p for p in space.precisions if p != precision and p not in REFERENCE_PRECISIONS]
