@@ -232,3 +232,17 @@ def test_selectively_checkpointed_shapes_and_bad_figures_stay_out_of_the_fit():
     assert fitted([plain, selective], space) == PRIOR
     for bad in (float("nan"), -1.0, math.inf):
         assert fitted([plain, _record(2, space.config("bf16-mixed", 2), bad)], space) == PRIOR
+
+
+def test_a_best_whose_memory_knob_another_precision_refuses_moves_in_its_own_precision_only():
+    """8-bit optimizer state needs fp32 weights: a bf16-mixed best with it has no bf16-true
+    line (building that config is refused), and its own line's move still goes."""
+    eight = dataclasses.replace(LLAMA, optimizer_bits=(32, 8))
+    space = eight.space()
+    n = space.max_checkpoint_blocks
+    best = space.config("bf16-mixed", 4, n, optimizer_bits=8)
+    records = [_record(0, best, eight.samples_per_s(best))]
+    tuner, measured = _finishing(space, records, fits=_roomy, landscape=eight)
+    finish.one_more(tuner)
+    assert measured and all(c.precision == "bf16-mixed" and c.optimizer_bits == 8 for c in measured), \
+        [c.short() for c in measured]

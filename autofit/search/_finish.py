@@ -272,8 +272,10 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     fits, seen = tuner.fits(records), drifting(records)
     sizes = space.micro_batch_sizes
     here = sizes.index(config.micro_batch_size)
-    lines = [config.replace(precision=p) for p in (config.precision, *_alike_precisions(space, config.precision))]
-    lines = [line for line in lines if coherent(line.to_dict()) and not drifts(line, seen)]
+    # A memory knob the precision refuses (8-bit state with bf16 weights): not its line.
+    lines = [config.replace(precision=p) for p in (config.precision, *_alike_precisions(space, config.precision))
+             if coherent(config.to_dict() | {"precision": p})]
+    lines = [line for line in lines if not drifts(line, seen)]
     measured = {r.config.precision for r in records if r.status == "ok"}
 
     def fits_line(line: TrainConfig) -> Callable[[TrainConfig], bool]:
