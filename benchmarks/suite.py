@@ -107,7 +107,8 @@ class ModelBench:
             return self.get(config)
         predicted = self.predict(config)
         self.clock.check(f"{self.spec.name} {config.short()}")
-        m = measure(self.spec, config, device=self.execute_on, budget_bytes=self.cap_bytes)
+        m = measure(self.spec, config, device=self.execute_on,
+                    budget=None if self.cap_bytes is None else Budget(usable_bytes=self.cap_bytes))
         self.clock.note(m.wall_s)
         total = None if m.peak_memory_bytes is None else m.peak_memory_bytes + (m.overhead_bytes or 0)
         entry = {

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from autofit.config.train_config import TrainConfig
 from autofit.config.spec import SearchSpec
+from autofit.device.budget import Budget
 from autofit.search import FULL_PRECISION_SLOWDOWN, SearchSpace, Tuner, make_study
 from autofit.search.deadline import Deadline, SEARCH_SHARE
 from autofit.search.memory_model import MemoryModel
@@ -346,10 +347,10 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
             reached.append(landscape.clock())
         return m
 
-    memory = MemoryModel(timed.estimate, landscape.budget_bytes)
+    memory = MemoryModel(timed.estimate, Budget(usable_bytes=landscape.budget_bytes))
     warm = translate(warm_from, timed.space(), lambda c: memory.fits(c, [])) if warm_from else ()
-    tuner = Tuner(timed.space(), study=study, budget_bytes=landscape.budget_bytes, measure=measure, starts=warm,
-                  estimate=timed.estimate, max_trials=trials, patience=patience, deadline=deadline,
+    tuner = Tuner(timed.space(), study=study, budget=Budget(usable_bytes=landscape.budget_bytes), measure=measure,
+                  starts=warm, estimate=timed.estimate, max_trials=trials, patience=patience, deadline=deadline,
                   one_liner=ONE_LINER_GPU if anytime else (), measure_reference=timed.measure_reference if anytime else None,
                   full_precision_slowdown=FULL_PRECISION_SLOWDOWN["cuda"])  # the landscapes are GPUs
     result = tuner.run()

@@ -248,10 +248,10 @@ def test_the_tune_predicts_each_config_under_its_budget(tmp_path, monkeypatch):
         capacities.append(kwargs.get("capacity_bytes"))
         return types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size)
 
-    def measure(spec, config, *, budget_bytes=None, **_):
+    def measure(spec, config, *, budget=None, **_):
         return Measurement(status="ok", config=config, peak_memory_bytes=1000 * config.micro_batch_size,
                            overhead_bytes=0, samples_per_s=10.0 * config.micro_batch_size, step_time_s=0.1,
-                           step_times_s=[0.1] * 2, losses=[4.0, 3.9, 3.8, 3.7] * 6, budget_bytes=budget_bytes,
+                           step_times_s=[0.1] * 2, losses=[4.0, 3.9, 3.8, 3.7] * 6, budget_bytes=budget.usable_bytes,
                            wall_s=0.05)
 
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory", estimate)

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from autofit.device.budget import Budget
 from autofit.search import make_study, Tuner
 from autofit.search._timing import COMPILE_PRIOR_S
 from autofit.search.deadline import Deadline
@@ -20,7 +21,7 @@ def _tuner(landscape, budget_s, *, one=ONE_LINER_GPU, seed=0, **hooks):
     landscape.reset(seed)
     landscape.stop_at_s[0] = budget_s
     return Tuner(landscape.space(), study=make_study(study_name="t", storage=None, seed=seed),
-                 budget_bytes=landscape.budget_bytes,
+                 budget=Budget(usable_bytes=landscape.budget_bytes),
                  **{"estimate": landscape.estimate, "measure": landscape.measure} | hooks,
                  max_trials=40, patience=12, deadline=Deadline(budget_s, clock=landscape.clock), one_liner=one)
 
@@ -136,7 +137,7 @@ def test_no_estimate_is_started_once_the_searchs_share_of_the_budget_is_spent():
         return land.estimate(config)
 
     tuner = Tuner(land.space(), study=make_study(study_name="t", storage=None, seed=0),
-                  budget_bytes=land.budget_bytes, measure=land.measure, estimate=estimate, max_trials=40,
+                  budget=Budget(usable_bytes=land.budget_bytes), measure=land.measure, estimate=estimate, max_trials=40,
                   patience=12, deadline=Deadline(60.0, clock=land.clock), one_liner=ONE_LINER_GPU)
     tuner.search()
     assert started and max(started) < tuner.deadline.search_s()

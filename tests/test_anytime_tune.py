@@ -34,17 +34,17 @@ def _measure(*, validation_blocks: bool, calls: list, speed=None):
     speed = speed or (lambda c: (300.0 if c.precision == "bf16-mixed" else 100.0) * c.micro_batch_size
                       / (c.micro_batch_size + 1))
 
-    def measure(spec, config, *, measure_steps=None, budget_bytes=None, stop_event=None, **_):
+    def measure(spec, config, *, measure_steps=None, budget=None, stop_event=None, **_):
         calls.append((config, measure_steps, time.monotonic()))
         validating = measure_steps == spec.search.validate_steps
         if validating and validation_blocks:
             stop_event.wait(60)
-            return Measurement(status="error", config=config, reason="stopped", budget_bytes=budget_bytes)
+            return Measurement(status="error", config=config, reason="stopped", budget_bytes=budget.usable_bytes)
         time.sleep(0.05)
         sps = speed(config)
         return Measurement(status="ok", config=config, peak_memory_bytes=1000, overhead_bytes=0, samples_per_s=sps,
                            step_time_s=8 / sps, step_times_s=[8 / sps] * 2, losses=[4.0, 3.9, 3.8, 3.7] * 6,
-                           budget_bytes=budget_bytes, wall_s=0.05)
+                           budget_bytes=budget.usable_bytes, wall_s=0.05)
     return measure
 
 
@@ -149,14 +149,14 @@ def test_a_stop_during_the_first_trial_lets_it_finish_where_a_stop_writes_a_prof
     (an answer, the one-liner); the service's stop cuts it at once."""
     stop, seen = threading.Event(), []
 
-    def measure(spec, config, *, budget_bytes=None, stop_event=None, **_):
+    def measure(spec, config, *, budget=None, stop_event=None, **_):
         seen.append(config)
         stop.set()  # the stop comes while the first trial runs
         time.sleep(0.3)  # ... which ends 0.3 s later
         if stop_event.is_set():
-            return Measurement(status="error", config=config, reason="stopped", budget_bytes=budget_bytes)
+            return Measurement(status="error", config=config, reason="stopped", budget_bytes=budget.usable_bytes)
         return Measurement(status="ok", config=config, peak_memory_bytes=1000, overhead_bytes=0, samples_per_s=50.0,
-                           step_time_s=0.2, step_times_s=[0.2] * 3, losses=[4.0, 3.9, 3.8], budget_bytes=budget_bytes,
+                           step_time_s=0.2, step_times_s=[0.2] * 3, losses=[4.0, 3.9, 3.8], budget_bytes=budget.usable_bytes,
                            wall_s=0.3)
 
     monkeypatch.setattr("autofit.tuning.tune.measure", measure)

@@ -28,7 +28,7 @@ GPT_7B = {"n_layer": 32, "n_head": 32, "n_embd": 4096, "vocab_size": 32000, "seq
 def _tracked_peak(spec, config: TrainConfig) -> int:
     """The trial child's own measurement, in this process: same code, no process start."""
     measured = run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
-                            "device": "cpu", "budget_bytes": None, "warmup_steps": 0, "measure_steps": 1})
+                            "device": "cpu", "budget": None, "warmup_steps": 0, "measure_steps": 1})
     assert measured.status == "ok", measured.reason
     return measured.peak_memory_bytes
 

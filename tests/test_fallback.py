@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from autofit.device.budget import Budget
 from autofit.search import _claim, _timing, fallback, make_study, SearchResult, TrialRecord, Tuner
 from autofit.search._state import Progress
 from autofit.search.deadline import Deadline, SEARCH_SHARE
@@ -22,7 +23,7 @@ def _tuner(landscape, budget_s, seed=0):
     landscape.stop_at_s[0] = budget_s
     deadline = Deadline(budget_s, clock=landscape.clock, search_share=SEARCH_SHARE)
     return Tuner(landscape.space(), study=make_study(study_name="f", storage=None, seed=seed),
-                 budget_bytes=landscape.budget_bytes, estimate=landscape.estimate, measure=landscape.measure,
+                 budget=Budget(usable_bytes=landscape.budget_bytes), estimate=landscape.estimate, measure=landscape.measure,
                  max_trials=40, patience=12, deadline=deadline, one_liner=ONE_LINER_GPU)
 
 
@@ -137,7 +138,7 @@ def test_a_deferred_estimate_is_unknown_and_not_cached():
             raise answer
         return answer
 
-    memory, config = MemoryModel(estimate, budget_bytes=10**6), LLAMA.one_liner_of()
+    memory, config = MemoryModel(estimate, budget=Budget(usable_bytes=10**6)), LLAMA.one_liner_of()
     assert memory.predicted_peak(config) == 0  # deferred: unknown
     assert memory.predicted_peak(config) == 5000 == memory.predicted_peak(config)  # asked again, then cached
 

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from loguru import logger
 
+from autofit.device.budget import Budget
 from autofit.profiles.profile import Profile
 from conftest import FIXTURES, REPO, run_main, tiny_gpt_dict, write_spec
 from postgres import postgres_server, postgres_url, wait_until  # noqa: F401  (fixtures)
@@ -309,8 +310,8 @@ def test_a_measurement_whose_trial_was_taken_over_is_kept():
 
     landscape = LANDSCAPES[0]
     study = make_study(study_name="taken-over", storage=None)
-    tuner = Tuner(landscape.space(), study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
-                  estimate=landscape.estimate, max_trials=1, patience=1)
+    tuner = Tuner(landscape.space(), study=study, budget=Budget(usable_bytes=landscape.budget_bytes),
+                  measure=landscape.measure, estimate=landscape.estimate, max_trials=1, patience=1)
     trial = ask(study)
     config = tuner.space.suggest(trial)
     study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)  # the takeover
@@ -330,8 +331,8 @@ def test_the_reference_another_worker_is_measuring_is_waited_for_not_measured_ag
     study = make_study(study_name="reference", storage=None)
 
     def tuner(measure):
-        return Tuner(landscape.space(), study=study, budget_bytes=landscape.budget_bytes, measure=measure,
-                     estimate=landscape.estimate, max_trials=1, patience=1)
+        return Tuner(landscape.space(), study=study, budget=Budget(usable_bytes=landscape.budget_bytes),
+                     measure=measure, estimate=landscape.estimate, max_trials=1, patience=1)
 
     finisher_calls, other = [], tuner(landscape.measure)
     finisher = tuner(lambda config: finisher_calls.append(config) or landscape.measure(config))

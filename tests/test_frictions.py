@@ -13,6 +13,7 @@ from loguru import logger
 
 from autofit.config.spec import parse_spec
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.device.probe import cpu_device
 from autofit.profiles.profile import device_from_info
 from autofit.profiles.store import ProfileStore
@@ -51,7 +52,7 @@ def test_show_lists_the_budgets_a_name_has_and_list_has_a_budget_column(tmp_path
 
 def test_the_missing_reference_warning_is_said_once(tmp_path):
     spec = parse_spec(tiny_gpt_dict(), source_dir=tmp_path)
-    tuner = types.SimpleNamespace(space=search_space(spec, cpu_device()), budget_bytes=1, session_start=0.0,
+    tuner = types.SimpleNamespace(space=search_space(spec, cpu_device()), budget=Budget(usable_bytes=1), session_start=0.0,
                                   records=lambda: [], fits=lambda records: (lambda config: False),
                                   warned_no_reference=set(), affordable_after_search=lambda config, records: True)
     said: list[str] = []

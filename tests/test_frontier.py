@@ -340,13 +340,13 @@ def _simulated_measure(calls: list):
     """`autofit.tuning.tune.measure` without a child: a peak that grows with the micro batch and
     falls with checkpointing, a throughput that grows with the micro batch and falls with
     checkpointing. Records (config, measure_steps)."""
-    def measure(spec, config, *, measure_steps=None, budget_bytes=None, **_):
+    def measure(spec, config, *, measure_steps=None, budget=None, **_):
         calls.append((config, measure_steps))
         peak = _simulated_peak_bytes(config)
         sps = 100.0 * config.micro_batch_size / (config.micro_batch_size + 1) / (1 + config.checkpoint_blocks / 6)
         return Measurement(status="ok", config=config, peak_memory_bytes=peak, overhead_bytes=0, samples_per_s=sps,
                            tokens_per_s=sps * 16, step_time_s=8 / sps, step_times_s=[8 / sps] * (measure_steps or 2),
-                           losses=[4.0, 3.9, 3.8], budget_bytes=budget_bytes, wall_s=0.1)
+                           losses=[4.0, 3.9, 3.8], budget_bytes=budget.usable_bytes, wall_s=0.1)
     return measure
 
 

@@ -101,7 +101,7 @@ def _simulated(validate_steps: int, drift: float):
     """`autofit.tuning.tune.measure` without a child: bf16-mixed is twice as fast as 32-true and its
     search trials track 32-true's losses; over the validation steps its loss drifts away by
     `drift` (relative, growing linearly), with a spike at step 3 that no healthy curve minds."""
-    def measure(spec, config, *, measure_steps=None, budget_bytes=None, **_):
+    def measure(spec, config, *, measure_steps=None, budget=None, **_):
         steps = 2 + (measure_steps or spec.search.measure_steps)
         losses = [4.0 - 0.01 * i for i in range(steps)]
         if config.precision != "32-true":
@@ -111,7 +111,7 @@ def _simulated(validate_steps: int, drift: float):
         sps = 200.0 if config.precision == "bf16-mixed" else 100.0
         return Measurement(status="ok", config=config, peak_memory_bytes=1000 * config.micro_batch_size,
                            overhead_bytes=0, samples_per_s=sps, step_time_s=8 / sps, step_times_s=[8 / sps] * 2,
-                           losses=losses, budget_bytes=budget_bytes, wall_s=0.1)
+                           losses=losses, budget_bytes=budget.usable_bytes, wall_s=0.1)
     return measure
 
 

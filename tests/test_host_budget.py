@@ -9,7 +9,7 @@ import pytest
 from autofit.base.errors import SpecError
 from autofit.config.spec import parse_spec
 from autofit.config.train_config import TrainConfig
-from autofit.device.budget import budget_for
+from autofit.device.budget import Budget, budget_for
 from autofit.device.host import HOST_RESERVE_FRACTION, host_budget_bytes, resident_bytes
 from autofit.device.probe import cpu_device
 from autofit.measure.fake_step import estimate_memory
@@ -84,8 +84,8 @@ def test_offload_is_planned_where_nothing_without_it_fits_the_card_and_not_past_
     budget_bytes = leanest_plain.fit_bytes - 1  # every config without offloading is over it
 
     def fits(host_budget_bytes):
-        return lambda c: predicted_fit_bytes(_estimate(spec, c), c, budget_bytes=budget_bytes,
-                                             host_budget_bytes=host_budget_bytes) <= budget_bytes
+        budget = Budget(usable_bytes=budget_bytes, host_bytes=host_budget_bytes)
+        return lambda c: predicted_fit_bytes(_estimate(spec, c), c, budget) <= budget_bytes
 
     planned = seeding.starting_points(space, fits(None))
     assert planned and all(c.offload_activations or c.offload_optimizer for c in planned)

@@ -8,6 +8,7 @@ import pytest
 
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.device.memory import GROWTH_FLOOR_BYTES, HeapMeter
 from autofit.measure.trial import measure
 from conftest import faulty_spec, run_cli
@@ -39,8 +40,8 @@ def test_a_trial_reports_the_peak_of_all_its_steps(tmp_path):
 
 def test_a_leak_that_crosses_the_budget_late_in_a_trial_is_an_oom(tmp_path):
     spec = load_spec(faulty_spec(tmp_path, "leak"))
-    m = measure(spec, TrainConfig(micro_batch_size=8), device="cpu", budget_bytes=64 * MiB, warmup_steps=1,
-                measure_steps=12, timeout_s=120)
+    m = measure(spec, TrainConfig(micro_batch_size=8), device="cpu", budget=Budget(usable_bytes=64 * MiB),
+                warmup_steps=1, measure_steps=12, timeout_s=120)
     assert m.status == "oom" and "grew by" in m.reason, m.reason
     assert m.needed_bytes > 64 * MiB  # the peak the growth reached, from the message
 

@@ -10,6 +10,7 @@ from conftest import tiny_gpt_dict, write_spec
 
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.measure.messages import SCHEMA, TASKS, TrialRequest
 from autofit.measure.trial import trial_request
 
@@ -34,7 +35,7 @@ def test_no_task_target_is_written_outside_the_registry():
 
 def test_a_trial_request_crosses_as_json_types_and_back(tmp_path):
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
-    request = trial_request(spec, TrainConfig(micro_batch_size=8), budget_bytes=2**20, claim=True)
+    request = trial_request(spec, TrainConfig(micro_batch_size=8), budget=Budget(usable_bytes=2**20), claim=True)
     raw = request.to_dict()
     assert raw["schema"] == SCHEMA and raw["config"] == {"precision": "32-true", "micro_batch_size": 8,
                                                          "grad_accum_steps": 1, "checkpoint_blocks": 0,

@@ -4,6 +4,7 @@ the search's memory model as a lower bound on that config's peak."""
 import torch
 
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.device.memory import cap_cuda_memory, check_growth, LiveBytesTracker
 from autofit.device.oom import needed_bytes
 from autofit.measure.measurement import Measurement
@@ -88,7 +89,7 @@ def test_the_bytes_an_oom_needed_bound_its_groups_fit_from_below():
     half = TrainConfig(precision="bf16-mixed", micro_batch_size=4, grad_accum_steps=2)
     least = TrainConfig(precision="bf16-mixed", micro_batch_size=1, grad_accum_steps=8)
     estimate = lambda c: 6 * GiB + c.micro_batch_size * GiB // 2  # noqa: E731  (states + activations)
-    model = MemoryModel(estimate, budget)
+    model = MemoryModel(estimate, Budget(usable_bytes=budget))
     told = [_oom(one, predicted=estimate(one), budget=budget, needed=14 * GiB)]
     silent = [_oom(one, predicted=estimate(one), budget=budget, needed=None)]
     assert model.corrected_peak(one, told) >= 14 * GiB

@@ -11,6 +11,7 @@ import pytest
 
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.measure.fake_step import estimate_memory
 from autofit.measure.measurement import Measurement
 from autofit.search import FULL_PRECISION_SLOWDOWN, health_problem, make_study, MemoryModel, TrialRecord, Tuner
@@ -38,7 +39,7 @@ def test_a_config_between_two_traced_ones_is_read_off_their_line_and_traced_only
         traced.append(config)
         return 1000 + 100 * config.micro_batch_size * (10 - config.checkpoint_blocks)
 
-    memory = MemoryModel(estimate, budget_bytes=10**6)
+    memory = MemoryModel(estimate, budget=Budget(usable_bytes=10**6))
     space = LLAMA.space()
     at = lambda m, k=0: space.config("bf16-mixed", m, k)  # noqa: E731
     memory.predicted_peak(at(2)), memory.predicted_peak(at(8))
@@ -72,7 +73,7 @@ def test_bytes_read_off_the_line_are_within_four_percent_of_the_estimators_trace
     def fit_bytes(config: TrainConfig) -> int:
         return estimate_memory(gpt_spec, config, device_kind=device_kind, capacity_bytes=8 * GiB).fit_bytes
 
-    memory = MemoryModel(fit_bytes, budget_bytes=8 * GiB)
+    memory = MemoryModel(fit_bytes, budget=Budget(usable_bytes=8 * GiB))
     config = lambda m, k=0: TrainConfig(precision="32-true", micro_batch_size=m, grad_accum_steps=8 // m,  # noqa: E731
                                         checkpoint_blocks=k)
     for m in (2, 8):
@@ -100,7 +101,7 @@ def test_every_trial_is_decided_and_recorded_on_its_traced_estimate(landscape):
     land.reset(0)
     land.stop_at_s[0] = 240.0
     tuner = Tuner(land.space(), study=make_study(study_name="t", storage=None, seed=0),
-                  budget_bytes=land.budget_bytes, estimate=estimate, measure=land.measure, max_trials=40,
+                  budget=Budget(usable_bytes=land.budget_bytes), estimate=estimate, measure=land.measure, max_trials=40,
                   patience=12, deadline=Deadline(240.0, clock=land.clock, search_share=SEARCH_SHARE),
                   one_liner=ONE_LINER_GPU, measure_reference=land.measure_reference,
                   full_precision_slowdown=FULL_PRECISION_SLOWDOWN["cuda"])
@@ -132,7 +133,7 @@ def test_the_one_liners_retry_predicted_below_the_fallback_measured_is_not_run()
     land.reset(0)
     land.stop_at_s[0] = 240.0
     tuner = Tuner(land.space(), study=make_study(study_name="r", storage=None, seed=0),
-                  budget_bytes=land.budget_bytes, estimate=land.estimate, measure=land.measure, max_trials=40,
+                  budget=Budget(usable_bytes=land.budget_bytes), estimate=land.estimate, measure=land.measure, max_trials=40,
                   patience=12, deadline=Deadline(240.0, clock=land.clock, search_share=SEARCH_SHARE),
                   one_liner=ONE_LINER_GPU)
     result = tuner.run()

@@ -285,7 +285,7 @@ def test_a_trial_childs_user_error_keeps_its_traceback_for_debug(tmp_path, capsy
 
     spec = load_spec(_user_code_spec(tmp_path, model="faulty:raise_"))
     out = run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "device": "cpu",
-                       "config": TrainConfig(micro_batch_size=8).to_dict(), "budget_bytes": None,
+                       "config": TrainConfig(micro_batch_size=8).to_dict(), "budget": None,
                        "warmup_steps": 0, "measure_steps": 1, "timeout_s": 60})
     assert out.input_error is True and out.status == "error"
     with pytest.raises(InputError) as raised:

@@ -22,7 +22,7 @@ DEFAULTS = SearchSpec()  # the budget a user gets: 40 trials, patience 12
 def run_tuner(landscape: Landscape, *, storage=None, study_name="sim", max_trials=DEFAULTS.trials,
               patience=DEFAULTS.patience, budget_bytes=None):
     study = make_study(study_name=study_name, storage=storage, seed=0)
-    tuner = Tuner(landscape.space(), study=study, budget_bytes=budget_bytes or landscape.budget_bytes,
+    tuner = Tuner(landscape.space(), study=study, budget=Budget(usable_bytes=budget_bytes or landscape.budget_bytes),
                   measure=landscape.measure, estimate=landscape.estimate, max_trials=max_trials, patience=patience)
     return tuner, tuner.run()
 
@@ -178,9 +178,9 @@ def test_an_oom_blocks_only_budgets_at_or_below_its_own():
     small = TrainConfig(precision="bf16-mixed", micro_batch_size=8, grad_accum_steps=2)
     larger = small.replace(micro_batch_size=16, grad_accum_steps=1)
     oom = _record(small, "oom", budget=10 * GiB, predicted=9 * GiB)
-    same = MemoryModel(lambda c: 9 * GiB * c.micro_batch_size // 8, 10 * GiB)
+    same = MemoryModel(lambda c: 9 * GiB * c.micro_batch_size // 8, Budget(usable_bytes=10 * GiB))
     assert same.blocked_by_oom(larger, [oom]) is oom and not same.fits(larger, [oom])
-    bigger = MemoryModel(lambda c: 9 * GiB * c.micro_batch_size // 8, 40 * GiB)
+    bigger = MemoryModel(lambda c: 9 * GiB * c.micro_batch_size // 8, Budget(usable_bytes=40 * GiB))
     assert bigger.blocked_by_oom(small, [oom]) is None and bigger.fits(small, [oom])
     # More checkpointing needs less memory: not blocked by the OOM, whatever the estimate says.
     assert same.blocked_by_oom(small.replace(checkpoint_blocks=2), [oom]) is None
@@ -188,7 +188,7 @@ def test_an_oom_blocks_only_budgets_at_or_below_its_own():
 
 def test_pruning_is_redecided_when_the_fit_changes():
     config = TrainConfig(precision="32-true", micro_batch_size=4, grad_accum_steps=1)
-    model = MemoryModel(lambda c: 10 * GiB, 10 * GiB)
+    model = MemoryModel(lambda c: 10 * GiB, Budget(usable_bytes=10 * GiB))
     over = [_record(config.replace(micro_batch_size=2, grad_accum_steps=2), "ok", budget=10 * GiB,
                     predicted=10 * GiB, peak=12 * GiB)]
     assert not model.fits(config, over)  # the estimator is 20% low on this device
@@ -396,7 +396,7 @@ def test_memory_knobs_space_has_no_8bit_state_on_bf16_weights():
 def test_an_oom_at_32bit_state_does_not_block_8bit_state():
     plain = TrainConfig(precision="32-true", micro_batch_size=8, grad_accum_steps=1)
     oom = _record(plain, "oom", budget=10 * GiB, predicted=9 * GiB)
-    model = MemoryModel(lambda c: 5 * GiB, 10 * GiB)
+    model = MemoryModel(lambda c: 5 * GiB, Budget(usable_bytes=10 * GiB))
     assert model.blocked_by_oom(plain.replace(chunked_loss=False), [oom]) is oom
     assert model.blocked_by_oom(plain.replace(optimizer_bits=8), [oom]) is None
     assert model.blocked_by_oom(plain.replace(chunked_loss=True), [oom]) is None
@@ -529,7 +529,7 @@ def test_the_contenders_freezing_depths_get_their_references_after_the_search():
     assert [r.config for r in tuner.records()[3:]] == [FREEZABLE.config("32-true", 8, 0, 1)]
     assert tuner.references == {FREEZABLE.config("32-true", 8, 0, 1)}  # measured as a reference: a few steps
     from autofit.search import choice
-    assert choice.rank(tuner.records(), tuner.budget_bytes)[0].record.config == healthy.config
+    assert choice.rank(tuner.records(), tuner.budget.usable_bytes)[0].record.config == healthy.config
 
 
 def test_drifting_8bit_state_leaves_the_chunked_loss_as_the_lean_seed():
@@ -566,7 +566,7 @@ def test_out_of_memory_trials_bound_every_fit_until_something_runs():
     budget = 10 * GiB
     fp32 = TrainConfig(precision="32-true", micro_batch_size=8)
     oom = _oom(0, fp32, predicted=9 * GiB, budget=budget)
-    model = MemoryModel(lambda config: 9 * GiB, budget)
+    model = MemoryModel(lambda config: 9 * GiB, Budget(usable_bytes=budget))
     assert not model.fits(fp32.replace(precision="tf32"), [oom])
     assert not model.fits(fp32.replace(precision="bf16-true"), [oom])
     assert model.fit(fp32.replace(precision="bf16-true"), []).overhead_bytes == 0
@@ -585,7 +585,7 @@ def test_a_config_no_larger_than_one_that_ran_fits_whatever_the_fit_says():
               budget=budget)
     oom = _oom(1, TrainConfig(precision="bf16-mixed", micro_batch_size=8, checkpoint_blocks=2),
                predicted=5 * GiB, budget=budget)
-    model = MemoryModel(lambda config: 5 * GiB, budget)
+    model = MemoryModel(lambda config: 5 * GiB, Budget(usable_bytes=budget))
     smaller = ran.config.replace(checkpoint_blocks=2)
     assert model.covered_by_measured(smaller, [ran, oom]) is ran and model.fits(smaller, [ran, oom])
     assert model.covered_by_measured(ran.config.replace(checkpoint_blocks=0), [ran, oom]) is None
@@ -648,7 +648,8 @@ class _StubTuner:
     """What search/_finish.py uses of a Tuner, with scripted measurements."""
 
     def __init__(self, space, records, measure, budget_bytes=GiB):
-        self.space, self._records, self._measure, self.budget_bytes = space, list(records), measure, budget_bytes
+        self.space, self._records, self._measure = space, list(records), measure
+        self.budget = Budget(usable_bytes=budget_bytes)
         self.session_start = None  # one session: every record is this session's (TrialRecord.fresh)
         self.references = set()  # the configs planned as references (measured for their losses)
 
@@ -697,7 +698,7 @@ def test_a_contender_behind_beyond_doubt_leaves_the_race_and_close_ones_race_on(
     repeats = _repeats(tuner)
     assert repeats[c] == 1 and repeats[a] == repeats[b] > 1
     from autofit.search import choice
-    assert choice.rank(tuner.records(), tuner.budget_bytes)[0].record.config == a
+    assert choice.rank(tuner.records(), tuner.budget.usable_bytes)[0].record.config == a
 
 
 def test_a_config_measured_once_that_comes_to_lead_joins_the_race():
@@ -743,7 +744,7 @@ def test_a_resumed_race_runs_on_this_session_s_figures_only():
     assert far not in repeats and all(repeats[x] == 2 for x in (c, d, e))  # measured again, then out-raced
     assert rounds > 1 and repeats[b] == rounds + 1 and repeats[a] == 2 + rounds + 1  # the old repeats count 2
     assert noise < 0.01
-    assert choice.rank(tuner.records(), tuner.budget_bytes, fresh_since=tuner.session_start)[0].record.config == a
+    assert choice.rank(tuner.records(), tuner.budget.usable_bytes, fresh_since=tuner.session_start)[0].record.config == a
 
 
 def test_the_leaders_are_the_contenders_and_at_least_three():
@@ -828,7 +829,7 @@ def _worker(study_name: str):
     landscape = _landscape("selective+freeze")
     space = landscape.space()
     study = make_study(study_name=study_name, storage=None, seed=0)
-    tuner = Tuner(space, study=study, budget_bytes=landscape.budget_bytes, measure=landscape.measure,
+    tuner = Tuner(space, study=study, budget=Budget(usable_bytes=landscape.budget_bytes), measure=landscape.measure,
                   estimate=landscape.estimate, max_trials=DEFAULTS.trials, patience=DEFAULTS.patience)
     return landscape, space, study, tuner
 

@@ -11,6 +11,7 @@ import pytest
 
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
 from autofit.search import choice, SearchResult, TrialRecord
 from autofit.profiles.profile import FrontierPoint, Measured
@@ -125,7 +126,7 @@ def _tune(landscape, storage: str, measure=None):
     from autofit.search import Tuner, make_study
 
     study = make_study(study_name="sim", storage=storage, seed=0)
-    tuner = Tuner(landscape.space(), study=study, budget_bytes=landscape.budget_bytes,
+    tuner = Tuner(landscape.space(), study=study, budget=Budget(usable_bytes=landscape.budget_bytes),
                   measure=measure or landscape.measure, estimate=landscape.estimate, max_trials=40, patience=12)
     return tuner.run()
 

@@ -10,6 +10,7 @@ import types
 
 import pytest
 
+from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
 from autofit.search import _finish as finish, _known, step_model, trial_health, TrialRecord
 from autofit.search.plan import outpaced
@@ -87,7 +88,7 @@ def _finishing(space, records, *, fits=lambda config: True, affordable=True, sta
         return record
 
     tuner = types.SimpleNamespace(
-        space=space, budget_bytes=2**34, session_start=session_start, records=lambda: list(records),
+        space=space, budget=Budget(usable_bytes=2**34), session_start=session_start, records=lambda: list(records),
         halted=lambda: False,
         fits=lambda records: fits, known=lambda config, records: _known.known(config, records, 2**34),
         affordable_after_search=lambda config, records: affordable, measure_now=measure_now,

@@ -9,6 +9,7 @@ import yaml
 
 from autofit.config.train_config import TrainConfig
 from autofit.config.spec import load_spec
+from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
 from autofit.measure.trial import measure
 from conftest import faulty_spec, run_cli, tiny_gpt_dict, write_spec
@@ -69,7 +70,7 @@ def test_a_compile_failure_is_a_trial_status(tmp_path):
 
     def trial(config: TrainConfig) -> Measurement:  # the child's own code, in this process
         return run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir), "config": config.to_dict(),
-                            "device": "cpu", "budget_bytes": None, "warmup_steps": 0, "measure_steps": 1})
+                            "device": "cpu", "budget": None, "warmup_steps": 0, "measure_steps": 1})
 
     try:
         failed = trial(TrainConfig(micro_batch_size=8, compile=True))
@@ -82,7 +83,7 @@ def test_a_compile_failure_is_a_trial_status(tmp_path):
 
 def test_oom_is_a_result_and_the_next_trial_measures_normally(tiny_spec):
     config = TrainConfig(precision="32-true", micro_batch_size=8)
-    oom = measure(tiny_spec, config, budget_bytes=300_000, warmup_steps=0, measure_steps=1)
+    oom = measure(tiny_spec, config, budget=Budget(usable_bytes=300_000), warmup_steps=0, measure_steps=1)
     assert oom.status == "oom", oom.reason
     assert "budget" in oom.reason and oom.budget_bytes == 300_000
     assert 200_000 < oom.peak_memory_bytes <= 300_000  # the allocation that would cross it is refused

@@ -35,12 +35,12 @@ def trial_command(spec_path: str | Path, *, overrides: dict[str, str] | None = N
     given = budget_for(info, memory_budget, headroom=0.0)
     # A CPU trial without a budget is held only by the machine's RAM; a GPU trial always
     # by what the other processes on the card leave free.
-    budget = None if info.kind == "cpu" and not given.emulated else given.usable_bytes
+    budget = None if info.kind == "cpu" and not given.emulated else given
     device_arg = "cpu" if info.kind == "cpu" else str(info.index)
     with trial_worker(spec, device_arg) as worker:
         # A model autofit did not write: its batch where autofit splits it (checked once, in a child).
         probe_batch_dim(worker, spec, timeout_s=timeout_s)
-        measurement = measure(spec, config, device=device_arg, budget_bytes=budget, warmup_steps=warmup_steps,
+        measurement = measure(spec, config, device=device_arg, budget=budget, warmup_steps=warmup_steps,
                               measure_steps=measure_steps, timeout_s=timeout_s, worker=worker)
     raise_input_error(measurement)
     return measurement, info.to_dict()

@@ -6,6 +6,7 @@
     budget.emulated        # True: a smaller card is emulated here, with its own study and profile
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from autofit.base.errors import SpecError
@@ -32,6 +33,14 @@ class Budget:
         """A smaller card emulated on this one (`--memory-budget`): the trial child caps its
         allocator there, and the study and profile are that card's."""
         return self.requested_bytes is not None
+
+    def to_dict(self) -> dict:
+        """In JSON types, as it crosses to a trial child (`measure.messages.TrialRequest`)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Budget":
+        return cls(**raw)
 
 
 def budget_for(device: DeviceInfo, memory_budget: str | int | None, *, headroom: float, time_s: float | None = None,

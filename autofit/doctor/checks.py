@@ -238,7 +238,7 @@ def _request(spec, config, device: torch.device) -> TrialRequest:
     """A trial child's request, as `autofit.measure.trial.measure` writes it (a dict here
     failed on the H100: the child reads its fields)."""
     return TrialRequest.from_dict({"spec": spec.to_dict(), "source_dir": str(spec.source_dir),
-                                   "config": config.to_dict(), "budget_bytes": None,
+                                   "config": config.to_dict(), "budget": None,
                                    "device": "cpu" if device.type == "cpu" else str(device.index),
                                    "warmup_steps": 1, "measure_steps": 1, "timeout_s": 120})
 

@@ -394,7 +394,7 @@ def _measure(spec, config, device: torch.device):
     if device.type == "cuda":
         return measure(spec, config, device=str(device.index), warmup_steps=0, measure_steps=1, timeout_s=180)
     return child.run_request({"spec": spec.to_dict(), "source_dir": str(spec.source_dir),
-                              "config": config.to_dict(), "device": "cpu", "budget_bytes": None,
+                              "config": config.to_dict(), "device": "cpu", "budget": None,
                               "warmup_steps": 0, "measure_steps": 1})
 
 

@@ -52,7 +52,7 @@ class _Trial:
         prepare_process(self.config)
         self.spec = request.spec
         self.workload = workload  # built by the worker before the fork; else here
-        self.budget_bytes = request.budget_bytes
+        self.budget_bytes = _cap_bytes(request)
         self.warmup_steps, self.measure_steps = request.warmup_steps, request.measure_steps
         self.window_s, self.cap_s = request.window_s, request.cap_s
         device = request.device
@@ -180,7 +180,7 @@ def run_request(request: TrialRequest | dict, workload: Workload | None = None) 
     started = time.perf_counter()
     if isinstance(request, dict):
         request = TrialRequest.from_dict(request)
-    failed = functools.partial(Measurement, config=request.config, budget_bytes=request.budget_bytes)
+    failed = functools.partial(Measurement, config=request.config, budget_bytes=_cap_bytes(request))
     trial = None
     try:
         trial = _Trial(request, workload)
@@ -206,6 +206,11 @@ def run_request(request: TrialRequest | dict, workload: Workload | None = None) 
     if trial is not None:
         measured = trial.with_memory(measured)
     return dataclasses.replace(measured, wall_s=time.perf_counter() - started)
+
+
+def _cap_bytes(request: TrialRequest) -> int | None:
+    """The device bytes the trial is held to: its budget's usable bytes; None: unheld."""
+    return None if request.budget is None else request.budget.usable_bytes
 
 
 def _traceback_text(exc: AutofitError) -> str:

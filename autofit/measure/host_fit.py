@@ -6,6 +6,7 @@ from loguru import logger
 
 from autofit.base.sizes import format_bytes
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.measure.memory_estimate import MemoryEstimate
 
 
@@ -18,13 +19,13 @@ def host_refusal(config: TrainConfig, host_bytes: int, host_budget_bytes: int | 
             f"of {format_bytes(host_budget_bytes)} (--host-memory-budget, else the host's available memory)")
 
 
-def predicted_fit_bytes(one: MemoryEstimate, config: TrainConfig, *, budget_bytes: int,
-                        host_budget_bytes: int | None) -> int:
-    """What the memory model holds against the card's budget: `one.fit_bytes`, or, for a
-    config over the host budget, one byte over the card's, so that it is refused (never run)
-    like a config the card cannot hold; the reason is logged."""
-    why = None if host_budget_bytes is None else host_refusal(config, one.host_bytes, host_budget_bytes)
+def predicted_fit_bytes(one: MemoryEstimate, config: TrainConfig, budget: Budget) -> int:
+    """What the memory model holds against the card's budget (`budget.usable_bytes`):
+    `one.fit_bytes`, or, for a config over the host budget (`budget.host_bytes`), one byte
+    over the card's, so that it is refused (never run) like a config the card cannot hold;
+    the reason is logged."""
+    why = None if budget.host_bytes is None else host_refusal(config, one.host_bytes, budget.host_bytes)
     if why is None:
         return one.fit_bytes
     logger.info("refused before it runs: {}", why)
-    return max(one.fit_bytes, budget_bytes + 1)
+    return max(one.fit_bytes, budget.usable_bytes + 1)

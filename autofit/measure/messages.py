@@ -25,9 +25,12 @@ from typing import ClassVar
 
 from autofit.config.spec import ModelSpec, parse_spec
 from autofit.config.train_config import MicroBatchFloor, TrainConfig
+from autofit.device.budget import Budget
 from autofit.measure.memory_estimate import MemoryEstimate
 
-SCHEMA = 1  # of every message here; a side refuses a message of another schema by name
+# Of every message here; a side refuses a message of another schema by name. 2: a trial's
+# request carries its whole `Budget`, not `budget_bytes`.
+SCHEMA = 2
 
 TASKS = {
     "setup": "autofit.measure.tasks:setup",  # the worker's one-time setup: spec, workload
@@ -70,7 +73,8 @@ class TrialRequest(_Message):
     spec: ModelSpec
     config: TrainConfig
     device: str  # "cpu", a CUDA index, or indices joined by "," for ranks
-    budget_bytes: int | None  # the device memory the trial may use in total; None: unheld (a CPU)
+    # What the trial may use: its `usable_bytes` the device memory in total; None: unheld (a CPU).
+    budget: Budget | None
     warmup_steps: int
     measure_steps: int  # the fewest timed steps
     timeout_s: float = 600.0
@@ -87,7 +91,8 @@ class TrialRequest(_Message):
     @classmethod
     def from_dict(cls, raw: dict) -> "TrialRequest":
         return _read(cls, raw, cls._WHAT, spec=lambda spec: parse_spec(spec, source_dir=Path(raw["source_dir"])),
-                     config=TrainConfig.from_dict)
+                     config=TrainConfig.from_dict, budget=lambda budget: None if budget is None
+                     else Budget.from_dict(budget))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,7 +170,7 @@ class Analysis(_Message):
 
 
 def _plain(value):
-    if isinstance(value, (ModelSpec, TrainConfig)):
+    if isinstance(value, (ModelSpec, TrainConfig, Budget)):
         return value.to_dict()
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 

@@ -24,6 +24,7 @@ from autofit.base.errors import DeviceError, InputError
 from autofit.base.resources import check_space, starting
 from autofit.config.spec import ModelSpec
 from autofit.config.train_config import check_global_batch, TrainConfig
+from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
 from autofit.measure.messages import task, TrialRequest
 from autofit.measure.process import child_env, failure_reason, kill_group, torchrun_args, wait_for_child
@@ -33,14 +34,14 @@ _LOG_TAIL_CHARS = 4000
 SETUP_TASK, OBJECTS_SETUP_TASK, TRIAL_TASK = task("setup"), task("setup_objects"), task("trial")
 
 
-def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
+def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget: Budget | None = None,
             warmup_steps: int | None = None, measure_steps: int | None = None, timeout_s: float | None = None,
             stop_event=None, guard=None, worker: Worker | None = None, window_s: float | None = None,
             cap_s: float | None = None) -> Measurement:
     """Measure `config` in a child process; never raises for what happens inside it.
 
-    `device` is "cpu" or a CUDA index. `budget_bytes` is the device memory the trial may
-    use in total: on CUDA the child measures its context overhead and caps PyTorch's
+    `device` is "cpu" or a CUDA index. `budget.usable_bytes` is the device memory the trial
+    may use in total (None: unheld): on CUDA the child measures its context overhead and caps PyTorch's
     allocator at the rest; on a CPU the tracked live bytes are held to it. Setting
     `stop_event` (a threading.Event; the CLI's stop flag always counts) kills the child:
     status error, reason "stopped". `guard` (the service's `service.guard.TrialGuard`) is
@@ -56,7 +57,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
     if "," in device and len(device.split(",")) != config.world_size:
         raise DeviceError(f"device: {device!r} lists {len(device.split(','))} GPUs for {config.world_size} rank(s)")
     timeout_s = spec.search.trial_timeout_s if timeout_s is None else timeout_s
-    request = trial_request(spec, config, device=device, budget_bytes=budget_bytes, warmup_steps=warmup_steps,
+    request = trial_request(spec, config, device=device, budget=budget, warmup_steps=warmup_steps,
                             measure_steps=measure_steps, timeout_s=timeout_s, claim=guard is not None,
                             window_s=window_s, cap_s=cap_s)
     if config.world_size > 1:
@@ -78,7 +79,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget
             if guard is not None and children:
                 guard.trial_ended(children[-1])
     result = None if outcome.result is None else Measurement.from_dict(outcome.result)
-    return _measurement(result, outcome, config, budget_bytes, timeout_s)
+    return _measurement(result, outcome, config, budget, timeout_s)
 
 
 # What the worker imports once, not each child: the tasks, and what torch imports lazily on
@@ -101,9 +102,10 @@ def trial_worker(spec: ModelSpec, device: str | int = "cpu", *, objects: Path | 
                   env={"PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
 
 
-def _measurement(result: Measurement | None, outcome, config: TrainConfig, budget_bytes: int | None,
+def _measurement(result: Measurement | None, outcome, config: TrainConfig, budget: Budget | None,
                  timeout_s: float) -> Measurement:
     """The child's reply, timed from the parent's side; without one, why there is none."""
+    budget_bytes = None if budget is None else budget.usable_bytes
     if result is not None:
         measurement = dataclasses.replace(result, wall_s=outcome.wall_s)
     else:
@@ -145,10 +147,10 @@ def _measure_ranks(request: TrialRequest, config: TrainConfig, *, device: str, t
         result = _read_result(result_path, config.world_size) if ended == "exited" else None
     outcome = TaskOutcome(ended=ended, result=None if result is None else result.to_dict(),
                           returncode=proc.returncode, log_tail=log_tail, wall_s=time.perf_counter() - started)
-    return _measurement(result, outcome, config, request.budget_bytes, timeout_s)
+    return _measurement(result, outcome, config, request.budget, timeout_s)
 
 
-def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget_bytes: int | None = None,
+def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", budget: Budget | None = None,
                   warmup_steps: int | None = None, measure_steps: int | None = None,
                   timeout_s: float | None = None, claim: bool = False,
                   window_s: float | None = None, cap_s: float | None = None) -> TrialRequest:
@@ -157,7 +159,7 @@ def trial_request(spec: ModelSpec, config: TrainConfig, *, device: str = "cpu", 
     if window_s is None:
         window_s = spec.search.window_s if measure_steps is None else 0.0
     return TrialRequest(
-        spec=spec, config=config, device=device, budget_bytes=budget_bytes,
+        spec=spec, config=config, device=device, budget=budget,
         warmup_steps=spec.search.warmup_steps if warmup_steps is None else warmup_steps,
         measure_steps=spec.search.measure_steps if measure_steps is None else measure_steps,
         timeout_s=spec.search.trial_timeout_s if timeout_s is None else timeout_s, claim=claim, window_s=window_s,

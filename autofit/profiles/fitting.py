@@ -16,8 +16,8 @@ from autofit.base.errors import NothingFitsError, ProfileError
 from autofit.base.sizes import format_bytes
 from autofit.config.spec import SearchSpec
 from autofit.config.train_config import TrainConfig
-from autofit.device.budget import budget_for
-from autofit.device.probe import DeviceInfo, select_device, usable_budget_bytes
+from autofit.device.budget import Budget, budget_for
+from autofit.device.probe import DeviceInfo, select_device
 
 
 class Frontier(Protocol):
@@ -39,16 +39,17 @@ class Frontier(Protocol):
 Profile = TypeVar("Profile", bound=Frontier)  # the profile type chosen from is the type handed back
 
 
-def memory_available(info: DeviceInfo | None, *, headroom: float,
-                     memory_budget_bytes: int | None = None) -> tuple[int | None, str]:
-    """(bytes a job may use now, where that figure comes from). None: no limit to choose by
-    (a CPU without a budget), so the winner runs. An explicit budget is used as given; a
-    GPU's is its memory less what other processes hold now (NVML), less `headroom`."""
-    if memory_budget_bytes is not None:
-        return memory_budget_bytes, f"the memory budget of {format_bytes(memory_budget_bytes)}"
-    if info is None or info.kind != "cuda":
+def memory_available(info: DeviceInfo, budget: Budget, *, headroom: float) -> tuple[int | None, str]:
+    """(bytes a job may use now, where that figure comes from), from `budget` as
+    `budget_for(info, ..., headroom=headroom)` read it. None: no limit to choose by (a CPU
+    without a budget), so the winner runs. An explicit budget is used as given
+    (`requested_bytes`); a GPU's is its memory less what other processes hold now (NVML),
+    less `headroom` (`usable_bytes`)."""
+    if budget.requested_bytes is not None:
+        return budget.requested_bytes, f"the memory budget of {format_bytes(budget.requested_bytes)}"
+    if info.kind != "cuda":
         return None, "no memory budget given on the CPU"
-    free = usable_budget_bytes(info, headroom=headroom)
+    free = budget.usable_bytes
     return free, (f"{format_bytes(free)} free on {info.name} ({format_bytes(info.memory_used_by_others_bytes)} "
                   f"held by other processes, {headroom:.0%} headroom)")
 
@@ -106,15 +107,15 @@ def fit_now(profile: Profile, *, memory_budget: int | str | None = None, device=
     if not 0.0 <= headroom < 0.5:
         raise ProfileError(f"memory_headroom: a fraction in [0, 0.5), got {headroom!r}")
     # A budget above this device is allowed: a profile tuned for a larger card is looked up here.
-    budget_bytes = budget_for(info, memory_budget, headroom=headroom, what="memory_budget", above_total=True,
-                              error=ProfileError).requested_bytes
-    if budget_bytes is None and profile.config.world_size > 1:
+    budget = budget_for(info, memory_budget, headroom=headroom, what="memory_budget", above_total=True,
+                        error=ProfileError)
+    if budget.requested_bytes is None and profile.config.world_size > 1:
         # Each rank reads its own GPU; ranks that chose apart would not train one job.
         available, why = None, (f"a profile for {profile.config.world_size} ranks: only a memory budget (the "
                                 f"same on every rank) chooses a smaller point")
-    elif export and budget_bytes is None and info.name != profile.device.name:
+    elif export and budget.requested_bytes is None and info.name != profile.device.name:
         available, why = None, (f"exporting for {profile.device.name} from {info.name}: memory_budget "
                                 f"chooses a smaller point")
     else:
-        available, why = memory_available(info, headroom=headroom, memory_budget_bytes=budget_bytes)
+        available, why = memory_available(info, budget, headroom=headroom)
     return choose(profile, available, why, name=name, doing="exporting" if export else "running")

@@ -16,7 +16,7 @@ def claim_next(trials: Trials, timing: Timing, plan: Plan, progress: Progress, *
     """Decide the next config and claim it as a RUNNING trial, as one step among the
     study's workers: ((trial, config, records) or None when nothing new was asked, a stop
     reason or None)."""
-    study, space, budget_bytes = trials.study, trials.space, trials.budget_bytes
+    study, space, budget_bytes = trials.study, trials.space, trials.budget.usable_bytes
     with trials.locks.claim():
         fail_stale_trials(study)
         # The running trials before the records: a trial is told outside the claim lock, so
@@ -61,7 +61,7 @@ def _stop_reason(trials: Trials, timing: Timing, records: list[TrialRecord], pro
                  max_trials: int, patience: int) -> str | None:
     """Why the search stops now, or None: its trials, its time, its patience or its space spent,
     too many proposals in a row that measured nothing new, or a stop request."""
-    budget_bytes, skipped = trials.budget_bytes, progress.skipped
+    budget_bytes, skipped = trials.budget.usable_bytes, progress.skipped
     if _known.spent(records, budget_bytes) >= max_trials:
         return f"{max_trials} trials measured"
     if timing.deadline.expired():

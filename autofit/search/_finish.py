@@ -22,6 +22,7 @@ from loguru import logger
 
 from autofit.config.knobs import coherent
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.search import choice, seeding, step_model
 from autofit.search._state import SearchTimeUp
 from autofit.search.search_space import SearchSpace
@@ -35,7 +36,7 @@ class Tuner(Protocol):
     """What the finish reads and calls of `autofit.search.tuner.Tuner`."""
 
     space: SearchSpace
-    budget_bytes: int
+    budget: Budget
     references: set[TrainConfig]  # the configs planned as references
     session_start: float  # time.time() when this session began
     warned_no_reference: set[int]  # freezing depths said to have no reference
@@ -134,7 +135,7 @@ def _unreferenced(tuner: Tuner, records: list[TrialRecord]) -> tuple[int | None,
     if not any(p in space.precisions for p in REFERENCE_PRECISIONS) or 32 not in space.optimizer_bits:
         return None, None
     # The configs that can win: this session's, once it has measured any (a resumed study).
-    budget_bytes = tuner.budget_bytes
+    budget_bytes = tuner.budget.usable_bytes
     ranked = _fresh_ranked(records, budget_bytes, tuner.session_start) or choice.rank(records, budget_bytes)
     if reference_for(None, records, same_freeze=False) is None:
         best = ranked[0].record.config if ranked else None
@@ -152,7 +153,7 @@ def refresh_leaders(tuner: Tuner, records: list[TrialRecord]) -> list[TrialRecor
     taken under heavy foreign load, measured again, interleaved, before any of those figures
     decides. Returns the records after."""
     since = tuner.session_start
-    leaders = choice.leaders(choice.rank(records, tuner.budget_bytes, repeats=False))
+    leaders = choice.leaders(choice.rank(records, tuner.budget.usable_bytes, repeats=False))
 
     def trusted(config) -> bool:
         return any(r.config == config and r.measurement is not None and r.fresh(since) and not r.loaded
@@ -194,7 +195,7 @@ def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
     session decide: old or loaded leaders are measured again first (`refresh_leaders`), and
     the field, its ranking and the noise come from this session's measurements only.
     Returns (noise seen in this session, rounds)."""
-    records, budget_bytes, since = tuner.records(), tuner.budget_bytes, tuner.session_start
+    records, budget_bytes, since = tuner.records(), tuner.budget.usable_bytes, tuner.session_start
     records = refresh_leaders(tuner, records)
     first = _fresh_ranked(records, budget_bytes, since)
     prior = choice.prior_noise(first)
@@ -243,7 +244,7 @@ def one_more(tuner: Tuner) -> None:
     is worth less than it."""
     while not tuner.halted():
         records = tuner.records()
-        ranked = choice.rank(records, tuner.budget_bytes, repeats=False, fresh_since=tuner.session_start)
+        ranked = choice.rank(records, tuner.budget.usable_bytes, repeats=False, fresh_since=tuner.session_start)
         if not ranked or any(r.samples_per_s > ranked[0].samples_per_s for r in ranked):
             return  # nothing ran, or an older session's figure leads: the re-measures settle that first
         best, model = ranked[0].record, step_model.fitted(records, tuner.space)

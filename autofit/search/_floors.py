@@ -32,7 +32,8 @@ def with_floors(trials: Trials, floors: Floors, starts: tuple[TrainConfig, ...],
     floors.one_liner = seeding.one_liner(space, trials.fits(records), floors.precisions)
     if floors.one_liner is not None and floors.one_liner not in starts:
         starts = (*starts, floors.one_liner)
-    ran = floors.one_liner is not None and _known.known(floors.one_liner, records, trials.budget_bytes) is not None
+    ran = (floors.one_liner is not None
+           and _known.known(floors.one_liner, records, trials.budget.usable_bytes) is not None)
     if (floors.one_liner is None or ran) and fallback.needed(space, floors.one_liner):
         floors.fallback = _fallback(trials, floors, records)
         if floors.fallback is not None and floors.fallback not in starts:
@@ -47,7 +48,7 @@ def one_liner_again(trials: Trials, floors: Floors, plan: Plan, records: list[Tr
     what fits. Where that is a micro batch `TINY_SHARE` or less of the OOM's, its
     precision's checkpointed frontier point (a larger micro batch) is measured before it:
     a tiny micro batch is slow, and its trial may not even end within the budget."""
-    space, budget_bytes = trials.space, trials.budget_bytes
+    space, budget_bytes = trials.space, trials.budget.usable_bytes
     oom_micro = floors.one_liner.micro_batch_size
     fits = trials.fits(records)
     precision = floors.one_liner.precision
@@ -86,7 +87,7 @@ def fallback_next(trials: Trials, floors: Floors, plan: Plan, measured: TrainCon
         return  # a fallback planned already, or none needed
     below = None if floors.fallback is None else floors.fallback.micro_batch_size
     again = _fallback(trials, floors, records, below=below)
-    if again is None or _known.known(again, records, trials.budget_bytes) is not None:
+    if again is None or _known.known(again, records, trials.budget.usable_bytes) is not None:
         return
     floors.fallback = again
     # Next; after the one-liner's retry at a smaller micro batch where one waits, unless a
@@ -106,8 +107,8 @@ def floor_when_nothing_ran(trials: Trials, timing: Timing, floors: Floors) -> No
     expert's steps are measured in it, with no estimate, while the budget lasts: the
     one-liner where it has not run, then the fallback, halved on each out-of-memory error
     as the expert halves (`find_executable_batch_size`)."""
-    space, budget_bytes = trials.space, trials.budget_bytes
-    blind = MemoryModel(_timing.unknown_peak, budget_bytes)
+    space, budget_bytes = trials.space, trials.budget.usable_bytes
+    blind = MemoryModel(_timing.unknown_peak, trials.budget)
     precision = fallback.precision_of(space, floors.precisions)
     # A trial no cheaper than the cheapest this session (an OOM's): one that cannot end in the
     # budget gives nothing.

@@ -32,7 +32,7 @@ def measure_claimed(trials: Trials, timing: Timing, floors: Floors, plan: Plan, 
             return _timing.stop_text(timing)
         _trial.tell(trials, trial, record)
     records = read_records(study)  # other workers sharing the study may have finished trials too
-    best, new_best = progress.best, _known.best(records, trials.budget_bytes)
+    best, new_best = progress.best, _known.best(records, trials.budget.usable_bytes)
     # A best found unhealthy once its reference is measured gives way to a slower one:
     # that is a new best too (patience counts from it, and the plan turns to it).
     changed = new_best is not None and (best is None or new_best.config != best.config)
@@ -42,7 +42,7 @@ def measure_claimed(trials: Trials, timing: Timing, floors: Floors, plan: Plan, 
     progress.best = new_best
     # Said before what is planned from it: planning costs estimates, which the end of the
     # search's share cuts (the trial would then never be said).
-    on_trial(record, new_best, _known.spent(records, trials.budget_bytes))
+    on_trial(record, new_best, _known.spent(records, trials.budget.usable_bytes))
     _replan(trials, floors, plan, record, records, best=new_best, changed=changed)
     return None
 
@@ -62,6 +62,6 @@ def _replan(trials: Trials, floors: Floors, plan: Plan, record: TrialRecord, rec
         _floors.fallback_next(trials, floors, plan, config, record.status == "oom", records)
     if changed:
         plan.new_best(best.config, records)
-    elif (best is not None and record.feasible(trials.budget_bytes)
+    elif (best is not None and record.feasible(trials.budget.usable_bytes)
           and record.samples_per_s >= (1 - 2 * choice.NOISE_PRIOR) * best.samples_per_s):
         plan.contender(record.config, records)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import optuna
 
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
 from autofit.search.deadline import Deadline
 from autofit.search.memory_model import MemoryModel
@@ -29,7 +30,7 @@ class Trials:
 
     space: SearchSpace
     study: optuna.Study
-    budget_bytes: int
+    budget: Budget  # what its trials may use: `usable_bytes` on the device
     memory: MemoryModel  # predicted peaks (estimates gated by `Timing`), calibrated by the records
     measure: Callable[[TrainConfig], Measurement]
     # A full-precision reference taken for its losses (the health of a low-precision best): a

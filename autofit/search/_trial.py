@@ -25,7 +25,7 @@ def evaluate(trials: Trials, timing: Timing, trial: optuna.Trial, config: TrainC
              records: list[TrialRecord]) -> TrialRecord:
     """Measure `config` for `trial` and record it: an OOM gets its estimate, a peak over the
     budget is an OOM, and a healthy-looking result is judged against the references."""
-    clock, budget_bytes = trials.clock, trials.budget_bytes
+    clock, budget_bytes = trials.clock, trials.budget.usable_bytes
     started = clock()
     measurement = (trials.measure_reference if config in trials.references else trials.measure)(config)
     timing.trial_costs_s.append(clock() - (started if timing.measured_until is None else timing.measured_until))
@@ -54,7 +54,7 @@ def evaluate(trials: Trials, timing: Timing, trial: optuna.Trial, config: TrainC
 
 def tell(trials: Trials, trial: optuna.Trial, record: TrialRecord, *, store: bool = True) -> None:
     """Tell the study `record`'s value and memory constraint (and store the record)."""
-    budget_bytes = trials.budget_bytes
+    budget_bytes = trials.budget.usable_bytes
     peak = record.peak_memory_bytes if record.peak_memory_bytes is not None else record.predicted_peak_bytes
     if record.status == "ok":
         violation = (peak or 0) - budget_bytes
@@ -87,7 +87,7 @@ def pruned(trials: Trials, number: int, config: TrainConfig, records: list[Trial
     why = (f"no smaller than {blocker.config.short()}, out of memory" if blocker is not None else
            f"predicted peak {memory.corrected_peak(config, records) / 2**30:.2f} GiB exceeds the budget")
     return TrialRecord(number=number, config=config, status="pruned", measurement=None, reason=why,
-                       predicted_peak_bytes=memory.predicted_peak(config), budget_bytes=trials.budget_bytes)
+                       predicted_peak_bytes=memory.predicted_peak(config), budget_bytes=trials.budget.usable_bytes)
 
 
 def skip(trials: Trials, plan: Plan, trial: optuna.Trial, config: TrainConfig, known: TrialRecord | None, *,
@@ -143,7 +143,7 @@ def measure_now(trials: Trials, timing: Timing, config: TrainConfig, records: li
         if unless_busy:
             fail_stale_trials(study)  # a dead worker's trial of it comes back to be measured here
             busy = running(trials)  # before the records, as in `_claim.claim_next`
-            if config in busy or _known.known(config, read_records(study), trials.budget_bytes) is not None:
+            if config in busy or _known.known(config, read_records(study), trials.budget.usable_bytes) is not None:
                 return None
         # The search is over: a trial still waiting (a dead worker's, queued again) is
         # dropped, so the ask below takes this one.

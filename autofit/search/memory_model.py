@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.device.support import same_tensors
 from autofit.search.study import TrialRecord
 
@@ -150,8 +151,8 @@ def record_budget(record: TrialRecord) -> int | None:
 class MemoryModel:
     """Predicted peak bytes of a config, fitted to what the study has measured."""
 
-    def __init__(self, estimate: Callable[[TrainConfig], int], budget_bytes: int):
-        self.estimate, self.budget_bytes = estimate, budget_bytes
+    def __init__(self, estimate: Callable[[TrainConfig], int], budget: Budget):
+        self.estimate, self.budget = estimate, budget
         self._estimates: dict[TrainConfig, int] = {}
         self._lines: dict[TrainConfig, list[TrainConfig]] = {}  # `_shapeless` line -> its traced configs
 
@@ -244,14 +245,14 @@ class MemoryModel:
         an order by estimated bytes would not (what the estimator misses grows with the
         activations, not with the weights). An OOM under a smaller budget blocks nothing."""
         return next((r for r in records if r.status == "oom" and _needs_more(config, r.config)
-                     and (record_budget(r) or 0) >= self.budget_bytes), None)
+                     and (record_budget(r) or 0) >= self.budget.usable_bytes), None)
 
     def covered_by_measured(self, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord | None:
         """A trial that ran within this budget and held everything `config` holds (same
         precision, a micro batch as large or larger, no more checkpointed and no more frozen
         blocks): `config` fits too, whatever the fit says."""
         return next((r for r in records if r.status in ("ok", "unhealthy") and r.peak_memory_bytes is not None
-                     and r.peak_memory_bytes <= self.budget_bytes and _needs_more(r.config, config)), None)
+                     and r.peak_memory_bytes <= self.budget.usable_bytes and _needs_more(r.config, config)), None)
 
     def fits(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
         """Predicted to fit: not blocked by an OOM, and either covered by a trial that ran
@@ -263,7 +264,7 @@ class MemoryModel:
             return True
         fit = self.fit(config, records)
         margin = CALIBRATED_MARGIN if fit.points or fit.bounded else UNCALIBRATED_MARGIN
-        limit = self.budget_bytes * (1 + margin)
+        limit = self.budget.usable_bytes * (1 + margin)
         predicted = fit.predict(self.predicted_peak(config))
         if not self.traced(config) and abs(predicted - limit) <= READ_OFF_NEAR * limit:
             predicted = fit.predict(self.trace(config))  # read off near the line it decides: traced

@@ -25,6 +25,7 @@ import optuna
 from loguru import logger
 
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
 from autofit.search import _claim, _finish, _floors, _known, _measure, _timing, _trial, choice
 from autofit.search._state import Floors, OnTrial, Progress, SearchTimeUp, Timing, Trials
@@ -42,7 +43,7 @@ T = TypeVar("T")
 class Tuner:
     """Runs the ask/tell loop of one Optuna study: `search()`, then `finish()` (or `run()`)."""
 
-    def __init__(self, space: SearchSpace, *, study: optuna.Study, budget_bytes: int,
+    def __init__(self, space: SearchSpace, *, study: optuna.Study, budget: Budget,
                  measure: Callable[[TrainConfig], Measurement], estimate: Callable[[TrainConfig], int],
                  max_trials: int, patience: int, timeout_s: float | None = None,
                  on_trial: OnTrial | None = None,
@@ -55,8 +56,8 @@ class Tuner:
         self.timing = Timing(deadline=deadline, timeout_s=timeout_s, should_stop=should_stop or (lambda: False),
                              full_precision_slowdown=full_precision_slowdown)
         # Without locks (a study of this process alone): ones that serialise its threads.
-        self.trials = Trials(space=space, study=study, budget_bytes=budget_bytes,
-                             memory=MemoryModel(_timing.gated(self.timing, estimate), budget_bytes),
+        self.trials = Trials(space=space, study=study, budget=budget,
+                             memory=MemoryModel(_timing.gated(self.timing, estimate), budget),
                              measure=measure, measure_reference=measure_reference or measure, references=set(),
                              locks=locks or StudyLocks(None, study.study_name), worker=worker, clock=deadline.clock)
         # The one-liner (its precisions, first found first; () for none) is measured before
@@ -71,7 +72,7 @@ class Tuner:
     # What the stages and the tune read of it.
     space = property(lambda self: self.trials.space)
     study = property(lambda self: self.trials.study)
-    budget_bytes = property(lambda self: self.trials.budget_bytes)
+    budget = property(lambda self: self.trials.budget)
     memory = property(lambda self: self.trials.memory)
     references = property(lambda self: self.trials.references)  # the configs planned as references
     session_start = property(lambda self: self.trials.session_start)
@@ -94,10 +95,10 @@ class Tuner:
         if records:
             logger.info("resuming study {}: {} finished trials are not run again ({} measured under this budget){}",
                         self.study.study_name, len(records), resumed, _known.ages(records, self.session_start))
-        best = _known.best(records, self.budget_bytes)
+        best = _known.best(records, self.budget.usable_bytes)
         self.timing.awaiting_first_trial = not any(r.measurement is not None for r in records)
         # Patience carries over a resume: a study that had stopped improving stays stopped.
-        since_best = sum(1 for r in records if _known.holds(r, self.budget_bytes)
+        since_best = sum(1 for r in records if _known.holds(r, self.budget.usable_bytes)
                          and (best is None or r.number > best.number))
         progress = Progress(best=best, since_best=since_best, start=start)
         # Given starts (e.g. where training was demoted to) are measured first, then the floors.
@@ -154,9 +155,9 @@ class Tuner:
         """The study's records as they are now, ranked."""
         stop_reason, resumed, start = searched
         records = _known.judged(self.records())
-        ranked = _floors.floor_first(self.floors, choice.rank(records, self.budget_bytes,
+        ranked = _floors.floor_first(self.floors, choice.rank(records, self.budget.usable_bytes,
                                                               fresh_since=self.session_start), noise)
-        return SearchResult(records=records, budget_bytes=self.budget_bytes,
+        return SearchResult(records=records, budget_bytes=self.budget.usable_bytes,
                             wall_s=self.timing.deadline.clock() - start, resumed=resumed, stop_reason=stop_reason,
                             ranked=[r.record for r in ranked], noise=noise, choice=choice.describe(ranked, noise, rounds),
                             session_start=self.session_start, one_liner=self.one_liner, fallback=self.fallback)
@@ -165,18 +166,18 @@ class Tuner:
 
     def known(self, config: TrainConfig, records: list[TrialRecord]) -> TrialRecord | None:
         """A record of `config` whose result holds under this budget (`_known.known`)."""
-        return _known.known(config, records, self.budget_bytes)
+        return _known.known(config, records, self.budget.usable_bytes)
 
     def spent(self, records: list[TrialRecord]) -> int:
         """Trials that count against `max_trials` (`_known.spent`)."""
-        return _known.spent(records, self.budget_bytes)
+        return _known.spent(records, self.budget.usable_bytes)
 
     def fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
         return self.trials.fits(records)
 
     def peak_share(self, config: TrainConfig, records: list[TrialRecord]) -> float:
         """`config`'s corrected peak (the memory model's fit) as a share of the budget."""
-        return self.memory.corrected_peak(config, records) / self.budget_bytes
+        return self.memory.corrected_peak(config, records) / self.budget.usable_bytes
 
     def halted(self) -> bool:
         """A stop was asked for, or the tune's time budget is spent: measure nothing more."""

@@ -23,6 +23,7 @@ from loguru import logger
 
 from autofit.config.knobs import KNOBS
 from autofit.config.train_config import TrainConfig
+from autofit.device.budget import Budget
 from autofit.search.memory_model import MemoryModel
 from autofit.search.search_space import SearchSpace
 from autofit.search.seeding import fewest_checkpointed, Fits, largest_fitting
@@ -42,12 +43,12 @@ class WarmStart:
 
 
 def warm_starts(warm: WarmStart | None, space: SearchSpace, estimate: Callable[[TrainConfig], int],
-                budget_bytes: int) -> tuple[TrainConfig, ...]:
+                budget: Budget) -> tuple[TrainConfig, ...]:
     """`warm`'s configs translated to `space` under this card's memory model (nothing measured
     here yet: the estimator's prediction with its uncalibrated margin)."""
     if warm is None or not warm.ranked:
         return ()
-    memory = MemoryModel(estimate, budget_bytes)
+    memory = MemoryModel(estimate, budget)
     starts = translate(warm.ranked, space, lambda c: memory.fits(c, []))
     logger.info("warm start from {}: measuring first {}", warm.from_kind,
                 ", ".join(c.short() for c in starts) or "nothing (no config of it fits here)")

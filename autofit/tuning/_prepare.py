@@ -42,12 +42,12 @@ def prepare(state: TuneState, cleanup: contextlib.ExitStack) -> None:
     state.analysis = asks.analyze(state.trial_worker, spec, setup.nproc, stop_event=state.halt)
     state.space = search_space(spec, device, setup.nproc, state.analysis)
     logger.info("tuning {} on {} ({}): budget {}, {} configs in the space, up to {} trials",
-                spec.name, device.name, state.execute_on, format_bytes(state.budget_bytes), state.space.size,
+                spec.name, device.name, state.execute_on, format_bytes(state.budget.usable_bytes), state.space.size,
                 state.max_trials)
     if state.space.micro_batch_floor is not None:
         logger.info("micro batches {}: {}", list(state.space.micro_batch_sizes),
                     state.space.micro_batch_floor.describe())
-    state.tuner = Tuner(state.space, study=state.study, budget_bytes=state.budget_bytes,
+    state.tuner = Tuner(state.space, study=state.study, budget=state.budget,
                         measure=partial(run_trial, state), estimate=partial(predict, state),
                         max_trials=state.max_trials, patience=spec.search.patience, timeout_s=setup.budget.time_s,
                         on_trial=partial(report_trial, state), should_stop=partial(halted, state),
@@ -63,7 +63,7 @@ def _starts(state: TuneState) -> tuple:
     """The configs the search measures first: where training went on after running out of
     memory, then another GPU kind's (a warm start), never a config training left."""
     starts = _read_demotions(state)
-    warm = tuple(c for c in warm_starts(state.setup.warm, state.space, partial(predict, state), state.budget_bytes)
+    warm = tuple(c for c in warm_starts(state.setup.warm, state.space, partial(predict, state), state.budget)
                  if c not in state.demoted)  # where training ran out of memory is never a start
     state.warm_from = state.setup.warm.from_kind if warm else ""
     return tuple(dict.fromkeys(starts + warm))

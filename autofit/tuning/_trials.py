@@ -34,7 +34,7 @@ def run_trial(state: TuneState, config, **steps) -> Measurement:
     spec = state.spec
     limit_s = spec.search.trial_timeout_s * 2 ** state.timeouts.get(config, 0)
     stop = state.halt if state.answered or not state.grace_s else StopAfter(state.halt, state.grace_s)
-    m = state.seams.measure(spec, config, device=state.execute_on, budget_bytes=state.budget_bytes,
+    m = state.seams.measure(spec, config, device=state.execute_on, budget=state.budget,
                             stop_event=stop, timeout_s=limit_s, guard=state.guard, worker=state.trial_worker,
                             **{"cap_s": state.deadline.trial_cap_s()} | steps)
     state.answered = state.answered or m.status == "ok"
@@ -72,7 +72,7 @@ def run_long(state: TuneState, config, steps: int, timeout_s: float, *, keep: bo
     (`validation.steps_within`)."""
     spec = state.spec
     steps = steps_within(spec, state.searched.get(config), steps, state.deadline.left_s())
-    m = state.seams.measure(spec, config, device=state.execute_on, budget_bytes=state.budget_bytes,
+    m = state.seams.measure(spec, config, device=state.execute_on, budget=state.budget,
                             stop_event=state.halt, measure_steps=steps,
                             timeout_s=min(timeout_s, state.deadline.left_s() + 1),
                             guard=state.guard, worker=state.trial_worker)
@@ -91,8 +91,7 @@ def predict(state: TuneState, config) -> int:
     budget: the allocator frees its cache before it gives up); 0 (unknown: measure it) for
     a config the estimator cannot run."""
     try:
-        return predicted_fit_bytes(_estimate(state, config), config, budget_bytes=state.budget_bytes,
-                                   host_budget_bytes=state.host_budget_bytes)
+        return predicted_fit_bytes(_estimate(state, config), config, state.budget)
     except EstimateError as exc:
         logger.warning("{}; {} is measured without a prediction", exc, config.short())
         return 0
@@ -121,11 +120,11 @@ def _estimate(state: TuneState, config):
     """The estimator's `MemoryEstimate` of `config`, on the device kind tuned for."""
     return state.seams.estimate_memory(state.spec, config, device_kind="cuda" if state.device.kind == "cuda" else "cpu",
                                        worker=state.trial_worker, stop_event=state.halt,
-                                       capacity_bytes=state.budget_bytes)
+                                       capacity_bytes=state.budget.usable_bytes)
 
 
 def report_trial(state: TuneState, record: TrialRecord, best: TrialRecord | None, considered: int) -> None:
-    logger.info(format_trial_line(record, best, considered, state.max_trials, state.budget_bytes))
+    logger.info(format_trial_line(record, best, considered, state.max_trials, state.budget.usable_bytes))
     size_budget(state, record)
     if state.on_trial is not None:
         state.on_trial(record, best, considered)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autofit.config.spec import ModelSpec
+from autofit.device.budget import Budget
 from autofit.device.probe import DeviceInfo
 from autofit.measure.measurement import Measurement
 from autofit.measure.worker import Worker
@@ -38,8 +39,9 @@ class TuneState:
     seams: TrialSeams
     device: DeviceInfo  # the device tuned for: an emulated card's memory, each rank's share
     execute_on: str  # where trials run ("cpu" or CUDA indices)
-    budget_bytes: int  # usable device bytes (`Budget.usable_bytes`)
-    host_budget_bytes: int | None  # pinned host bytes offloading may use
+    # The device bytes a job may use (`usable_bytes`), the pinned host bytes offloading may
+    # (`host_bytes`): `setup.budget`, handed on whole.
+    budget: Budget
     max_trials: int
     worker: str  # this worker's name in a study it may share
     deadline: Deadline
@@ -115,4 +117,4 @@ class Chosen:
 def passed(state: TuneState, config) -> list[Measurement]:
     """`config`'s validation runs that passed (ok, a throughput, inside the budget)."""
     return [m for m in state.validations.get(config, []) if m.status == "ok" and m.samples_per_s
-            and total_peak(m) <= state.budget_bytes]
+            and total_peak(m) <= state.budget.usable_bytes]

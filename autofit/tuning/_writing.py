@@ -79,7 +79,7 @@ def _profile(state: TuneState, result: SearchResult, chosen: Chosen, frontier: t
     return Profile(
         model=ProfileModel(name=spec.name, spec_hash=spec.spec_hash),
         device=device_from_info(state.device),
-        budget_bytes=state.budget_bytes,
+        budget_bytes=state.budget.usable_bytes,
         config=chosen.winner.config,
         measured=frontier[-1].measured,  # the winner's validation
         search=_summary(state, result, chosen, frontier),
