@@ -127,7 +127,7 @@ def head_to_head(spec: ModelSpec, bench, configs: list, say) -> list[list[float]
     for round_ in range(HEAD_TO_HEAD_ROUNDS):
         for i, config in enumerate(configs):
             m = measure(spec, config, device="cpu" if bench.info.kind == "cpu" else str(bench.info.index),
-                        budget_bytes=bench.budget_bytes)
+                        budget=Budget(usable_bytes=bench.budget_bytes))
             if m.status == "ok" and m.samples_per_s:
                 rates[i].append(round(m.samples_per_s, 2))
             say(f"  {spec.name} head to head {round_ + 1}: {config.short()}: {m.status} "

@@ -8,11 +8,18 @@ from pathlib import Path
 import pytest
 from conftest import tiny_gpt_dict, write_spec
 
+from autofit.base.errors import InputError, NonFiniteLossError, TrialError
 from autofit.config.spec import load_spec
 from autofit.config.train_config import TrainConfig
 from autofit.device.budget import Budget
-from autofit.measure.messages import SCHEMA, TASKS, TrialRequest
+from autofit.measure import asks
+from autofit.measure.fake_step import estimate_memory
+from autofit.measure.memory_estimate import EstimateError, MemoryEstimate
+from autofit.measure.messages import EstimateReply, EstimateRequest, SCHEMA, TaskReply, TASKS, TrialRequest
+from autofit.measure.tasks import estimate as estimate_task
 from autofit.measure.trial import trial_request
+from autofit.measure.worker import TaskOutcome
+from autofit.workload import build_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 _TARGET = re.compile(r"autofit\.measure\.\w+:\w+")
@@ -79,40 +86,51 @@ def test_an_estimate_reply_is_built_whole_in_the_child_and_read_back_whole(tmp_p
     """The estimate task's reply, as the resident child's wire carries it (JSON), read back as
     the parent's `EstimateReply`: the estimate a `MemoryEstimate` equal to the fake step's,
     the largest micro batch beside it."""
-    from autofit.measure.fake_step import estimate_memory
-    from autofit.measure.memory_estimate import MemoryEstimate
-    from autofit.measure.messages import EstimateReply, EstimateRequest
-    from autofit.measure.tasks import estimate
-    from autofit.workload import build_workload
-
     spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
     workload = build_workload(spec)
     config = TrainConfig(micro_batch_size=8)
     request = EstimateRequest(config=config, device_kind="cpu", budget_bytes=2**30)
-    wired = json.loads(json.dumps(estimate(request.to_dict(), {"spec": spec, "workload": workload})))
+    wired = json.loads(json.dumps(estimate_task(request.to_dict(), {"spec": spec, "workload": workload})))
     reply = EstimateReply.from_dict(wired)
     assert reply.ok and isinstance(reply.estimate, MemoryEstimate)
     assert reply.estimate == estimate_memory(spec, config, device_kind="cpu", workload=workload)
     assert reply.max_micro_batch_size == spec.train.global_batch_size  # a GiB holds the tiny model's every size
 
 
-def test_a_tasks_input_error_reply_is_the_parents_input_error_with_its_exit_code_and_traceback():
-    from autofit.base.errors import InputError, NonFiniteLossError
-    from autofit.measure.asks import _answer
-    from autofit.measure.messages import EstimateReply, TaskReply
-    from autofit.measure.worker import TaskOutcome
+def _outcome(reply: TaskReply | None, ended: str = "exited") -> TaskOutcome:
+    result = None if reply is None else json.loads(json.dumps(reply.to_dict()))
+    return TaskOutcome(ended=ended, result=result, returncode=0, log_tail="", wall_s=0.1)
 
-    def outcome(reply):
-        return TaskOutcome(ended="exited", result=json.loads(json.dumps(reply.to_dict())), returncode=0, log_tail="",
-                           wall_s=0.1)
 
-    spec = None  # `_answer` reads the reply only
+def test_a_tasks_input_error_reply_is_the_parents_input_error_with_its_exit_code_and_traceback(tmp_path):
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
     failed = EstimateReply(status="input_error", reason="model: forward raised KeyError", exit_code=2,
                            traceback="Traceback ... KeyError")
     with pytest.raises(InputError, match="forward raised KeyError") as raised:
-        _answer(outcome(failed), spec)
+        asks._answer(_outcome(failed), spec)
     assert raised.value.exit_code == 2 and "KeyError" in raised.value.traceback_text
     nonfinite = TaskReply(status="input_error", reason="loss is NaN", exit_code=NonFiniteLossError.exit_code)
     with pytest.raises(NonFiniteLossError):
-        _answer(outcome(nonfinite), spec)
-    assert _answer(outcome(TaskReply(status="estimate_error", reason="x")), spec)["reason"] == "x"
+        asks._answer(_outcome(nonfinite), spec)
+    assert asks._answer(_outcome(TaskReply(status="estimate_error", reason="x")), spec)["reason"] == "x"
+
+
+@pytest.mark.parametrize("ended", ["timeout", "exited"])
+def test_a_child_that_gave_no_answer_is_an_estimate_error_and_an_analysis_failure(tmp_path, monkeypatch, ended):
+    """No reply at all (the child timed out, or died before writing one): the estimate is an
+    `EstimateError` (the tune measures the config without a prediction) and the analysis a
+    `TrialError`, each naming how the child ended; never a TypeError out of the tune."""
+    spec = load_spec(write_spec(tmp_path, tiny_gpt_dict()))
+
+    class Silent:
+        def call(self, payload, **kwargs):
+            return _outcome(None, ended)
+
+        def run(self, name, payload, **kwargs):
+            return _outcome(None, ended)
+
+    monkeypatch.setattr(asks.Resident, "of", lambda worker, function: Silent())
+    with pytest.raises(EstimateError, match="estimate: "):
+        asks.estimate(Silent(), spec, TrainConfig(micro_batch_size=8), device_kind="cpu")
+    with pytest.raises(TrialError, match="the model's analysis failed"):
+        asks.analyze(Silent(), spec)

@@ -112,3 +112,26 @@ def test_the_cap_of_a_bare_cuda_device_goes_to_the_current_one(monkeypatch):
     cap_cuda_memory(torch.device("cuda"), 20 * 2**30)
     cap_cuda_memory(torch.device("cuda", 1), 100 * 2**30)
     assert calls == [("props", 3), ("cap", 0.25, 3), ("props", 1), ("cap", 1.0, 1)]
+
+
+def test_fits_with_room_holds_a_group_nothing_ran_in_to_a_share_of_the_budget():
+    """bf16-true carries bf16-mixed's fit where none of its own trials ran: a config predicted
+    at 0.95 of the budget fits, but not with room (0.9); once a bf16-true trial ran, its own
+    fit decides. An estimate that gave no bytes (0) says nothing: no room is known."""
+    budget = 10 * GiB
+    mixed = TrainConfig(precision="bf16-mixed", micro_batch_size=8)
+    true_edge = TrainConfig(precision="bf16-true", micro_batch_size=8)
+    true_small = TrainConfig(precision="bf16-true", micro_batch_size=1, grad_accum_steps=8)
+    sizes = {mixed: 8 * GiB, true_edge: int(9.5 * GiB), true_small: 0}
+    model = MemoryModel(lambda c: sizes[c], Budget(usable_bytes=budget))
+
+    def ran(number, config, peak):
+        m = Measurement(status="ok", config=config, budget_bytes=budget, peak_memory_bytes=peak, samples_per_s=1.0)
+        return TrialRecord(number=number, config=config, status="ok", predicted_peak_bytes=sizes[config] or peak,
+                           measurement=m, budget_bytes=budget)
+
+    records = [ran(0, mixed, 8 * GiB)]
+    assert model.fits(true_edge, records) and not model.fits_with_room(true_edge, records, 0.9)
+    assert model.fits(true_small, records) and not model.fits_with_room(true_small, records, 0.9)
+    records.append(ran(1, true_small, 2 * GiB))
+    assert model.anchored(true_edge, records) and model.fits_with_room(true_edge, records, 0.9)

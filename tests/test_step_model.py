@@ -12,7 +12,8 @@ import pytest
 
 from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
-from autofit.search import _finish as finish, _known, step_model, trial_health, TrialRecord
+from autofit.search import _finish as finish, _known, seeding, step_model, trial_health, TrialRecord
+from autofit.search._state import SearchTimeUp
 from autofit.search.plan import outpaced
 from autofit.search.step_model import fitted, PRIOR, StepModel
 from simulated import MEMORY_BOUND
@@ -92,7 +93,10 @@ def _finishing(space, records, *, fits=lambda config: True, affordable=True, sta
         halted=lambda: False,
         fits=lambda records: fits, known=lambda config, records: _known.known(config, records, 2**34),
         affordable_after_search=lambda config, records: affordable, measure_now=measure_now,
-        planned_within=lambda share, plan: plan(), peak_share=lambda config, records: peak_share(config))
+        planned_within=lambda share, plan: plan(),
+        # As the memory model's: where a trial of its precision ran, `fits`; else with room left.
+        fits_with_room=lambda records, share: lambda c: fits(c) and (
+            any(r.status == "ok" and r.config.precision == c.precision for r in records) or peak_share(c) <= share))
     return tuner, measured
 
 
@@ -204,10 +208,16 @@ def test_a_16_bit_bests_move_may_go_to_another_16_bit_precision_that_needs_fewer
     space = LLAMA.space()
     n = space.max_checkpoint_blocks
 
-    def fits(config):  # bf16-true: 1 block at micro batch 4; bf16-mixed: every block; 32-true: none
+    def fits(config):  # bf16-true: 1 block at micro batch 4; bf16-mixed: every block; 32-true: none at 16
         if config.precision == "bf16-true":
             return config.micro_batch_size <= 4 and config.checkpoint_blocks >= 1
+        if config.precision in trial_health.REFERENCE_PRECISIONS:  # the largest gain, were it predicted
+            return config.micro_batch_size <= 16
         return config.precision == "bf16-mixed" and config.micro_batch_size <= 4 and config.checkpoint_blocks >= n
+
+    assert finish._alike_precisions(space, "32-true") == []
+    assert finish._alike_precisions(space, "bf16-mixed") == [p for p in space.precisions
+                                                             if p not in ("bf16-mixed", "32-true", "tf32")]
 
     records = _floors_of(space)[1:]  # the one-liner did not fit
     tuner, measured = _finishing(space, records, fits=fits)
@@ -222,6 +232,48 @@ def test_a_16_bit_bests_move_may_go_to_another_16_bit_precision_that_needs_fewer
                                  peak_share=lambda c: 0.95 if c.checkpoint_blocks < 3 else 0.85)
     finish.one_more(tuner)
     assert measured[:1] == [space.config("bf16-true", 4, 3)], [c.short() for c in measured]
+
+    # Once a bf16-true trial ran, its own fit decides: the move at the edge goes.
+    ran = space.config("bf16-true", 1, n)
+    records = [*_floors_of(space)[1:], _record(1, ran, LLAMA.samples_per_s(ran))]
+    tuner, measured = _finishing(space, records, fits=fits,
+                                 peak_share=lambda c: 0.95 if c.checkpoint_blocks < 3 else 0.85)
+    finish.one_more(tuner)
+    assert measured[:1] == [space.config("bf16-true", 4, 1)], [c.short() for c in measured]
+
+
+def test_where_the_estimates_share_runs_out_in_another_precision_the_move_found_stands():
+    """The best's own line is searched first where the bound ties; the estimates' share then
+    runs out while bf16-true's are taken: the own line's move is measured, not nothing."""
+    space = LLAMA.space()
+    n = space.max_checkpoint_blocks
+
+    def fits(config):
+        if config.precision == "bf16-true":
+            raise SearchTimeUp
+        return config.micro_batch_size <= 8 and config.checkpoint_blocks >= (4 if config.micro_batch_size == 8 else n)
+
+    records = _floors_of(space)[1:]
+    tuner, measured = _finishing(space, records, fits=fits)
+    finish.one_more(tuner)
+    assert measured[:1] == [space.config("bf16-mixed", 8, 4)], [c.short() for c in measured]
+
+
+def test_the_fewest_blocks_worth_a_move_are_found_with_one_estimate_where_the_most_does_not_fit():
+    space = LLAMA.space()
+    asked = []
+
+    def fits(config):
+        asked.append(config.checkpoint_blocks)
+        return config.checkpoint_blocks >= 10
+
+    assert seeding.fewest_checkpointed(space, fits, "bf16-mixed", 4, 0, most_blocks=5) is None
+    assert asked == [5]
+    asked.clear()
+    found = seeding.fewest_checkpointed(space, fits, "bf16-mixed", 4, 0, most_blocks=15)
+    assert found.checkpoint_blocks == 10 and asked[0] == 15 and len(asked) <= 1 + math.ceil(math.log2(16))
+    asked.clear()
+    assert seeding.fewest_checkpointed(space, fits, "bf16-mixed", 4, 0, most_blocks=-1) is None and asked == []
 
 
 def test_selectively_checkpointed_shapes_and_bad_figures_stay_out_of_the_fit():

@@ -36,8 +36,9 @@ def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kin
                               capacity_bytes=budget_bytes if capacity_bytes is None else capacity_bytes)
     outcome = Resident.of(worker, ESTIMATE_TASK).call(request.to_dict(), timeout_s=spec.search.trial_timeout_s,
                                                       stop_event=stop_event)
-    reply = EstimateReply.from_dict(_answer(outcome, spec))
-    if reply.ok:
+    result = _answer(outcome, spec)  # {} where the child gave no answer (died, timed out)
+    reply = EstimateReply.from_dict(result) if result else None
+    if reply is not None and reply.ok:
         return reply.estimate, reply.max_micro_batch_size
     reason = _reason(outcome, spec)
     raise EstimateError(reason if reason.startswith("estimate:") else f"estimate: {reason}")
@@ -49,7 +50,7 @@ def analyze(worker: Worker, spec: ModelSpec, nproc: int = 1, *, stop_event=None)
                          timeout_s=max(spec.search.trial_timeout_s, ANALYSIS_LEAST_TIMEOUT_S),
                          start_timeout_s=spec.search.trial_timeout_s, stop_event=stop_event)
     result = _answer(outcome, spec)
-    if TaskReply.from_dict(result).ok:
+    if result and TaskReply.from_dict(result).ok:  # the reply is the status beside the `Analysis`
         return Analysis.from_dict(result)
     raise TrialError(f"the model's analysis failed: {_reason(outcome, spec)}")
 

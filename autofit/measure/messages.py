@@ -1,9 +1,10 @@
 """What crosses the process boundary between a tune (the parent) and its children, built and
 read here only: the tasks a child can run, by name, and a trial's request as a typed value
 with a schema version, as are an estimate's request and reply, the model's analysis and a
-task's failure. A trial's reply is a `Measurement` (`measure/measurement.py`). Each is built
-whole on one side, crosses as its `to_dict()` and is read back whole (`from_dict`) on the
-other: the wire's keys are the fields' names, written nowhere else.
+task's failure. A trial's reply is a `Measurement` (`measure/measurement.py`); the analysis's
+is a `TaskReply`'s status beside the `Analysis`. Each is built whole on one side, crosses as
+its `to_dict()` and is read back whole (`from_dict`) on the other: the wire's keys are the
+fields' names, written nowhere else.
 
 Which side runs what:
 
@@ -73,7 +74,7 @@ class TrialRequest(_Message):
     spec: ModelSpec
     config: TrainConfig
     device: str  # "cpu", a CUDA index, or indices joined by "," for ranks
-    # What the trial may use: its `usable_bytes` the device memory in total; None: unheld (a CPU).
+    # What the trial may use: `usable_bytes` of device memory in all; None: unheld (a CPU).
     budget: Budget | None
     warmup_steps: int
     measure_steps: int  # the fewest timed steps

@@ -95,7 +95,8 @@ def analyze(request: dict, context: dict) -> dict:
     """What the search space needs to know of the model and data, from a model built on the
     meta device (no memory, any size)."""
     try:
-        return {"status": "ok", **analysis(context["spec"], context["workload"], request.get("nproc", 1)).to_dict()}
+        facts = analysis(context["spec"], context["workload"], request.get("nproc", 1))
+        return TaskReply(status="ok").to_dict() | facts.to_dict()
     except AutofitError as exc:
         return _failure(exc).to_dict()
 

@@ -56,21 +56,21 @@ class Tuner(Protocol):
 
     def planned_within(self, share: float, plan: Callable[[], T]) -> T | None: ...
 
-    def peak_share(self, config: TrainConfig, records: list[TrialRecord]) -> float: ...
+    def fits_with_room(self, records: list[TrialRecord], share: float) -> Callable[[TrainConfig], bool]: ...
 
 BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at again
 # References measured at most after a search: an OOM refits the model (the next frontier
 # point is smaller), and contenders at several freezing depths need one each.
 REFERENCE_ATTEMPTS = 4
-# After the search's share, one more trial on the best's line where the step model (fitted to
-# the trials) predicts it this much faster than the best: the re-measures settle differences of
+# After the search's share, one more trial of the best's shape moved (`_promising`) where the
+# step model (fitted to the trials) predicts it this much faster than the best: the re-measures settle differences of
 # a few percent (`choice.NOISE_PRIOR`), and a move predicted well past them is worth more of the
 # time left than settling them.
 ONE_MORE_GAIN = 1.1
 # ... found with estimates (fake steps of device time) taking at most this share of the time left.
 ONE_MORE_ESTIMATES_SHARE = 0.25
-# ... and, in a precision nothing has measured yet, predicted at most this share of the budget:
-# its bytes are another precision's fit carried over (an uncalibrated estimator's error is
+# ... and, where nothing of its memory group has run (another precision), predicted at most
+# this share of the budget: its bytes are another group's fit carried over (an uncalibrated estimator's error is
 # about a tenth, `memory_model.UNCALIBRATED_MARGIN`), and a move at the edge that runs out of
 # memory ends the trials after the search (seen: 1.04x the budget, predicted under it).
 UNMEASURED_PEAK_SHARE = 0.9
@@ -234,7 +234,7 @@ def _fresh_ranked(records: list[TrialRecord], budget_bytes: int, since: float | 
 
 
 def one_more(tuner: Tuner) -> None:
-    """Before the re-measures: while a move along the best's line (`_promising`) is predicted
+    """Before the re-measures: while a move of the best's shape (`_promising`) is predicted
     at least `ONE_MORE_GAIN` times the best's speed and its trial fits in half of the time left
     (`affordable_after_search`), measure it; each trial refits the step model, and one that did
     not run (out of memory or time) ends it. Not while an older session's figure leads (the
@@ -270,46 +270,39 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     in inverse proportion to its speed). Estimates go where the gain can be largest first, and
     only to depths that would be worth it: where their share runs out, what was found stands."""
     space, config = tuner.space, best.config
-    fits, seen = tuner.fits(records), drifting(records)
     sizes = space.micro_batch_sizes
-    here = sizes.index(config.micro_batch_size)
+    if config.micro_batch_size not in sizes:  # a resumed study's best, from another space
+        return None
+    here, seen = sizes.index(config.micro_batch_size), drifting(records)
     # A memory knob the precision refuses (8-bit state with bf16 weights): not its line.
     lines = [config.replace(precision=p) for p in (config.precision, *_alike_precisions(space, config.precision))
              if coherent(config.to_dict() | {"precision": p})]
-    lines = [line for line in lines if not drifts(line, seen)]
-    measured = {r.config.precision for r in records if r.status == "ok"}
-
-    def fits_line(line: TrainConfig) -> Callable[[TrainConfig], bool]:
-        if line.precision in measured:
-            return fits
-        return lambda c: fits(c) and tuner.peak_share(c, records) <= UNMEASURED_PEAK_SHARE
-
-    shapes = [(line, m) for line in lines for m in sizes[max(0, here - 1):here + 2]]
-    # The gain of each with nothing checkpointed bounds what its estimates can find.
-    bound = {shape: _gain(space, config, model, *shape, 0) for shape in shapes}
+    shapes = [(line, m) for line in lines if not drifts(line, seen) for m in sizes[max(0, here - 1):here + 2]]
+    # The gain with nothing checkpointed bounds what a shape's estimates can find.
+    bound = {shape: _gain(model, space, config, shape[1], 0) for shape in shapes}
+    fits = tuner.fits_with_room(records, UNMEASURED_PEAK_SHARE)
+    refined = {k.name: getattr(config, k.name) for k in space.refine_knobs()}
     scored = []
     for line, micro in sorted((s for s in shapes if bound[s] >= ONE_MORE_GAIN), key=bound.get, reverse=True):
         most = max((k for k in range(space.checkpointable(config.freeze_blocks) + 1)
-                    if _gain(space, config, model, line, micro, k) >= ONE_MORE_GAIN), default=-1)
+                    if _gain(model, space, config, micro, k) >= ONE_MORE_GAIN), default=-1)
         try:
-            shape = seeding.fewest_checkpointed(space, fits_line(line), line.precision, micro, config.freeze_blocks,
+            shape = seeding.fewest_checkpointed(space, fits, line.precision, micro, config.freeze_blocks,
                                                 space.kept(config), config.checkpoint_policy, most_blocks=most)
+            move = None if shape is None else shape.replace(**refined)
+            if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line)
+                    and fits(move) and tuner.known(move, records) is None
+                    and tuner.affordable_after_search(move, records)):
+                gain = model.ratio(move, config, space)
+                scored.append((gain * (gain - 1), move))
         except SearchTimeUp:
             break
-        move = None if shape is None else shape.replace(**{k.name: getattr(config, k.name) for k in space.refine_knobs()})
-        if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line) and fits(move)
-                and tuner.known(move, records) is None and tuner.affordable_after_search(move, records)):
-            gain = model.ratio(move, config, space)
-            scored.append((gain * (gain - 1), move))
     return max(scored, key=lambda x: x[0], default=(None, None))[1]
 
 
-def _gain(space: SearchSpace, best: TrainConfig, model: step_model.StepModel, line: TrainConfig, micro: int,
-          blocks: int) -> float:
-    """What `model` predicts for `line` at `micro` with `blocks` checkpointed, over `best`."""
-    shape = line.replace(micro_batch_size=micro, grad_accum_steps=line.micro_batch_size * line.grad_accum_steps // micro,
-                         checkpoint_blocks=blocks)
-    return model.ratio(shape, best, space)
+def _gain(model: step_model.StepModel, space: SearchSpace, best: TrainConfig, micro: int, blocks: int) -> float:
+    """What `model` predicts for the shape `micro` with `blocks` checkpointed, over `best`."""
+    return model.shape_speed(micro, blocks, space) / model.speed(best, space)
 
 
 def _alike_precisions(space: SearchSpace, precision: str) -> list[str]:

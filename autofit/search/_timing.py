@@ -127,7 +127,7 @@ def trials_within(timing: Timing, step_s: float) -> float:
 
 def affordable_after_search(timing: Timing, space: SearchSpace, config: TrainConfig,
                             records: list[TrialRecord]) -> bool:
-    """After the search (a reference, one more trial of the best's line): its least cost fits
+    """After the search (a reference, one more trial of the best's shape moved): its least cost fits
     in half of the budget's time left (the rest re-measures and validates). With a budget and
     nothing measured, none is: a reference's losses would judge nothing, and its slow steps
     would spend what a floor needs."""

@@ -254,6 +254,22 @@ class MemoryModel:
         return next((r for r in records if r.status in ("ok", "unhealthy") and r.peak_memory_bytes is not None
                      and r.peak_memory_bytes <= self.budget.usable_bytes and _needs_more(r.config, config)), None)
 
+    def anchored(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
+        """A trial of `config`'s group ran, estimated: its fit is its own, not another group's
+        carried over."""
+        return any(r.status in ("ok", "unhealthy") and r.peak_memory_bytes and r.predicted_peak_bytes
+                   and _group(r.config) == _group(config) for r in records)
+
+    def fits_with_room(self, config: TrainConfig, records: list[TrialRecord], share: float) -> bool:
+        """`fits`, and where `config`'s group has no trial measured (`anchored`), predicted at
+        `share` of the budget or less from bytes the estimator gave (0: none, which says nothing)."""
+        if not self.fits(config, records):
+            return False
+        if self.anchored(config, records) or self.covered_by_measured(config, records) is not None:
+            return True
+        estimate_bytes = self.predicted_peak(config)
+        return estimate_bytes > 0 and self.fit(config, records).predict(estimate_bytes) <= share * self.budget.usable_bytes
+
     def fits(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
         """Predicted to fit: not blocked by an OOM, and either covered by a trial that ran
         within the budget or the fitted prediction within budget (with a margin for the

@@ -51,8 +51,12 @@ class StepModel:
     def speed(self, config: TrainConfig, space: SearchSpace) -> float:
         """`config`'s throughput relative to another config on its line (a ratio of two is
         what the model predicts; one alone has no unit)."""
-        m = config.micro_batch_size
-        recompute = self.recompute_share * config.checkpoint_blocks / max(1, space.max_checkpoint_blocks)
+        return self.shape_speed(config.micro_batch_size, config.checkpoint_blocks, space)
+
+    def shape_speed(self, micro_batch_size: int, checkpoint_blocks: int, space: SearchSpace) -> float:
+        """`speed` of a shape: the micro batch and the blocks checkpointed, all it reads."""
+        m = micro_batch_size
+        recompute = self.recompute_share * checkpoint_blocks / max(1, space.max_checkpoint_blocks)
         return m / (m + self.half_micro_batch) / (1 + recompute)
 
     def ratio(self, config: TrainConfig, other: TrainConfig, space: SearchSpace) -> float:

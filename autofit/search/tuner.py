@@ -129,7 +129,7 @@ class Tuner:
                     last_chance=lambda config, records: _timing.last_chance(
                         self.timing, self.space, config, records, looks_down=self._looks_down(config)),
                     trials_within=lambda step_s: _timing.trials_within(self.timing, step_s),
-                    peak_share=self.peak_share,
+                    peak_share=lambda c, records: self.memory.corrected_peak(c, records) / self.budget.usable_bytes,
                     references=self.references,
                     first=precisions[:1] if one_liner is None else (one_liner.precision,),
                     fast_first=any(p not in REFERENCE_PRECISIONS for p in precisions))
@@ -175,9 +175,10 @@ class Tuner:
     def fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]:
         return self.trials.fits(records)
 
-    def peak_share(self, config: TrainConfig, records: list[TrialRecord]) -> float:
-        """`config`'s corrected peak (the memory model's fit) as a share of the budget."""
-        return self.memory.corrected_peak(config, records) / self.budget.usable_bytes
+    def fits_with_room(self, records: list[TrialRecord], share: float) -> Callable[[TrainConfig], bool]:
+        """Predicted to fit, at `share` of the budget or less where nothing of its memory group ran
+        (`MemoryModel.fits_with_room`)."""
+        return lambda config: self.memory.fits_with_room(config, records, share)
 
     def halted(self) -> bool:
         """A stop was asked for, or the tune's time budget is spent: measure nothing more."""
