@@ -69,10 +69,11 @@ REFERENCE_ATTEMPTS = 4
 ONE_MORE_GAIN = 1.1
 # ... found with estimates (fake steps of device time) taking at most this share of the time left.
 ONE_MORE_ESTIMATES_SHARE = 0.25
-# ... and, where nothing of its memory group has run (another precision), predicted at most
-# this share of the budget: its bytes are another group's fit carried over (an uncalibrated estimator's error is
-# about a tenth, `memory_model.UNCALIBRATED_MARGIN`), and a move at the edge that runs out of
-# memory ends the trials after the search (seen: 1.04x the budget, predicted under it).
+# ... and, where nothing holding its tensors has run (another precision), predicted at most
+# this share of the budget: its bytes are another precision's fit carried over (an
+# uncalibrated estimator's error is about a tenth, `memory_model.UNCALIBRATED_MARGIN`), and a
+# move at the edge that runs out of memory ends the trials after the search (seen: 1.04x the
+# budget, predicted under it).
 UNMEASURED_PEAK_SHARE = 0.9
 
 

@@ -255,13 +255,16 @@ class MemoryModel:
                      and r.peak_memory_bytes <= self.budget.usable_bytes and _needs_more(r.config, config)), None)
 
     def anchored(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
-        """A trial of `config`'s group ran, estimated: its fit is its own, not another group's
-        carried over."""
+        """A trial holding `config`'s tensors (its precision's, or one of the same sizes) ran
+        under its strategy, estimated: `config`'s bytes are not only another precision's fit
+        carried over. (Its checkpointing may differ: the estimator traces that, and the fit
+        pools the groups until one has its own points.)"""
+        tensors = (same_tensors(config.precision), config.parallelism)
         return any(r.status in ("ok", "unhealthy") and r.peak_memory_bytes and r.predicted_peak_bytes
-                   and _group(r.config) == _group(config) for r in records)
+                   and (same_tensors(r.config.precision), r.config.parallelism) == tensors for r in records)
 
     def fits_with_room(self, config: TrainConfig, records: list[TrialRecord], share: float) -> bool:
-        """`fits`, and where `config`'s group has no trial measured (`anchored`), predicted at
+        """`fits`, and where nothing holding `config`'s tensors ran (`anchored`), predicted at
         `share` of the budget or less from bytes the estimator gave (0: none, which says nothing)."""
         if not self.fits(config, records):
             return False

@@ -176,8 +176,8 @@ class Tuner:
         return self.trials.fits(records)
 
     def fits_with_room(self, records: list[TrialRecord], share: float) -> Callable[[TrainConfig], bool]:
-        """Predicted to fit, at `share` of the budget or less where nothing of its memory group ran
-        (`MemoryModel.fits_with_room`)."""
+        """Predicted to fit, at `share` of the budget or less where nothing holding its tensors
+        ran (`MemoryModel.fits_with_room`)."""
         return lambda config: self.memory.fits_with_room(config, records, share)
 
     def halted(self) -> bool:
