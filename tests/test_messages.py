@@ -112,7 +112,7 @@ def test_a_tasks_input_error_reply_is_the_parents_input_error_with_its_exit_code
     nonfinite = TaskReply(status="input_error", reason="loss is NaN", exit_code=NonFiniteLossError.exit_code)
     with pytest.raises(NonFiniteLossError):
         asks._answer(_outcome(nonfinite), spec)
-    assert asks._answer(_outcome(TaskReply(status="estimate_error", reason="x")), spec)["reason"] == "x"
+    assert asks._answer(_outcome(TaskReply(status="estimate_error", reason="x")), spec).reason == "x"
 
 
 @pytest.mark.parametrize("ended", ["timeout", "exited"])

@@ -4,6 +4,8 @@ child of the worker (the estimates by one resident child, `autofit.measure.resid
 the user's code (their model module, their forward on fake tensors) never runs in the
 asking process; an error in it is an `InputError` (exit 2)."""
 
+from typing import TypeVar
+
 from loguru import logger
 
 from autofit.base.errors import InputError, NonFiniteLossError, TrialError, TrialTimeoutError
@@ -20,6 +22,7 @@ ESTIMATE_TASK, ANALYZE_TASK, PROBE_TASK = task("estimate"), task("analyze"), tas
 # child: a trial timeout set below what that takes (a test's 0.001 s on a busy host) limits
 # the trials, not it. The worker's own start keeps the trial timeout.
 ANALYSIS_LEAST_TIMEOUT_S = 30.0
+T = TypeVar("T", bound=TaskReply)
 _SKIP_PROBE = "declare model.batch_dim to skip the probe (0: forward takes the batch in dim 0)"
 
 
@@ -36,11 +39,10 @@ def estimate(worker: Worker, spec: ModelSpec, config: TrainConfig, *, device_kin
                               capacity_bytes=budget_bytes if capacity_bytes is None else capacity_bytes)
     outcome = Resident.of(worker, ESTIMATE_TASK).call(request.to_dict(), timeout_s=spec.search.trial_timeout_s,
                                                       stop_event=stop_event)
-    result = _answer(outcome, spec)  # {} where the child gave no answer (died, timed out)
-    reply = EstimateReply.from_dict(result) if result else None
+    reply = _answer(outcome, spec, EstimateReply)
     if reply is not None and reply.ok:
         return reply.estimate, reply.max_micro_batch_size
-    reason = _reason(outcome, spec)
+    reason = _reason(outcome, spec, reply)
     raise EstimateError(reason if reason.startswith("estimate:") else f"estimate: {reason}")
 
 
@@ -49,10 +51,10 @@ def analyze(worker: Worker, spec: ModelSpec, nproc: int = 1, *, stop_event=None)
     outcome = worker.run(ANALYZE_TASK, {"nproc": nproc},
                          timeout_s=max(spec.search.trial_timeout_s, ANALYSIS_LEAST_TIMEOUT_S),
                          start_timeout_s=spec.search.trial_timeout_s, stop_event=stop_event)
-    result = _answer(outcome, spec)
-    if result and TaskReply.from_dict(result).ok:  # the reply is the status beside the `Analysis`
-        return Analysis.from_dict(result)
-    raise TrialError(f"the model's analysis failed: {_reason(outcome, spec)}")
+    reply = _answer(outcome, spec)
+    if reply is not None and reply.ok:  # the reply is the status beside the `Analysis`
+        return Analysis.from_dict(outcome.result)
+    raise TrialError(f"the model's analysis failed: {_reason(outcome, spec, reply)}")
 
 
 def probe_batch_dim(worker: Worker, spec: ModelSpec, *, timeout_s: float | None = None, stop_event=None) -> None:
@@ -68,33 +70,32 @@ def probe_batch_dim(worker: Worker, spec: ModelSpec, *, timeout_s: float | None 
     # The worker's own start (imports, data) has the trial timeout, as a trial's has, not the probe's.
     outcome = worker.run(PROBE_TASK, {}, timeout_s=timeout_s, stop_event=stop_event,
                          start_timeout_s=spec.search.trial_timeout_s)
-    result = _answer(outcome, spec)
-    if result and TaskReply.from_dict(result).ok:
+    reply = _answer(outcome, spec)
+    if reply is not None and reply.ok:
         return
-    if result:  # the child answered, with an error of its own
-        raise TrialError(f"model: the batch-dimension probe failed: {TaskReply.from_dict(result).reason}; "
-                         f"{_SKIP_PROBE}")
+    if reply is not None:  # the child answered, with an error of its own
+        raise TrialError(f"model: the batch-dimension probe failed: {reply.reason}; {_SKIP_PROBE}")
     _status, reason = failure_reason(outcome.ended, outcome.returncode, timeout_s, outcome.log_tail)
     error = TrialTimeoutError if outcome.ended == "timeout" else TrialError
     raise error(f"model: the batch-dimension probe (3 samples on the CPU) gave no answer: {reason}; {_SKIP_PROBE}")
 
 
-def _answer(outcome: TaskOutcome, spec: ModelSpec) -> dict:
-    """The child's result; a stop or an error in the user's code raised as such. A stop is an
-    InterruptedError, which the tune catches where it has measured something (its best config
-    so far is the profile) and the CLI turns into exit 128+n elsewhere: not the stop flag's own
-    `Stopped`, which would unwind past the tune's anytime write."""
+def _answer(outcome: TaskOutcome, spec: ModelSpec, kind: type[T] = TaskReply) -> T | None:
+    """The child's reply as `kind`; None where it gave none (it died or timed out). A stop or
+    an error in the user's code raised as such. A stop is an InterruptedError, which the tune
+    catches where it has measured something (its best config so far is the profile) and the
+    CLI turns into exit 128+n elsewhere: not the stop flag's own `Stopped`, which would unwind
+    past the tune's anytime write."""
     if outcome.ended == "stopped":
         raise InterruptedError("stopped")
-    result = outcome.result or {}
-    failed = TaskReply.from_dict(result) if result else None
-    if failed is not None and failed.status == "input_error":  # the user's code raised: every config would fail alike
-        error = NonFiniteLossError if failed.exit_code == NonFiniteLossError.exit_code else InputError
-        raise error(failed.reason, traceback_text=failed.traceback)
-    return result
+    reply = kind.from_dict(outcome.result) if outcome.result else None
+    if reply is not None and reply.status == "input_error":  # the user's code raised: every config would fail alike
+        error = NonFiniteLossError if reply.exit_code == NonFiniteLossError.exit_code else InputError
+        raise error(reply.reason, traceback_text=reply.traceback)
+    return reply
 
 
-def _reason(outcome: TaskOutcome, spec: ModelSpec) -> str:
-    reason = TaskReply.from_dict(outcome.result).reason if outcome.result else None
-    return reason or failure_reason(outcome.ended, outcome.returncode, spec.search.trial_timeout_s,
-                                                  outcome.log_tail)[1]
+def _reason(outcome: TaskOutcome, spec: ModelSpec, reply: TaskReply | None) -> str:
+    """Why the task gave no result: its reply's reason, else how its child ended."""
+    return (reply is not None and reply.reason) or failure_reason(
+        outcome.ended, outcome.returncode, spec.search.trial_timeout_s, outcome.log_tail)[1]

@@ -39,9 +39,6 @@ class TuneState:
     seams: TrialSeams
     device: DeviceInfo  # the device tuned for: an emulated card's memory, each rank's share
     execute_on: str  # where trials run ("cpu" or CUDA indices)
-    # The device bytes a job may use (`usable_bytes`), the pinned host bytes offloading may
-    # (`host_bytes`): `setup.budget`, handed on whole.
-    budget: Budget
     max_trials: int
     worker: str  # this worker's name in a study it may share
     deadline: Deadline
@@ -84,6 +81,12 @@ class TuneState:
     @property
     def spec(self) -> ModelSpec:
         return self.setup.spec
+
+    @property
+    def budget(self) -> Budget:
+        """The device bytes a job may use (`usable_bytes`), the pinned host bytes offloading
+        may (`host_bytes`): the setup's, handed on whole."""
+        return self.setup.budget
 
     @property
     def out_dir(self) -> Path:

@@ -132,7 +132,6 @@ class _Tune:
         seams = TrialSeams(measure=measure, estimate_memory=estimate_memory, make_study=make_study)
         self.state = TuneState(
             setup=setup, seams=seams, device=device_for_ranks(device, setup.nproc), execute_on=execute_on,
-            budget=budget,
             max_trials=setup.trials or setup.spec.search.trials, worker=setup.worker or socket.gethostname(),
             deadline=deadline, stop_event=stop_event, on_trial=on_trial, guard=guard,
             grace_s=FIRST_ANSWER_GRACE_S if setup.write_on_stop else 0.0, budget_why=budget_why,
