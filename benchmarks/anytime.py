@@ -77,12 +77,13 @@ def main() -> int:
                                  "over_fallback": None if r.over_fallback is None else round(r.over_fallback, 4),
                                  "fallback": r.fallback.short() if r.fallback else None,
                                  "device_s": round(r.device_s, 1), "trials": r.trials, "measured": r.measured,
+                                 "oom_trials": r.oom_trials, "search_oom_trials": r.search_oom_trials,
                                  "chosen": r.chosen.short() if r.chosen else None, "grid_best": r.best.short(),
                                  "one_liner": r.one_liner.short() if r.one_liner else None,
                                  "stop_reason": r.stop_reason})
         print(f"{landscape.name}: done ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
     summary = _summary(runs, max(args.budgets))
-    for line in summary["lines"] + _fallback_lines(runs):
+    for line in summary["lines"] + _fallback_lines(runs) + _oom_lines(runs):
         print(line)
     failed = [r for r in runs if r["search"] == "anytime" and _misses(r, max(args.budgets))]
     for r in failed:
@@ -114,6 +115,20 @@ def _fallback_lines(runs: list[dict]) -> list[str]:
             if mine:
                 lines.append(f"{search:<9}{budget_s:>7g}{len(mine):>6}{sum(x >= 1.0 for x in mine):>11}/{len(mine):<5}"
                              f"{statistics.median(mine):>8.3f}{min(mine):>7.3f}")
+    return lines
+
+
+def _oom_lines(runs: list[dict]) -> list[str]:
+    """Out-of-memory trials per run where the one-liner does not fit the global batch: all
+    of them, and the search's own (not a rung of the one-liner's or the fallback's ladder)."""
+    lines = [f"{'search':<9}{'budget':>7}{'runs':>6}{'OOMs max':>10}{'search OOMs: runs with 0':>26}{'max':>5}"]
+    for search in ("today", "anytime"):
+        for budget_s in sorted({r["budget_s"] for r in runs}):
+            mine = [r for r in runs if r["search"] == search and r["budget_s"] == budget_s and r["fallback"]]
+            if mine:
+                own = [r["search_oom_trials"] for r in mine]
+                lines.append(f"{search:<9}{budget_s:>7g}{len(mine):>6}{max(r['oom_trials'] for r in mine):>10}"
+                             f"{sum(x == 0 for x in own):>20}/{len(mine):<5}{max(own):>5}")
     return lines
 
 

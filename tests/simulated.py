@@ -318,6 +318,9 @@ class Run:
     ranked: tuple = ()  # the search's ranking, best first: what another card's warm start reads
     fallback: TrainConfig | None = None  # the expert's fallback (`fallback_of`), where it fits and is healthy
     over_fallback: float | None = None  # the chosen config's true throughput / the fallback's
+    oom_trials: int = 0  # measurements that ran out of memory, the floors' included
+    # ... of them, those the floors' ladders did not take (`_floor_ladder`): the search's own
+    search_oom_trials: int = 0
 
 
 REACH_SHARE = 0.95
@@ -340,9 +343,12 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
                                 cap_s=deadline.trial_cap_s() if anytime else None)
     best, best_sps = landscape.grid_best()
     reached: list[float] = []
+    ooms: list[TrainConfig] = []
 
     def measure(c: TrainConfig, **kwargs) -> Measurement:
         m = timed.measure(c, **kwargs)
+        if m.status == "oom":
+            ooms.append(c)
         if not reached and m.status == "ok" and landscape.works(c) and landscape.samples_per_s(c) >= REACH_SHARE * best_sps:
             reached.append(landscape.clock())
         return m
@@ -367,7 +373,19 @@ def search(landscape: Landscape, seed: int, *, trials: int = SearchSpec().trials
                device_s=landscape.clock(), one_liner=one, over_one_liner=over, fallback=fallback,
                over_fallback=picked_sps / landscape.samples_per_s(fallback) if fallback else None,
                reach_s=reached[0] if reached else None, warm=warm,
-               ranked=tuple(r.config for r in result.ranked))
+               ranked=tuple(r.config for r in result.ranked), oom_trials=len(ooms),
+               search_oom_trials=sum(not _floor_ladder(landscape, c) for c in ooms))
+
+
+def _floor_ladder(landscape: Landscape, c: TrainConfig) -> bool:
+    """`c` is a rung of the one-liner's or the expert's fallback's ladder: the one-liner's
+    precision, the global batch split into a micro batch, and nothing checkpointed (the
+    one-liner) or every block checkpointed (the fallback), nothing else changed. Their OOMs
+    are the baselines' own (the expert runs out of memory on each rung above a fit)."""
+    space = landscape.space()
+    precision = next((p for p in ONE_LINER_GPU if p in space.precisions), None)
+    return precision is not None and c.micro_batch_size in space.micro_batch_sizes and c in (
+        space.config(precision, c.micro_batch_size), space.config(precision, c.micro_batch_size, landscape.n_blocks))
 
 
 # Knobs added after the landscapes were made, at their defaults: left out of the key of the
