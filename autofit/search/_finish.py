@@ -73,7 +73,7 @@ ONE_MORE_ESTIMATES_SHARE = 0.25
 # this share of the budget: its bytes are another precision's fit carried over (an
 # uncalibrated estimator's error is about a tenth, `memory_model.UNCALIBRATED_MARGIN`), and a
 # move at the edge that runs out of memory ends the trials after the search (seen: 1.04x the
-# budget, predicted under it).
+# budget, predicted under it). The search itself asks `memory_model.UNANCHORED_PEAK_SHARE`.
 UNMEASURED_PEAK_SHARE = 0.9
 
 

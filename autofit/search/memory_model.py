@@ -11,8 +11,10 @@ so far. The model is re-fitted from the records on every decision, so a decision
 frozen: a config pruned under an early fit is re-decided under the current one.
 
 Out-of-memory trials are lower bounds: the fit is raised until it predicts each of them
-over its budget (or over what its message said the step needed, where that is more), and once one is seen the estimator gets no benefit of the doubt (the
-narrow margin). Measured trials are facts the other way: a config that needs no more
+over its budget (or over what its message said the step needed, where that is more). The
+limit a prediction must stay under (`MemoryModel._limit`) narrows as facts about the
+config's own tensors accrue: the estimator's benefit of the doubt while nothing ran, none
+once its group ran, room where only other precisions ran. Measured trials are facts the other way: a config that needs no more
 memory than one that ran within the budget fits, whatever the fit says.
 """
 
@@ -41,6 +43,12 @@ class EstimateDeferred(Exception):
     """An estimate not run now (the first trial comes first, `_timing.gated`): the config's
     bytes are unknown until it is asked again, and nothing is cached."""
 CALIBRATED_MARGIN = 0.02
+# The share of the budget a config's prediction may reach where trials ran, none holding its
+# tensors: its bytes are another precision's fit carried over (weights, state and activations
+# in other proportions). Half the uncalibrated estimator's error: an OOM in the search teaches
+# the trials after it (a move after the search, which none follows, asks for more room:
+# `fits_with_room`).
+UNANCHORED_PEAK_SHARE = 0.95
 # An affine fit needs points whose estimates differ by more than this fraction; closer
 # points say nothing about the slope.
 MIN_SPREAD = 0.05
@@ -275,16 +283,35 @@ class MemoryModel:
 
     def fits(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
         """Predicted to fit: not blocked by an OOM, and either covered by a trial that ran
-        within the budget or the fitted prediction within budget (with a margin for the
-        estimator's error while nothing is measured and no OOM has shown it low)."""
+        within the budget or the fitted prediction within budget, by a margin that says how
+        much the prediction rests on facts about `config`'s own tensors (`_limit`)."""
         if self.blocked_by_oom(config, records) is not None:
             return False
         if self.covered_by_measured(config, records) is not None:
             return True
         fit = self.fit(config, records)
-        margin = CALIBRATED_MARGIN if fit.points or fit.bounded else UNCALIBRATED_MARGIN
-        limit = self.budget.usable_bytes * (1 + margin)
+        limit, usable = self._limit(config, records, fit), self.budget.usable_bytes
         predicted = fit.predict(self.predicted_peak(config))
-        if not self.traced(config) and abs(predicted - limit) <= READ_OFF_NEAR * limit:
-            predicted = fit.predict(self.trace(config))  # read off near the line it decides: traced
+        # Read off near the budget's line: traced. (Not near a share of it: the room asked
+        # there is itself wider than the read-off's error.)
+        if not self.traced(config) and limit >= usable and abs(predicted - limit) <= READ_OFF_NEAR * limit:
+            predicted = fit.predict(self.trace(config))
         return predicted < limit
+
+    def _limit(self, config: TrainConfig, records: list[TrialRecord], fit: Fit) -> float:
+        """The bytes a prediction must stay under. While nothing has run, the estimator gets
+        the benefit of its own error (`UNCALIBRATED_MARGIN` over the budget; the narrow margin
+        once an OOM has shown it low): the expert's ladder is tried as the expert would. Where
+        trials ran but none holding `config`'s tensors, the fit is another precision's carried
+        over (weights, state and activations in other proportions): the prediction needs room,
+        `UNANCHORED_PEAK_SHARE` of the budget. Where `config`'s group has both run and run out
+        of memory, its fit sits between facts on both sides: no benefit of the doubt."""
+        usable = self.budget.usable_bytes
+        if not (fit.points or fit.bounded):
+            return usable * (1 + UNCALIBRATED_MARGIN)
+        if fit.points and not self.anchored(config, records):
+            return usable * UNANCHORED_PEAK_SHARE
+        group = _group(config)
+        own = any(_group(r.config) == group and r.status in ("ok", "unhealthy") and r.peak_memory_bytes
+                  and r.predicted_peak_bytes for r in records)
+        return usable * (1 + (0.0 if own else CALIBRATED_MARGIN))
