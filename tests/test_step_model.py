@@ -92,7 +92,7 @@ def _finishing(space, records, *, fits=lambda config: True, affordable=True, sta
         space=space, budget=Budget(usable_bytes=2**34), session_start=session_start, records=lambda: list(records),
         halted=lambda: False,
         fits=lambda records: fits, known=lambda config, records: _known.known(config, records, 2**34),
-        affordable_after_search=lambda config, records: affordable, measure_now=measure_now,
+        affordable_after_search=lambda config, records, after_estimates=0: affordable, measure_now=measure_now,
         planned_within=lambda share, plan: plan(),
         # As the memory model's: where a trial of its precision ran, `fits`; else with room left.
         fits_with_room=lambda records, share: lambda c: fits(c) and (
@@ -299,3 +299,25 @@ def test_a_best_whose_memory_knob_another_precision_refuses_moves_in_its_own_pre
     finish.one_more(tuner)
     assert measured and all(c.precision == "bf16-mixed" and c.optimizer_bits == 8 for c in measured), \
         [c.short() for c in measured]
+
+
+def test_the_moves_estimates_stop_while_its_trial_is_still_affordable():
+    """Each estimate (a fake step) spends device time the move's trial needs. Where one more
+    would leave the trial unaffordable, the estimates stop and the fewest blocks seen to fit
+    so far is measured; a search carried to the fewest that fit would have found a move no
+    longer affordable, and measured nothing."""
+    space = LLAMA.space()
+    asked = []
+
+    def fits(config):
+        asked.append(config)
+        return _roomy(config)
+
+    records = _floors_of(space)
+    tuner, measured = _finishing(space, records, fits=fits)
+    tuner.affordable_after_search = lambda config, records, after_estimates=0: len(asked) + after_estimates <= 3
+    finish.one_more(tuner)
+    assert len(asked) == 3 and measured, [c.short() for c in asked]
+    move = measured[0]
+    assert move.micro_batch_size == 4 and move.checkpoint_blocks > 4 and _roomy(move)
+    assert move.checkpoint_blocks == min(c.checkpoint_blocks for c in asked if _roomy(c) and c.micro_batch_size == 4)

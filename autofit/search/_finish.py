@@ -52,7 +52,8 @@ class Tuner(Protocol):
 
     def fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]: ...
 
-    def affordable_after_search(self, config: TrainConfig, records: list[TrialRecord]) -> bool: ...
+    def affordable_after_search(self, config: TrainConfig, records: list[TrialRecord], *,
+                                after_estimates: int = 0) -> bool: ...
 
     def planned_within(self, share: float, plan: Callable[[], T]) -> T | None: ...
 
@@ -268,8 +269,11 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     the best's other knobs kept (a compiled best's moves are compiled); not measured yet,
     numerics not seen to drift, coherent and affordable. Of those `model` puts at
     `ONE_MORE_GAIN` or more, the largest predicted gain per device-second (a trial's steps take
-    in inverse proportion to its speed). Estimates go where the gain can be largest first, and
-    only to depths that would be worth it: where their share runs out, what was found stands."""
+    in inverse proportion to its speed). Estimates go where the gain can be largest first, only to
+    depths that would be worth it, and not to a shape whose bound a move found already reaches;
+    they stop where their share runs out or where one more would leave the move's trial
+    unaffordable (each spends device time the trial needs), and the fewest blocks seen to fit
+    by then stands."""
     space, config = tuner.space, best.config
     sizes = space.micro_batch_sizes
     if config.micro_batch_size not in sizes:  # a resumed study's best, from another space
@@ -283,22 +287,50 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     bound = {shape: _gain(model, space, config, shape[1], 0) for shape in shapes}
     fits = tuner.fits_with_room(records, UNMEASURED_PEAK_SHARE)
     refined = {k.name: getattr(config, k.name) for k in space.refine_knobs()}
-    scored = []
+    scored: list[tuple[float, TrainConfig]] = []
     for line, micro in sorted((s for s in shapes if bound[s] >= ONE_MORE_GAIN), key=bound.get, reverse=True):
+        if scored and bound[(line, micro)] <= max(gain for gain, _ in scored):
+            continue  # cannot beat a move found
         most = max((k for k in range(space.checkpointable(config.freeze_blocks) + 1)
                     if _gain(model, space, config, micro, k) >= ONE_MORE_GAIN), default=-1)
-        try:
-            shape = seeding.fewest_checkpointed(space, fits, line.precision, micro, config.freeze_blocks,
-                                                space.kept(config), config.checkpoint_policy, most_blocks=most)
-            move = None if shape is None else shape.replace(**refined)
-            if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line)
-                    and fits(move) and tuner.known(move, records) is None
-                    and tuner.affordable_after_search(move, records)):
-                gain = model.ratio(move, config, space)
-                scored.append((gain * (gain - 1), move))
-        except SearchTimeUp:
+        move, time_up = _fewest_checkpointed(tuner, records, fits, line, micro, most, refined)
+        if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line)
+                and tuner.known(move, records) is None):
+            scored.append((model.ratio(move, config, space), move))
+        if time_up:
             break
-    return max(scored, key=lambda x: x[0], default=(None, None))[1]
+    # Of the moves still affordable now, the largest gain per device-second.
+    affordable = [(gain * (gain - 1), move) for gain, move in scored if tuner.affordable_after_search(move, records)]
+    return max(affordable, key=lambda x: x[0], default=(None, None))[1]
+
+
+def _fewest_checkpointed(tuner: Tuner, records: list[TrialRecord], fits: Callable[[TrainConfig], bool],
+                         line: TrainConfig, micro: int, most: int, refined: dict) -> tuple[TrainConfig | None, bool]:
+    """(`line`'s move at `micro`: the fewest blocks checkpointed, up to `most`, predicted to
+    fit, the best's refinement knobs kept; whether the estimates ran out of time: their share,
+    or the time in which the move's trial stays affordable). Where they ran out mid-search,
+    the fewest blocks seen to fit stands."""
+    space, found = tuner.space, []
+    priced = line.replace(micro_batch_size=micro, grad_accum_steps=space.global_batch_size // micro)
+
+    def fits_while_affordable(config: TrainConfig) -> bool:
+        if not tuner.affordable_after_search(priced, records, after_estimates=1):
+            raise SearchTimeUp  # one more estimate would cost the trial it looks for
+        return fits(config) and not found.append(config)
+
+    try:
+        shape = seeding.fewest_checkpointed(space, fits_while_affordable, line.precision, micro, line.freeze_blocks,
+                                            space.kept(line), line.checkpoint_policy, most_blocks=most)
+        time_up = False
+    except SearchTimeUp:
+        shape, time_up = min(found, key=lambda c: c.checkpoint_blocks, default=None), True
+    move = None if shape is None else shape.replace(**refined)
+    if move is not None and move != shape:  # a refinement knob (compiling) kept: estimated on its own
+        try:
+            move = move if fits(move) else None
+        except SearchTimeUp:
+            move, time_up = None, True
+    return move, time_up
 
 
 def _gain(model: step_model.StepModel, space: SearchSpace, best: TrainConfig, micro: int, blocks: int) -> float:

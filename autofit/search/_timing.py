@@ -126,14 +126,14 @@ def trials_within(timing: Timing, step_s: float) -> float:
 
 
 def affordable_after_search(timing: Timing, space: SearchSpace, config: TrainConfig,
-                            records: list[TrialRecord]) -> bool:
+                            records: list[TrialRecord], after_s: float = 0.0) -> bool:
     """After the search (a reference, one more trial of the best's shape moved): its least cost fits
-    in half of the budget's time left (the rest re-measures and validates). With a budget and
-    nothing measured, none is: a reference's losses would judge nothing, and its slow steps
-    would spend what a floor needs."""
+    in half of the budget's time left (the rest re-measures and validates), `after_s` from now.
+    With a budget and nothing measured, none is: a reference's losses would judge nothing, and
+    its slow steps would spend what a floor needs."""
     if timing.deadline.budget_s is None:
         return True
-    left_s = timing.deadline.left_s()
+    left_s = timing.deadline.left_s() - after_s
     return any(r.status == "ok" for r in records) and affordable(timing, space, config, records, left_s=left_s / 2)
 
 

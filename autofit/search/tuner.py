@@ -193,10 +193,13 @@ class Tuner:
         return _timing.affordable(self.timing, self.space, config, records, looks_down=self._looks_down(config),
                                   spare_s=spare_s, left_s=left_s)
 
-    def affordable_after_search(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
+    def affordable_after_search(self, config: TrainConfig, records: list[TrialRecord], *,
+                                after_estimates: int = 0) -> bool:
         """After the search: a reference or one more trial fits in half the budget's time left
-        (`_timing.affordable_after_search`)."""
-        return _timing.affordable_after_search(self.timing, self.space, config, records)
+        (`_timing.affordable_after_search`), once `after_estimates` more estimates as dear as
+        the dearest so far are spent."""
+        return _timing.affordable_after_search(self.timing, self.space, config, records,
+                                               after_s=after_estimates * self.timing.dearest_estimate_s)
 
     def planned_within(self, share: float, plan: Callable[[], T]) -> T | None:
         """`plan()`, whose estimates (fake steps of device time; none starts where the dearest so
