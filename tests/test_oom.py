@@ -146,16 +146,38 @@ def test_a_precision_nothing_ran_in_needs_room_and_more_after_the_search():
 def test_a_group_that_ran_gets_no_benefit_of_the_doubt():
     """The expert's ladder is tried as the expert would: while the checkpointed group has only
     an OOM, a config predicted 1% over the budget fits (the estimator's error, once an OOM
-    has shown it low); once a trial of that group ran, its fit is calibrated on its own
-    facts and 1% over the budget is over it (an OOM a search would have paid for, seen on
-    two memory-bound landscapes at 1.01-1.02x the budget)."""
+    has shown it low), and so it does after another precision ran (a warm start's, another
+    worker's). Its precision's trial without checkpointing leaves it the narrow margin too.
+    Once a trial of its own group ran, its fit is calibrated on its own facts and 1% over the
+    budget is over it (an OOM a search would have paid for, seen on two memory-bound
+    landscapes at 1.01-1.02x the budget)."""
     budget = 10 * GiB
     oom = TrainConfig(precision="bf16-mixed", micro_batch_size=16, checkpoint_blocks=4)
     ran = TrainConfig(precision="bf16-mixed", micro_batch_size=4, grad_accum_steps=4, checkpoint_blocks=4)
     edge = TrainConfig(precision="bf16-mixed", micro_batch_size=8, grad_accum_steps=2, checkpoint_blocks=2)
-    sizes = {oom: 20 * GiB, ran: 5 * GiB, edge: int(10.1 * GiB)}
+    plain = TrainConfig(precision="bf16-mixed", micro_batch_size=1, grad_accum_steps=16)
+    other = TrainConfig(precision="bf16-true", micro_batch_size=4, grad_accum_steps=4)
+    sizes = {oom: 20 * GiB, ran: 5 * GiB, edge: int(10.1 * GiB), plain: 4 * GiB, other: 3 * GiB}
     model = MemoryModel(lambda c: sizes[c], Budget(usable_bytes=budget))
     records = [_oom(oom, predicted=sizes[oom], budget=budget, needed=None)]
     assert model.fits(edge, records)
+    assert model.fits(edge, [*records, _ran(1, other, predicted=sizes[other], peak=3 * GiB, budget=budget)])
+    assert model.fits(edge, [_ran(1, plain, predicted=sizes[plain], peak=4 * GiB, budget=budget)])
     records.append(_ran(1, ran, predicted=sizes[ran], peak=5 * GiB, budget=budget))
     assert not model.fits(edge, records)
+
+
+def test_a_group_with_no_trial_takes_its_precisions_fit_before_everyones():
+    """bf16-true checkpointed, where bf16-true ran without checkpointing (its peak as
+    estimated) and bf16-mixed ran three times at 0.9x its estimates: the fit carried over is
+    bf16-true's own, which puts a config estimated at 0.99 of the budget at 0.99, not the
+    pooled fit's 0.9 (the four points together)."""
+    budget = 10 * GiB
+    mixed = [TrainConfig(precision="bf16-mixed", micro_batch_size=m, grad_accum_steps=16 // m) for m in (1, 2, 4)]
+    true_ran = TrainConfig(precision="bf16-true", micro_batch_size=4, grad_accum_steps=4)
+    true_edge = TrainConfig(precision="bf16-true", micro_batch_size=8, grad_accum_steps=2, checkpoint_blocks=2)
+    sizes = {mixed[0]: 4 * GiB, mixed[1]: 6 * GiB, mixed[2]: 9 * GiB, true_ran: 5 * GiB, true_edge: int(9.9 * GiB)}
+    model = MemoryModel(lambda c: sizes[c], Budget(usable_bytes=budget))
+    records = [_ran(i, c, predicted=sizes[c], peak=int(0.9 * sizes[c]), budget=budget) for i, c in enumerate(mixed)]
+    records.append(_ran(3, true_ran, predicted=sizes[true_ran], peak=sizes[true_ran], budget=budget))
+    assert model.corrected_peak(true_edge, records) >= 0.98 * sizes[true_edge]

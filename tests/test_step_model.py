@@ -301,23 +301,28 @@ def test_a_best_whose_memory_knob_another_precision_refuses_moves_in_its_own_pre
         [c.short() for c in measured]
 
 
-def test_the_moves_estimates_stop_while_its_trial_is_still_affordable():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_moves_estimates_stop_while_its_trial_is_still_affordable(compiled):
     """Each estimate (a fake step) spends device time the move's trial needs. Where one more
     would leave the trial unaffordable, the estimates stop and the fewest blocks seen to fit
     so far is measured; a search carried to the fewest that fit would have found a move no
-    longer affordable, and measured nothing."""
-    space = LLAMA.space()
+    longer affordable, and measured nothing. A compiled best's move is its own config, with
+    its own estimate: that one is kept in reserve, not spent past the trial's last moment."""
+    landscape = dataclasses.replace(LLAMA, compile=(False, True)) if compiled else LLAMA
+    space = landscape.space()
     asked = []
 
     def fits(config):
         asked.append(config)
         return _roomy(config)
 
-    records = _floors_of(space)
-    tuner, measured = _finishing(space, records, fits=fits)
-    tuner.affordable_after_search = lambda config, records, after_estimates=0: len(asked) + after_estimates <= 3
+    records = [r.replace(config=r.config.replace(compile=compiled)) for r in _floors_of(space, landscape)]
+    tuner, measured = _finishing(space, records, fits=fits, landscape=landscape)
+    affordable_estimates = 4 if compiled else 3
+    tuner.affordable_after_search = (lambda config, records, after_estimates=0:
+                                     len(asked) + after_estimates <= affordable_estimates)
     finish.one_more(tuner)
-    assert len(asked) == 3 and measured, [c.short() for c in asked]
+    assert len(asked) == affordable_estimates and measured, [c.short() for c in asked]
     move = measured[0]
-    assert move.micro_batch_size == 4 and move.checkpoint_blocks > 4 and _roomy(move)
+    assert move.micro_batch_size == 4 and move.checkpoint_blocks > 4 and _roomy(move) and move.compile == compiled
     assert move.checkpoint_blocks == min(c.checkpoint_blocks for c in asked if _roomy(c) and c.micro_batch_size == 4)

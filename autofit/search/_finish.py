@@ -289,48 +289,61 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     refined = {k.name: getattr(config, k.name) for k in space.refine_knobs()}
     scored: list[tuple[float, TrainConfig]] = []
     for line, micro in sorted((s for s in shapes if bound[s] >= ONE_MORE_GAIN), key=bound.get, reverse=True):
-        if scored and bound[(line, micro)] <= max(gain for gain, _ in scored):
-            continue  # cannot beat a move found
+        if any(gain >= bound[(line, micro)] and tuner.affordable_after_search(move, records) for gain, move in scored):
+            continue  # cannot beat a move found and still affordable
         most = max((k for k in range(space.checkpointable(config.freeze_blocks) + 1)
                     if _gain(model, space, config, micro, k) >= ONE_MORE_GAIN), default=-1)
-        move, time_up = _fewest_checkpointed(tuner, records, fits, line, micro, most, refined)
+        move, stopped = _fewest_checkpointed(tuner, records, fits, line, micro, most, refined)
         if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line)
                 and tuner.known(move, records) is None):
             scored.append((model.ratio(move, config, space), move))
-        if time_up:
+        if stopped:
             break
     # Of the moves still affordable now, the largest gain per device-second.
     affordable = [(gain * (gain - 1), move) for gain, move in scored if tuner.affordable_after_search(move, records)]
     return max(affordable, key=lambda x: x[0], default=(None, None))[1]
 
 
+class _Unaffordable(Exception):
+    """One more estimate would leave the move's trial unaffordable (`_fewest_checkpointed`)."""
+
+
 def _fewest_checkpointed(tuner: Tuner, records: list[TrialRecord], fits: Callable[[TrainConfig], bool],
-                         line: TrainConfig, micro: int, most: int, refined: dict) -> tuple[TrainConfig | None, bool]:
+                         line: TrainConfig, micro: int, most: int,
+                         refined: dict[str, object]) -> tuple[TrainConfig | None, bool]:
     """(`line`'s move at `micro`: the fewest blocks checkpointed, up to `most`, predicted to
-    fit, the best's refinement knobs kept; whether the estimates ran out of time: their share,
-    or the time in which the move's trial stays affordable). Where they ran out mid-search,
-    the fewest blocks seen to fit stands."""
+    fit, the best's refinement knobs kept; whether its estimates stopped early). They stop
+    where their share of the time runs out, or where one more (and the move's own, where a
+    refinement knob such as compiling makes it another config) would leave the move's trial
+    unaffordable: each is a fake step of device time the trial needs. Then the fewest blocks
+    seen to fit stands. Each answer is judged so, a cached or read-off one too: early, not
+    unsafe."""
     space, found = tuner.space, []
-    priced = line.replace(micro_batch_size=micro, grad_accum_steps=space.global_batch_size // micro)
+    plain = space.config(line.precision, micro, 0, line.freeze_blocks, **space.kept(line))
+    priced = plain.replace(**refined)  # the trial's price reads its precision, micro batch and compiling
+    own_estimate = int(priced != plain)
 
     def fits_while_affordable(config: TrainConfig) -> bool:
-        if not tuner.affordable_after_search(priced, records, after_estimates=1):
-            raise SearchTimeUp  # one more estimate would cost the trial it looks for
-        return fits(config) and not found.append(config)
+        if not tuner.affordable_after_search(priced, records, after_estimates=1 + own_estimate):
+            raise _Unaffordable
+        if not fits(config):
+            return False
+        found.append(config)
+        return True
 
     try:
         shape = seeding.fewest_checkpointed(space, fits_while_affordable, line.precision, micro, line.freeze_blocks,
                                             space.kept(line), line.checkpoint_policy, most_blocks=most)
-        time_up = False
+        stopped = False
+    except (SearchTimeUp, _Unaffordable):
+        shape, stopped = min(found, key=lambda c: c.checkpoint_blocks, default=None), True
+    if shape is None or not own_estimate:
+        return shape, stopped
+    try:  # reserved above
+        move = shape.replace(**refined)
+        return (move if fits(move) else None), stopped
     except SearchTimeUp:
-        shape, time_up = min(found, key=lambda c: c.checkpoint_blocks, default=None), True
-    move = None if shape is None else shape.replace(**refined)
-    if move is not None and move != shape:  # a refinement knob (compiling) kept: estimated on its own
-        try:
-            move = move if fits(move) else None
-        except SearchTimeUp:
-            move, time_up = None, True
-    return move, time_up
+        return None, True
 
 
 def _gain(model: step_model.StepModel, space: SearchSpace, best: TrainConfig, micro: int, blocks: int) -> float:

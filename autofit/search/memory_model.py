@@ -6,16 +6,18 @@ the pruning decision (predicted to fit the budget or not).
 `overhead_bytes` is what the device adds whatever the config (CUDA context, cuBLAS/cuDNN
 workspaces, lazily loaded kernels); `scale` is what grows with the tensors (allocator
 fragmentation, kernels the estimator does not see). Both are fitted per group of configs
-(the precision's tensors, checkpointing none/full/selective, strategy, compiled) from the trials measured
-so far. The model is re-fitted from the records on every decision, so a decision is never
-frozen: a config pruned under an early fit is re-decided under the current one.
+(the precision's tensors, checkpointing none/full/selective, strategy, compiled) from the
+trials measured so far. The model is re-fitted from the records on every decision, so a
+decision is never frozen: a config pruned under an early fit is re-decided under the
+current one.
 
 Out-of-memory trials are lower bounds: the fit is raised until it predicts each of them
 over its budget (or over what its message said the step needed, where that is more). The
-limit a prediction must stay under (`MemoryModel._limit`) narrows as facts about the
-config's own tensors accrue: the estimator's benefit of the doubt while nothing ran, none
-once its group ran, room where only other precisions ran. Measured trials are facts the other way: a config that needs no more
-memory than one that ran within the budget fits, whatever the fit says.
+limit a prediction must stay under (`MemoryModel._limit_bytes`) narrows as facts about the
+config's own tensors accrue: the estimator's benefit of the doubt while nothing ran, a
+narrow margin where its group only ran out of memory, none once its group ran, room where
+only other precisions ran. Measured trials are facts the other way: a config that needs no
+more memory than one that ran within the budget fits, whatever the fit says.
 """
 
 import statistics
@@ -28,9 +30,18 @@ from autofit.device.budget import Budget
 from autofit.device.support import same_tensors
 from autofit.search.study import TrialRecord
 
-# Margin on the budget: wide while nothing is measured (the estimator's own error), narrow
-# once the fit is anchored by measurements.
+# How far over the budget a prediction may go (`MemoryModel._limit`), by what it rests on.
+# While nothing has run and no OOM was seen: the estimator's own error, its benefit of the doubt.
 UNCALIBRATED_MARGIN = 0.10
+# Where the config's group has only run out of memory (its fit raised above each OOM: the
+# expert's ladder after an OOM), or its precision ran under other checkpointing.
+CALIBRATED_MARGIN = 0.02
+# The share of the budget a prediction may reach where trials ran, none holding the config's
+# tensors under its strategy: its bytes are another precision's fit carried over (weights,
+# state and activations in other proportions). Half the uncalibrated estimator's error: an
+# OOM in the search teaches the trials after it (a move after the search, which none
+# follows, asks for more room: `fits_with_room`). Once the group ran: the budget itself.
+UNANCHORED_PEAK_SHARE = 0.95
 
 
 # Bytes read off a line (`MemoryModel._read_off`) decide a fit only where they are further
@@ -42,13 +53,8 @@ READ_OFF_NEAR = 0.04
 class EstimateDeferred(Exception):
     """An estimate not run now (the first trial comes first, `_timing.gated`): the config's
     bytes are unknown until it is asked again, and nothing is cached."""
-CALIBRATED_MARGIN = 0.02
-# The share of the budget a config's prediction may reach where trials ran, none holding its
-# tensors: its bytes are another precision's fit carried over (weights, state and activations
-# in other proportions). Half the uncalibrated estimator's error: an OOM in the search teaches
-# the trials after it (a move after the search, which none follows, asks for more room:
-# `fits_with_room`).
-UNANCHORED_PEAK_SHARE = 0.95
+
+
 # An affine fit needs points whose estimates differ by more than this fraction; closer
 # points say nothing about the slope.
 MIN_SPREAD = 0.05
@@ -105,6 +111,22 @@ def _group(config: TrainConfig) -> tuple:
     # Precisions that hold the same tensors share one (tf32 and fp32; fp16 and bf16 autocast).
     return (same_tensors(config.precision), checkpointing, config.parallelism,
             *(getattr(config, k.name) for k in KNOBS.values() if k.calibrated_apart and not k.active_with))
+
+
+def _tensors(config: TrainConfig) -> tuple:
+    """What `config` holds in model state, as the memory model tells precisions apart: its
+    precision's tensors (tf32 and fp32 alike) under its strategy."""
+    return same_tensors(config.precision), config.parallelism
+
+
+def _but_checkpointing(group: tuple) -> tuple:
+    """A `_group` key without its checkpointing: the configs alike but for it."""
+    return group[:1] + group[2:]
+
+
+def _measured(record: TrialRecord) -> bool:
+    """A trial that ran, with the estimate it was predicted at and the peak it used: a point of a fit."""
+    return record.status in ("ok", "unhealthy") and bool(record.peak_memory_bytes) and bool(record.predicted_peak_bytes)
 
 
 def _keeps_more(config: TrainConfig, than: TrainConfig) -> bool:
@@ -209,11 +231,12 @@ class MemoryModel:
         return found
 
     def fit(self, config: TrainConfig, records: list[TrialRecord]) -> Fit:
-        """The fit for `config`'s group; the pooled fit while its group has no measurement.
+        """The fit for `config`'s group; while its group has no measurement, the fit of the
+        trials alike but for their checkpointing, else the pooled fit.
         An out-of-memory trial is a fact at any budget (its peak exceeded the budget it ran
         under, and the bytes its message said it needed), so a fit that predicts it would have fitted is raised until it does not: by
         the group's own OOMs, and by every OOM while no trial has run within a budget."""
-        pooled, same, overheads, ooms, own_ooms = [], [], [], [], []
+        pooled, kin, same, overheads, ooms, own_ooms = [], [], [], [], [], []
         for r in records:
             if r.measurement is not None and r.measurement.overhead_bytes:
                 overheads.append(r.measurement.overhead_bytes)  # an OOM's child read it too
@@ -223,6 +246,8 @@ class MemoryModel:
             if r.status in ("ok", "unhealthy") and r.peak_memory_bytes:
                 point = (float(r.predicted_peak_bytes), float(r.peak_memory_bytes))
                 pooled.append((r.number, point))
+                if _but_checkpointing(_group(r.config)) == _but_checkpointing(_group(config)):
+                    kin.append((r.number, point))
                 if mine:
                     same.append((r.number, point))
             elif r.status == "oom" and record_budget(r):
@@ -230,7 +255,8 @@ class MemoryModel:
                 if mine:
                     own_ooms.append(ooms[-1])
         hint = statistics.median(overheads) if overheads else 0.0
-        points = same or pooled
+        # The group's own points; else its group's but for checkpointing; else everyone's.
+        points = same or kin or pooled
         fit = fit_points([p for _, p in points], hint)
         # Another group's OOM says little where measured trials show the groups' bytes differ,
         # but while nothing has run within a budget it is all there is.
@@ -267,9 +293,7 @@ class MemoryModel:
         under its strategy, estimated: `config`'s bytes are not only another precision's fit
         carried over. (Its checkpointing may differ: the estimator traces that, and the fit
         pools the groups until one has its own points.)"""
-        tensors = (same_tensors(config.precision), config.parallelism)
-        return any(r.status in ("ok", "unhealthy") and r.peak_memory_bytes and r.predicted_peak_bytes
-                   and (same_tensors(r.config.precision), r.config.parallelism) == tensors for r in records)
+        return any(_measured(r) and _tensors(r.config) == _tensors(config) for r in records)
 
     def fits_with_room(self, config: TrainConfig, records: list[TrialRecord], share: float) -> bool:
         """`fits`, and where nothing holding `config`'s tensors ran (`anchored`), predicted at
@@ -290,28 +314,35 @@ class MemoryModel:
         if self.covered_by_measured(config, records) is not None:
             return True
         fit = self.fit(config, records)
-        limit, usable = self._limit(config, records, fit), self.budget.usable_bytes
-        predicted = fit.predict(self.predicted_peak(config))
-        # Read off near the budget's line: traced. (Not near a share of it: the room asked
-        # there is itself wider than the read-off's error.)
-        if not self.traced(config) and limit >= usable and abs(predicted - limit) <= READ_OFF_NEAR * limit:
-            predicted = fit.predict(self.trace(config))
-        return predicted < limit
+        limit_bytes = self._limit_bytes(config, records, fit)
+        predicted_bytes = fit.predict(self.predicted_peak(config))
+        # Read off near the budget's line: traced. Not near a share of it (room for another
+        # precision's fit): the read-off's error (a few percent) is within that room, and a
+        # config is traced and decided again before it is measured (`_claim`).
+        if (not self.traced(config) and limit_bytes >= self.budget.usable_bytes
+                and abs(predicted_bytes - limit_bytes) <= READ_OFF_NEAR * limit_bytes):
+            predicted_bytes = fit.predict(self.trace(config))
+        return predicted_bytes < limit_bytes
 
-    def _limit(self, config: TrainConfig, records: list[TrialRecord], fit: Fit) -> float:
-        """The bytes a prediction must stay under. While nothing has run, the estimator gets
-        the benefit of its own error (`UNCALIBRATED_MARGIN` over the budget; the narrow margin
-        once an OOM has shown it low): the expert's ladder is tried as the expert would. Where
-        trials ran but none holding `config`'s tensors, the fit is another precision's carried
-        over (weights, state and activations in other proportions): the prediction needs room,
-        `UNANCHORED_PEAK_SHARE` of the budget. Where `config`'s group has both run and run out
-        of memory, its fit sits between facts on both sides: no benefit of the doubt."""
-        usable = self.budget.usable_bytes
-        if not (fit.points or fit.bounded):
-            return usable * (1 + UNCALIBRATED_MARGIN)
-        if fit.points and not self.anchored(config, records):
-            return usable * UNANCHORED_PEAK_SHARE
+    def _limit_bytes(self, config: TrainConfig, records: list[TrialRecord], fit: Fit) -> float:
+        """The bytes a prediction must stay under, by what it rests on, most first:
+        - the config's group ran: its fit is calibrated on its own facts, no benefit of the
+          doubt (the budget);
+        - the group only ran out of memory (the expert's ladder after an OOM), or its
+          tensors ran under other checkpointing: the narrow margin (`CALIBRATED_MARGIN`);
+        - trials ran, none holding its tensors under its strategy: another precision's fit
+          carried over, room asked (`UNANCHORED_PEAK_SHARE`);
+        - nothing ran: the estimator's own error (`UNCALIBRATED_MARGIN`; the narrow margin
+          once another group's OOM has shown it low).
+        An estimate that gave no bytes (0: it could not run here) predicts the overhead only,
+        and fits: its trial tells."""
+        usable_bytes = self.budget.usable_bytes
         group = _group(config)
-        own = any(_group(r.config) == group and r.status in ("ok", "unhealthy") and r.peak_memory_bytes
-                  and r.predicted_peak_bytes for r in records)
-        return usable * (1 + (0.0 if own else CALIBRATED_MARGIN))
+        if any(_measured(r) and _group(r.config) == group for r in records):
+            return usable_bytes
+        own_oom = any(r.status == "oom" and _group(r.config) == group for r in records)
+        if own_oom or self.anchored(config, records):
+            return usable_bytes * (1 + CALIBRATED_MARGIN)
+        if fit.points:
+            return usable_bytes * UNANCHORED_PEAK_SHARE
+        return usable_bytes * (1 + (CALIBRATED_MARGIN if fit.bounded else UNCALIBRATED_MARGIN))
