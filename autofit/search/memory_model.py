@@ -119,9 +119,9 @@ def _tensors(config: TrainConfig) -> tuple:
     return same_tensors(config.precision), config.parallelism
 
 
-def _but_checkpointing(group: tuple) -> tuple:
-    """A `_group` key without its checkpointing: the configs alike but for it."""
-    return group[:1] + group[2:]
+def _kin(config: TrainConfig) -> tuple:
+    """`config`'s group but for its checkpointing: the configs alike but for it."""
+    return _group(config.replace(checkpoint_blocks=0))
 
 
 def _measured(record: TrialRecord) -> bool:
@@ -243,10 +243,10 @@ class MemoryModel:
             if not r.predicted_peak_bytes:
                 continue
             mine = _group(r.config) == _group(config)
-            if r.status in ("ok", "unhealthy") and r.peak_memory_bytes:
+            if _measured(r):
                 point = (float(r.predicted_peak_bytes), float(r.peak_memory_bytes))
                 pooled.append((r.number, point))
-                if _but_checkpointing(_group(r.config)) == _but_checkpointing(_group(config)):
+                if _kin(r.config) == _kin(config):
                     kin.append((r.number, point))
                 if mine:
                     same.append((r.number, point))
