@@ -54,7 +54,7 @@ def test_the_missing_reference_warning_is_said_once(tmp_path):
     spec = parse_spec(tiny_gpt_dict(), source_dir=tmp_path)
     tuner = types.SimpleNamespace(space=search_space(spec, cpu_device()), budget=Budget(usable_bytes=1), session_start=0.0,
                                   records=lambda: [], fits=lambda records: (lambda config: False),
-                                  warned_no_reference=set(), affordable_after_search=lambda config, records: True)
+                                  warned_no_reference=set(), affordable_after_search=lambda config, records, reference=False: True)
     said: list[str] = []
     sink = logger.add(lambda m: said.append(str(m)), level="WARNING")
     try:

@@ -667,7 +667,7 @@ class _StubTuner:
 
     halted = should_stop
 
-    def affordable_after_search(self, config, records, *, after_estimates=0):
+    def affordable_after_search(self, config, records, *, after_estimates=0, reference=False):
         return True
 
     def measure_now(self, config, records, *, repeat=False, unless_busy=False):

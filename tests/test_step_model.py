@@ -326,3 +326,32 @@ def test_the_moves_estimates_stop_while_its_trial_is_still_affordable(compiled):
     move = measured[0]
     assert move.micro_batch_size == 4 and move.checkpoint_blocks > 4 and _roomy(move) and move.compile == compiled
     assert move.checkpoint_blocks == min(c.checkpoint_blocks for c in asked if _roomy(c) and c.micro_batch_size == 4)
+
+
+def test_the_move_is_priced_at_the_steps_its_trials_cap_lets_it_take():
+    """A trial's steps end at its cap (`Deadline.trial_cap_s`: 18 s of a 120 s budget's 72 s
+    search share) once a warm-up step and a timed step ran: an 11 s step's trial takes two
+    steps, not four. With 50 s of the budget left (25 s for the move) the move at the best's
+    speed is affordable; four steps (44 s) were not, and the 1.3B decoder's move predicted
+    1.26x went unmeasured. A reference runs all its steps whatever the cap and is priced as
+    before; a fast step's trial is its four steps (the window's least)."""
+    from autofit.search import _timing
+    from autofit.search._state import Timing
+    from autofit.search.deadline import Deadline
+
+    clock = [0.0]
+    timing = Timing(deadline=Deadline(120.0, clock=lambda: clock[0]), timeout_s=None,
+                    should_stop=lambda: False, full_precision_slowdown=5.0)
+    space = LLAMA.space()
+    best = space.config("bf16-mixed", 4, space.max_checkpoint_blocks)
+    records = [_record(0, best, space.global_batch_size / 11.0)]  # an 11 s step
+    assert _timing.least_steps_s(timing, 11.0) == pytest.approx(22.0)
+    assert _timing.least_steps_s(timing, 5.0) == pytest.approx(20.0)  # to the cap: four steps of 5 s
+    assert _timing.least_steps_s(timing, 2.0) == pytest.approx(8.0)
+    clock[0] = 70.0
+    move = best.replace(checkpoint_blocks=4)
+    assert _timing.affordable_after_search(timing, space, move, records)
+    assert not _timing.affordable_after_search(timing, space, move, records, reference=True)
+    unbounded = Timing(deadline=Deadline(None, clock=lambda: clock[0]), timeout_s=None,
+                       should_stop=lambda: False, full_precision_slowdown=5.0)
+    assert _timing.least_steps_s(unbounded, 11.0) == pytest.approx(44.0)

@@ -53,7 +53,7 @@ class Tuner(Protocol):
     def fits(self, records: list[TrialRecord]) -> Callable[[TrainConfig], bool]: ...
 
     def affordable_after_search(self, config: TrainConfig, records: list[TrialRecord], *,
-                                after_estimates: int = 0) -> bool: ...
+                                after_estimates: int = 0, reference: bool = False) -> bool: ...
 
     def planned_within(self, share: float, plan: Callable[[], T]) -> T | None: ...
 
@@ -95,9 +95,9 @@ def ensure_reference(tuner: Tuner) -> None:
         # the precision and the micro batch (`_timing.affordable`).
         precision = next(p for p in REFERENCE_PRECISIONS if p in tuner.space.precisions)
         priced = tuner.space.config(precision, micro or tuner.space.micro_batch_sizes[-1], 0, depth)
-        if tuner.affordable_after_search(priced, records):
+        if tuner.affordable_after_search(priced, records, reference=True):
             reference = seeding.reference_point(tuner.space, tuner.fits(records), depth, micro)
-            affordable = reference is None or tuner.affordable_after_search(reference, records)
+            affordable = reference is None or tuner.affordable_after_search(reference, records, reference=True)
         else:
             reference, affordable = priced, False
         if reference is None or tuner.known(reference, records) is not None:

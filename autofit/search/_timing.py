@@ -18,6 +18,10 @@ from autofit.search.trial_health import REFERENCE_PRECISIONS
 # The fewest optimizer steps a trial runs (a warm-up step and the window's minimum): with a
 # predicted step time, the least a trial can cost.
 LEAST_TRIAL_STEPS = 4
+# ... under the trial's cap (`Deadline.trial_cap_s`, `measure/steps.py`): a warm-up step that
+# reaches half of it and a timed step that reaches all of it end the trial, so a step of half
+# the cap or more costs two steps, not four.
+CAPPED_TRIAL_STEPS = 2
 # A full-precision (fp32, no TF32) step over a 16-bit one, before a full-precision trial has
 # said: on a GPU its matmuls leave the tensor cores (H100 dense: 67 against 990 TFLOP/s); GPT-2
 # small measured 6.5x on an H100 (32-true with 6 of 12 blocks checkpointed against bf16-mixed:
@@ -45,12 +49,13 @@ def compile_cost_s(records: list[TrialRecord]) -> float:
 
 
 def affordable(timing: Timing, space: SearchSpace, config: TrainConfig, records: list[TrialRecord], *,
-               looks_down: bool = False, spare_s: float = 0.0, left_s: float | None = None) -> bool:
+               looks_down: bool = False, spare_s: float = 0.0, left_s: float | None = None,
+               capped: bool = False) -> bool:
     """The least a trial of `config` can cost fits in the search's time left:
-    `LEAST_TRIAL_STEPS` steps at a step time predicted from the measured trials of its
-    speed class (`speeds_alike`: the fastest of their samples/s, scaled down in proportion where
-    `config`'s micro batch is smaller than theirs, unless it is the look from below:
-    `looks_down`), and a compiled config's compiling (`compile_cost_s`), with `spare_s` more
+    `LEAST_TRIAL_STEPS` steps (`capped`: as its cap takes them, `least_steps_s`) at a step
+    time predicted from the measured trials of its speed class (`speeds_alike`: the fastest of
+    their samples/s, scaled down in proportion where `config`'s micro batch is smaller than
+    theirs, unless it is the look from below: `looks_down`), and a compiled config's compiling (`compile_cost_s`), with `spare_s` more
     left over (of `left_s`, the search's time left by default). A trial that runs past
     the search's share eats the time the re-measures and validation need; one that runs
     past the budget gives nothing. Without a measured trial, or without a budget, any
@@ -69,8 +74,21 @@ def affordable(timing: Timing, space: SearchSpace, config: TrainConfig, records:
     speeds = speeds_alike(timing, config.precision, records, scale)
     if not speeds:
         return True
-    least_s = LEAST_TRIAL_STEPS * space.global_batch_size / max(speeds)
+    step_s = space.global_batch_size / max(speeds)
+    least_s = least_steps_s(timing, step_s) if capped else LEAST_TRIAL_STEPS * step_s
     return least_s + (compile_cost_s(records) if config.compile else 0.0) <= left_s
+
+
+def least_steps_s(timing: Timing, step_s: float) -> float:
+    """The least a trial's steps take at `step_s` a step, as `measure.steps.Steps` takes them:
+    `LEAST_TRIAL_STEPS` steps, or under the trial's cap (`Deadline.trial_cap_s`) the whole
+    steps that reach it, `CAPPED_TRIAL_STEPS` at least. Pricing a slow step at four steps
+    where its trial takes two left a 1.3B decoder's 11 s steps unaffordable with 28 s left."""
+    least_s = LEAST_TRIAL_STEPS * step_s
+    cap_s = timing.deadline.trial_cap_s()
+    if cap_s is None:
+        return least_s
+    return min(least_s, max(CAPPED_TRIAL_STEPS, math.ceil(cap_s / step_s)) * step_s)
 
 
 def speeds_alike(timing: Timing, precision: str, records: list[TrialRecord],
@@ -126,15 +144,20 @@ def trials_within(timing: Timing, step_s: float) -> float:
 
 
 def affordable_after_search(timing: Timing, space: SearchSpace, config: TrainConfig,
-                            records: list[TrialRecord], after_s: float = 0.0) -> bool:
-    """After the search (a reference, one more trial of the best's shape moved): its least cost fits
-    in half of the budget's time left (the rest re-measures and validates), `after_s` from now.
-    With a budget and nothing measured, none is: a reference's losses would judge nothing, and
-    its slow steps would spend what a floor needs."""
+                            records: list[TrialRecord], after_s: float = 0.0, reference: bool = False) -> bool:
+    """After the search (a `reference`, one more trial of the best's shape moved): its least cost
+    fits in half of the budget's time left (the rest re-measures and validates), `after_s` from
+    now. The move is priced as its cap takes its steps (`least_steps_s`): it was chosen for
+    its gain, and four steps of a slow step left a move predicted 1.4x unmeasured with its two
+    affordable. A reference runs all its steps whatever the cap (`tuning._trials.run_reference`),
+    at a full precision's speed that is the prior's until one ran: `LEAST_TRIAL_STEPS`. With a
+    budget and nothing measured, none is: a reference's losses would judge nothing, and its slow
+    steps would spend what a floor needs."""
     if timing.deadline.budget_s is None:
         return True
     left_s = timing.deadline.left_s() - after_s
-    return any(r.status == "ok" for r in records) and affordable(timing, space, config, records, left_s=left_s / 2)
+    return any(r.status == "ok" for r in records) and affordable(timing, space, config, records, left_s=left_s / 2,
+                                                                 capped=not reference)
 
 
 def gated(timing: Timing, estimate: Callable[[TrainConfig], int]) -> Callable[[TrainConfig], int]:

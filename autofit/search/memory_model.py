@@ -296,14 +296,20 @@ class MemoryModel:
         return any(_measured(r) and _tensors(r.config) == _tensors(config) for r in records)
 
     def fits_with_room(self, config: TrainConfig, records: list[TrialRecord], share: float) -> bool:
-        """`fits`, and where nothing holding `config`'s tensors ran (`anchored`), predicted at
-        `share` of the budget or less from bytes the estimator gave (0: none, which says nothing)."""
+        """`fits` for a trial no other follows to learn from its OOM (the move after the search):
+        no benefit of the doubt. Where its group has not run, predicted within the budget
+        (`fits` grants `CALIBRATED_MARGIN` over it where its tensors ran under other
+        checkpointing), and where nothing holding its tensors ran (`anchored`), at `share` of
+        it or less, from bytes the estimator gave (0: none, which says nothing)."""
         if not self.fits(config, records):
             return False
-        if self.anchored(config, records) or self.covered_by_measured(config, records) is not None:
+        group = _group(config)
+        if (self.covered_by_measured(config, records) is not None
+                or any(_measured(r) and _group(r.config) == group for r in records)):
             return True
         estimate_bytes = self.predicted_peak(config)
-        return estimate_bytes > 0 and self.fit(config, records).predict(estimate_bytes) <= share * self.budget.usable_bytes
+        room = 1.0 if self.anchored(config, records) else share
+        return estimate_bytes > 0 and self.fit(config, records).predict(estimate_bytes) <= room * self.budget.usable_bytes
 
     def fits(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
         """Predicted to fit: not blocked by an OOM, and either covered by a trial that ran

@@ -194,12 +194,13 @@ class Tuner:
                                   spare_s=spare_s, left_s=left_s)
 
     def affordable_after_search(self, config: TrainConfig, records: list[TrialRecord], *,
-                                after_estimates: int = 0) -> bool:
-        """After the search: a reference or one more trial fits in half the budget's time left
+                                after_estimates: int = 0, reference: bool = False) -> bool:
+        """After the search: a `reference` or one more trial fits in half the budget's time left
         (`_timing.affordable_after_search`), once `after_estimates` more estimates as dear as
         the dearest so far are spent."""
         return _timing.affordable_after_search(self.timing, self.space, config, records,
-                                               after_s=after_estimates * self.timing.dearest_estimate_s)
+                                               after_s=after_estimates * self.timing.dearest_estimate_s,
+                                               reference=reference)
 
     def planned_within(self, share: float, plan: Callable[[], T]) -> T | None:
         """`plan()`, whose estimates (fake steps of device time; none starts where the dearest so
