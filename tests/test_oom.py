@@ -185,6 +185,23 @@ def test_the_move_after_the_search_gets_no_margin_where_its_group_has_not_run():
     assert model.fits(under, records) and model.fits_with_room(under, records, 0.9)
 
 
+def test_the_moves_bytes_read_off_near_the_budget_are_traced():
+    """Bytes read off the line through two traced depths (2 and 4 blocks: 3 blocks at 0.97 of
+    the budget) are not traced by `fits`, whose 2% margin leaves room for the read-off's error
+    (up to 3%). The move has no margin: it traces them, and the estimator's own 1.01x refuses it."""
+    budget = 10 * GiB
+    plain = TrainConfig(precision="bf16-mixed", micro_batch_size=1, grad_accum_steps=16)
+    deep = TrainConfig(precision="bf16-mixed", micro_batch_size=8, grad_accum_steps=2, checkpoint_blocks=4)
+    shallow, mid = deep.replace(checkpoint_blocks=2), deep.replace(checkpoint_blocks=3)
+    sizes = {plain: 4 * GiB, shallow: int(10.2 * GiB), deep: int(9.2 * GiB), mid: int(10.1 * GiB)}
+    model = MemoryModel(lambda c: sizes[c], Budget(usable_bytes=budget))
+    records = [_ran(0, plain, predicted=sizes[plain], peak=sizes[plain], budget=budget)]
+    model.trace(shallow), model.trace(deep)
+    assert model.predicted_peak(mid) == int(9.7 * GiB) and not model.traced(mid)
+    assert model.fits(mid, records) and not model.traced(mid)
+    assert not model.fits_with_room(mid, records, 0.9) and model.traced(mid)
+
+
 def test_a_group_with_no_trial_takes_its_precisions_fit_before_everyones():
     """bf16-true checkpointed, where bf16-true ran without checkpointing (its peak as
     estimated) and bf16-mixed ran three times at 0.9x its estimates: the fit carried over is

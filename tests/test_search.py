@@ -528,6 +528,8 @@ def test_the_contenders_freezing_depths_get_their_references_after_the_search():
     finish.ensure_reference(tuner)
     assert [r.config for r in tuner.records()[3:]] == [FREEZABLE.config("32-true", 8, 0, 1)]
     assert tuner.references == {FREEZABLE.config("32-true", 8, 0, 1)}  # measured as a reference: a few steps
+    # ... and priced as one: all its steps, whatever a trial's cap (`_timing.affordable_after_search`).
+    assert tuner.priced_as_reference and all(tuner.priced_as_reference)
     from autofit.search import choice
     assert choice.rank(tuner.records(), tuner.budget.usable_bytes)[0].record.config == healthy.config
 
@@ -652,6 +654,7 @@ class _StubTuner:
         self.budget = Budget(usable_bytes=budget_bytes)
         self.session_start = None  # one session: every record is this session's (TrialRecord.fresh)
         self.references = set()  # the configs planned as references (measured for their losses)
+        self.priced_as_reference: list[bool] = []  # each affordability check's `reference`
 
     def records(self):
         return list(self._records)
@@ -668,6 +671,7 @@ class _StubTuner:
     halted = should_stop
 
     def affordable_after_search(self, config, records, *, after_estimates=0, reference=False):
+        self.priced_as_reference.append(reference)
         return True
 
     def measure_now(self, config, records, *, repeat=False, unless_busy=False):

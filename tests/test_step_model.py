@@ -12,8 +12,9 @@ import pytest
 
 from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
-from autofit.search import _finish as finish, _known, seeding, step_model, trial_health, TrialRecord
-from autofit.search._state import SearchTimeUp
+from autofit.search import _finish as finish, _known, _timing, seeding, step_model, trial_health, TrialRecord
+from autofit.search._state import SearchTimeUp, Timing
+from autofit.search.deadline import Deadline
 from autofit.search.plan import outpaced
 from autofit.search.step_model import fitted, PRIOR, StepModel
 from simulated import MEMORY_BOUND
@@ -93,7 +94,7 @@ def _finishing(space, records, *, fits=lambda config: True, affordable=True, sta
         halted=lambda: False,
         fits=lambda records: fits, known=lambda config, records: _known.known(config, records, 2**34),
         affordable_after_search=lambda config, records, after_estimates=0: affordable, measure_now=measure_now,
-        planned_within=lambda share, plan: plan(),
+        planned_within=lambda share, plan: plan(), references=set(),
         # As the memory model's: where a trial of its precision ran, `fits`; else with room left.
         fits_with_room=lambda records, share: lambda c: fits(c) and (
             any(r.status == "ok" and r.config.precision == c.precision for r in records) or peak_share(c) <= share))
@@ -335,10 +336,6 @@ def test_the_move_is_priced_at_the_steps_its_trials_cap_lets_it_take():
     speed is affordable; four steps (44 s) were not, and the 1.3B decoder's move predicted
     1.26x went unmeasured. A reference runs all its steps whatever the cap and is priced as
     before; a fast step's trial is its four steps (the window's least)."""
-    from autofit.search import _timing
-    from autofit.search._state import Timing
-    from autofit.search.deadline import Deadline
-
     clock = [0.0]
     timing = Timing(deadline=Deadline(120.0, clock=lambda: clock[0]), timeout_s=None,
                     should_stop=lambda: False, full_precision_slowdown=5.0)
@@ -346,12 +343,19 @@ def test_the_move_is_priced_at_the_steps_its_trials_cap_lets_it_take():
     best = space.config("bf16-mixed", 4, space.max_checkpoint_blocks)
     records = [_record(0, best, space.global_batch_size / 11.0)]  # an 11 s step
     assert _timing.least_steps_s(timing, 11.0) == pytest.approx(22.0)
-    assert _timing.least_steps_s(timing, 5.0) == pytest.approx(20.0)  # to the cap: four steps of 5 s
-    assert _timing.least_steps_s(timing, 2.0) == pytest.approx(8.0)
+    assert _timing.least_steps_s(timing, 7.0) == pytest.approx(21.0)  # the third step reaches the cap
+    assert _timing.least_steps_s(timing, 6.0) == pytest.approx(18.0)  # the third step ends at the cap
+    assert _timing.least_steps_s(timing, 2.0) == pytest.approx(8.0)  # four: the window's least
     clock[0] = 70.0
     move = best.replace(checkpoint_blocks=4)
     assert _timing.affordable_after_search(timing, space, move, records)
     assert not _timing.affordable_after_search(timing, space, move, records, reference=True)
+    # A compiled move's compiling step and steady step run before the cap's clock: with 1 s of
+    # compiling measured, 1 + 22 s would fit the 25 s, 1 + 22 + 22 s do not.
+    compiled_best = _record(0, best.replace(compile=True), space.global_batch_size / 11.0)
+    compiled_best = compiled_best.replace(measurement=dataclasses.replace(compiled_best.measurement, compile_s=1.0))
+    assert _timing.compile_cost_s([compiled_best]) == 1.0
+    assert not _timing.affordable_after_search(timing, space, move.replace(compile=True), [compiled_best])
     unbounded = Timing(deadline=Deadline(None, clock=lambda: clock[0]), timeout_s=None,
                        should_stop=lambda: False, full_precision_slowdown=5.0)
     assert _timing.least_steps_s(unbounded, 11.0) == pytest.approx(44.0)

@@ -294,8 +294,9 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
         most = max((k for k in range(space.checkpointable(config.freeze_blocks) + 1)
                     if _gain(model, space, config, micro, k) >= ONE_MORE_GAIN), default=-1)
         move, stopped = _fewest_checkpointed(tuner, records, fits, line, micro, most, refined)
+        # Not a reference planned and not yet measured: that one runs uncapped, for its losses.
         if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line)
-                and tuner.known(move, records) is None):
+                and tuner.known(move, records) is None and move not in tuner.references):
             scored.append((model.ratio(move, config, space), move))
         if stopped:
             break

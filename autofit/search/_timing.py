@@ -22,6 +22,9 @@ LEAST_TRIAL_STEPS = 4
 # reaches half of it and a timed step that reaches all of it end the trial, so a step of half
 # the cap or more costs two steps, not four.
 CAPPED_TRIAL_STEPS = 2
+# A compiled trial's steps before the cap's clock starts (`Steps._warm_compiled`): one that
+# compiles at least and the steady one after it, whose step times `compile_s` leaves out.
+COMPILE_WARMUP_STEPS = 2
 # A full-precision (fp32, no TF32) step over a 16-bit one, before a full-precision trial has
 # said: on a GPU its matmuls leave the tensor cores (H100 dense: 67 against 990 TFLOP/s); GPT-2
 # small measured 6.5x on an H100 (32-true with 6 of 12 blocks checkpointed against bf16-mixed:
@@ -52,14 +55,15 @@ def affordable(timing: Timing, space: SearchSpace, config: TrainConfig, records:
                looks_down: bool = False, spare_s: float = 0.0, left_s: float | None = None,
                capped: bool = False) -> bool:
     """The least a trial of `config` can cost fits in the search's time left:
-    `LEAST_TRIAL_STEPS` steps (`capped`: as its cap takes them, `least_steps_s`) at a step
-    time predicted from the measured trials of its speed class (`speeds_alike`: the fastest of
-    their samples/s, scaled down in proportion where `config`'s micro batch is smaller than
-    theirs, unless it is the look from below: `looks_down`), and a compiled config's compiling (`compile_cost_s`), with `spare_s` more
-    left over (of `left_s`, the search's time left by default). A trial that runs past
-    the search's share eats the time the re-measures and validation need; one that runs
-    past the budget gives nothing. Without a measured trial, or without a budget, any
-    config is affordable."""
+    `LEAST_TRIAL_STEPS` steps (`capped`: as its cap takes them, `least_steps_s`, and a
+    compiled config's `COMPILE_WARMUP_STEPS` before the cap's clock) at a step time predicted
+    from the measured trials of its speed class (`speeds_alike`: the fastest of their
+    samples/s, scaled down in proportion where `config`'s micro batch is smaller than theirs,
+    unless it is the look from below: `looks_down`), and a compiled config's compiling
+    (`compile_cost_s`), with `spare_s` more left over (of `left_s`, the search's time left by
+    default). A trial that runs past the search's share eats the time the re-measures and
+    validation need; one that runs past the budget gives nothing. Without a measured trial,
+    or without a budget, any config is affordable."""
     deadline = timing.deadline
     search_s = deadline.search_s()
     if search_s is None or (timing.searching_since is None and left_s is None):
@@ -75,7 +79,9 @@ def affordable(timing: Timing, space: SearchSpace, config: TrainConfig, records:
     if not speeds:
         return True
     step_s = space.global_batch_size / max(speeds)
-    least_s = least_steps_s(timing, step_s) if capped else LEAST_TRIAL_STEPS * step_s
+    least_s = LEAST_TRIAL_STEPS * step_s
+    if capped:
+        least_s = least_steps_s(timing, step_s) + (COMPILE_WARMUP_STEPS * step_s if config.compile else 0.0)
     return least_s + (compile_cost_s(records) if config.compile else 0.0) <= left_s
 
 
@@ -83,7 +89,9 @@ def least_steps_s(timing: Timing, step_s: float) -> float:
     """The least a trial's steps take at `step_s` a step, as `measure.steps.Steps` takes them:
     `LEAST_TRIAL_STEPS` steps, or under the trial's cap (`Deadline.trial_cap_s`) the whole
     steps that reach it, `CAPPED_TRIAL_STEPS` at least. Pricing a slow step at four steps
-    where its trial takes two left a 1.3B decoder's 11 s steps unaffordable with 28 s left."""
+    where its trial takes two left a 1.3B decoder's 11 s steps unaffordable with 28 s left.
+    Steps before the cap's clock are not here: a compiled trial's (`affordable`), and on a
+    CPU the tracked steps (`measure.steps.TRACKED_STEPS`), which the uncapped four leave out too."""
     least_s = LEAST_TRIAL_STEPS * step_s
     cap_s = timing.deadline.trial_cap_s()
     if cap_s is None:
@@ -148,11 +156,12 @@ def affordable_after_search(timing: Timing, space: SearchSpace, config: TrainCon
     """After the search (a `reference`, one more trial of the best's shape moved): its least cost
     fits in half of the budget's time left (the rest re-measures and validates), `after_s` from
     now. The move is priced as its cap takes its steps (`least_steps_s`): it was chosen for
-    its gain, and four steps of a slow step left a move predicted 1.4x unmeasured with its two
-    affordable. A reference runs all its steps whatever the cap (`tuning._trials.run_reference`),
-    at a full precision's speed that is the prior's until one ran: `LEAST_TRIAL_STEPS`. With a
-    budget and nothing measured, none is: a reference's losses would judge nothing, and its slow
-    steps would spend what a floor needs."""
+    its gain, and four steps of a slow step left a move predicted 1.4x unmeasured with its
+    three affordable. A reference runs its three steps whatever the cap
+    (`tuning._trials.run_reference`), at a full precision's speed that is the prior's until one
+    ran: priced at `LEAST_TRIAL_STEPS` (at three, TinyLlama's 32-true reference at 240 s ran
+    114 s, past the search's share). With a budget and nothing measured, none is: a
+    reference's losses would judge nothing, and its slow steps would spend what a floor needs."""
     if timing.deadline.budget_s is None:
         return True
     left_s = timing.deadline.left_s() - after_s

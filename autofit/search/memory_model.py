@@ -129,6 +129,12 @@ def _measured(record: TrialRecord) -> bool:
     return record.status in ("ok", "unhealthy") and bool(record.peak_memory_bytes) and bool(record.predicted_peak_bytes)
 
 
+def _group_ran(config: TrainConfig, records: list[TrialRecord]) -> bool:
+    """A trial of `config`'s group ran: its fit rests on its own facts."""
+    group = _group(config)
+    return any(_measured(r) and _group(r.config) == group for r in records)
+
+
 def _keeps_more(config: TrainConfig, than: TrainConfig) -> bool:
     """`config`'s checkpointing keeps at least the activations `than`'s keeps: no more
     checkpointed blocks, and each keeping as much (no block checkpointed keeps everything;
@@ -299,17 +305,23 @@ class MemoryModel:
         """`fits` for a trial no other follows to learn from its OOM (the move after the search):
         no benefit of the doubt. Where its group has not run, predicted within the budget
         (`fits` grants `CALIBRATED_MARGIN` over it where its tensors ran under other
-        checkpointing), and where nothing holding its tensors ran (`anchored`), at `share` of
-        it or less, from bytes the estimator gave (0: none, which says nothing)."""
+        checkpointing; bytes read off a line near the budget are traced, as there is no room
+        for the read-off's error), and where nothing holding its tensors ran (`anchored`), at
+        `share` of it or less, from bytes the estimator gave (0: none, which says nothing)."""
         if not self.fits(config, records):
             return False
-        group = _group(config)
-        if (self.covered_by_measured(config, records) is not None
-                or any(_measured(r) and _group(r.config) == group for r in records)):
+        if self.covered_by_measured(config, records) is not None or _group_ran(config, records):
             return True
         estimate_bytes = self.predicted_peak(config)
-        room = 1.0 if self.anchored(config, records) else share
-        return estimate_bytes > 0 and self.fit(config, records).predict(estimate_bytes) <= room * self.budget.usable_bytes
+        if estimate_bytes <= 0:
+            return False
+        fit = self.fit(config, records)
+        limit_bytes = (1.0 if self.anchored(config, records) else share) * self.budget.usable_bytes
+        predicted_bytes = fit.predict(estimate_bytes)
+        if (limit_bytes >= self.budget.usable_bytes and not self.traced(config)
+                and abs(predicted_bytes - limit_bytes) <= READ_OFF_NEAR * limit_bytes):
+            predicted_bytes = fit.predict(self.trace(config))
+        return predicted_bytes <= limit_bytes
 
     def fits(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
         """Predicted to fit: not blocked by an OOM, and either covered by a trial that ran
@@ -343,10 +355,9 @@ class MemoryModel:
         An estimate that gave no bytes (0: it could not run here) predicts the overhead only,
         and fits: its trial tells."""
         usable_bytes = self.budget.usable_bytes
-        group = _group(config)
-        if any(_measured(r) and _group(r.config) == group for r in records):
+        if _group_ran(config, records):
             return usable_bytes
-        own_oom = any(r.status == "oom" and _group(r.config) == group for r in records)
+        own_oom = any(r.status == "oom" and _group(r.config) == _group(config) for r in records)
         if own_oom or self.anchored(config, records):
             return usable_bytes * (1 + CALIBRATED_MARGIN)
         if fit.points:
