@@ -30,7 +30,7 @@ from autofit.device.budget import Budget
 from autofit.device.support import same_tensors
 from autofit.search.study import TrialRecord
 
-# How far over the budget a prediction may go (`MemoryModel._limit`), by what it rests on.
+# How far over the budget a prediction may go (`MemoryModel._limit_bytes`), by what it rests on.
 # While nothing has run and no OOM was seen: the estimator's own error, its benefit of the doubt.
 UNCALIBRATED_MARGIN = 0.10
 # Where the config's group has only run out of memory (its fit raised above each OOM: the
@@ -305,9 +305,9 @@ class MemoryModel:
         """`fits` for a trial no other follows to learn from its OOM (the move after the search):
         no benefit of the doubt. Where its group has not run, predicted within the budget
         (`fits` grants `CALIBRATED_MARGIN` over it where its tensors ran under other
-        checkpointing; bytes read off a line near the budget are traced, as there is no room
-        for the read-off's error), and where nothing holding its tensors ran (`anchored`), at
-        `share` of it or less, from bytes the estimator gave (0: none, which says nothing)."""
+        checkpointing; bytes read off a line near the budget are traced, `_deciding_bytes`),
+        and where nothing holding its tensors ran (`anchored`), at `share` of it or less, from
+        bytes the estimator gave (0: none, which says nothing)."""
         if not self.fits(config, records):
             return False
         if self.covered_by_measured(config, records) is not None or _group_ran(config, records):
@@ -315,32 +315,32 @@ class MemoryModel:
         estimate_bytes = self.predicted_peak(config)
         if estimate_bytes <= 0:
             return False
-        fit = self.fit(config, records)
         limit_bytes = (1.0 if self.anchored(config, records) else share) * self.budget.usable_bytes
-        predicted_bytes = fit.predict(estimate_bytes)
-        if (limit_bytes >= self.budget.usable_bytes and not self.traced(config)
-                and abs(predicted_bytes - limit_bytes) <= READ_OFF_NEAR * limit_bytes):
-            predicted_bytes = fit.predict(self.trace(config))
-        return predicted_bytes <= limit_bytes
+        return self._deciding_bytes(config, self.fit(config, records), estimate_bytes, limit_bytes) <= limit_bytes
 
     def fits(self, config: TrainConfig, records: list[TrialRecord]) -> bool:
         """Predicted to fit: not blocked by an OOM, and either covered by a trial that ran
         within the budget or the fitted prediction within budget, by a margin that says how
-        much the prediction rests on facts about `config`'s own tensors (`_limit`)."""
+        much the prediction rests on facts about `config`'s own tensors (`_limit_bytes`)."""
         if self.blocked_by_oom(config, records) is not None:
             return False
         if self.covered_by_measured(config, records) is not None:
             return True
         fit = self.fit(config, records)
         limit_bytes = self._limit_bytes(config, records, fit)
-        predicted_bytes = fit.predict(self.predicted_peak(config))
-        # Read off near the budget's line: traced. Not near a share of it (room for another
-        # precision's fit): the read-off's error (a few percent) is within that room, and a
-        # config is traced and decided again before it is measured (`_claim`).
+        return self._deciding_bytes(config, fit, self.predicted_peak(config), limit_bytes) < limit_bytes
+
+    def _deciding_bytes(self, config: TrainConfig, fit: Fit, estimate_bytes: int, limit_bytes: float) -> float:
+        """`fit`'s prediction from `estimate_bytes`; from the estimator's own bytes where those
+        were read off a line and the prediction is near a limit at the budget or above it
+        (`READ_OFF_NEAR`). Not near a share of it (room for another precision's fit): the
+        read-off's error (a few percent) is within that room, and a config is traced and
+        decided again before it is measured (`_claim`)."""
+        predicted_bytes = fit.predict(estimate_bytes)
         if (not self.traced(config) and limit_bytes >= self.budget.usable_bytes
                 and abs(predicted_bytes - limit_bytes) <= READ_OFF_NEAR * limit_bytes):
             predicted_bytes = fit.predict(self.trace(config))
-        return predicted_bytes < limit_bytes
+        return predicted_bytes
 
     def _limit_bytes(self, config: TrainConfig, records: list[TrialRecord], fit: Fit) -> float:
         """The bytes a prediction must stay under, by what it rests on, most first:
@@ -357,7 +357,8 @@ class MemoryModel:
         usable_bytes = self.budget.usable_bytes
         if _group_ran(config, records):
             return usable_bytes
-        own_oom = any(r.status == "oom" and _group(r.config) == _group(config) for r in records)
+        group = _group(config)
+        own_oom = any(r.status == "oom" and _group(r.config) == group for r in records)
         if own_oom or self.anchored(config, records):
             return usable_bytes * (1 + CALIBRATED_MARGIN)
         if fit.points:
