@@ -172,6 +172,23 @@ def test_without_a_full_precision_reference_an_autocast_trial_stands_in_for_the_
     assert health_problem(drifting, [reference, autocast, drifting]) is None
 
 
+def test_bf16_autocast_stands_in_for_fp16_autocast_one_way_and_not_the_other_way():
+    """fp16 autocast (a narrow exponent range under a loss scale) is judged by bf16 autocast
+    where no reference ran at its depth; bf16 autocast is judged by nothing but a reference."""
+    space = LLAMA.space()
+    bf16 = _record(0, space.config("bf16-mixed", 4, LLAMA.n_blocks), 3.2)
+    fp16_drifting = _record(1, space.config("16-mixed", 4, LLAMA.n_blocks), 3.4, losses=DRIFTING_LOSSES)
+    problem = health_problem(fp16_drifting, [bf16, fp16_drifting])
+    assert problem is not None and "bf16-mixed" in problem
+    assert health_problem(_record(2, fp16_drifting.config, 3.4), [bf16]) is None
+    bf16_drifting = _record(3, bf16.config, 3.2, losses=DRIFTING_LOSSES)
+    fp16 = _record(4, fp16_drifting.config, 3.4)
+    assert health_problem(bf16_drifting, [fp16, bf16_drifting]) is None  # not judged by fp16
+    assert health_problem(fp16, [bf16_drifting, fp16]) is None  # one way: a better loss is no problem
+    elsewhere = _record(5, space.config("bf16-mixed", 4, LLAMA.n_blocks, 1), 3.2)
+    assert health_problem(fp16_drifting, [elsewhere]) is None  # another freezing depth trains other weights
+
+
 def test_a_seed_predicted_well_below_the_best_is_measured_after_the_bests_refinements_not_dropped():
     from autofit.search.plan import Plan
 

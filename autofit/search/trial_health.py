@@ -48,15 +48,19 @@ def reference_for(config: TrainConfig | None, records: list[TrialRecord], *,
 # further (weights in 16 bits, 8-bit optimizer state): torch.amp's numerics are what the user
 # would run without autofit, so a config whose loss is worse than theirs is not picked over
 # them (one whose loss is better is not judged by them: the stand-in may be what drifts).
+# In this order: bf16 autocast also stands in for fp16 autocast, whose narrow exponent range
+# (gradients under a loss scale) is what drifts where the two disagree; bf16 keeps fp32's.
 STAND_IN_PRECISIONS = ("bf16-mixed", "16-mixed")
 
 
 def _stand_in(config: TrainConfig, records: list[TrialRecord]) -> TrialRecord | None:
-    """An autocast trial with fp32 optimizer state at `config`'s freezing depth, where
-    `config` goes further than autocast (not itself such a trial). None otherwise."""
+    """An autocast trial with fp32 optimizer state at `config`'s freezing depth, of a
+    precision before `config`'s in `STAND_IN_PRECISIONS` where `config` is such a trial
+    itself. None where there is none."""
+    judges = STAND_IN_PRECISIONS
     if config.precision in STAND_IN_PRECISIONS and config.optimizer_bits == 32:
-        return None
-    return next((r for r in records if r.config.precision in STAND_IN_PRECISIONS and r.config.optimizer_bits == 32
+        judges = STAND_IN_PRECISIONS[:STAND_IN_PRECISIONS.index(config.precision)]
+    return next((r for r in records if r.config.precision in judges and r.config.optimizer_bits == 32
                  and r.status == "ok" and r.measurement is not None and r.measurement.losses
                  and r.config.freeze_blocks == config.freeze_blocks), None)
 
