@@ -63,15 +63,15 @@ BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at
 # References measured at most after a search: an OOM refits the model (the next frontier
 # point is smaller), and contenders at several freezing depths need one each.
 REFERENCE_ATTEMPTS = 4
-# After the search's share, one more trial of the best's shape moved (`_promising`) where the
-# step model (fitted to the trials) predicts it this much faster than the best: the re-measures settle differences of
-# a few percent (`choice.NOISE_PRIOR`), and a move predicted past them is worth more of the
-# time left than settling them. Moves were seen faster in truth than predicted: at 1.1, moves
-# put at 1.05-1.07x went unmeasured (mostly bf16-true, whose speed the model carries over from
-# another 16-bit precision), whose picks came out 1.04-1.32x better (44 of 630 simulated runs
-# better at 1.05, none worse). Lower, the move's estimates go to deeper checkpointing first
-# (`most`): at 1.03 the 1.3 B decoder at 240 s lost its 1.17x move to a 1.04x one.
-ONE_MORE_GAIN = 1.05
+# After the search's share, one more trial of the best's shape moved (`_promising`) where it is
+# predicted faster than the best: a large gain looked for first (the estimates go to shallow
+# checkpointing, where it lies), then any. The time left otherwise re-measures leaders a few
+# percent apart. A bar of 1.1 alone left moves predicted at 1.0-1.07x unmeasured whose picks
+# came out 1.04-1.32x better (XLM-R large on 16 GiB at 120 s: 1.13x); a bar of 1.0 alone sent
+# the estimates down the best's own precision to 16 blocks (1.04x), and the 1.3 B decoder at
+# 240 s lost its 1.17x move in bf16-true at 8 (benchmarks/results/2026-11-28-one-more-gain.md).
+ONE_MORE_BARS = (1.1, 1.0)
+ONE_MORE_GAIN = ONE_MORE_BARS[-1]  # the least gain a move is measured for
 # ... found with estimates (fake steps of device time) taking at most this share of the time left.
 ONE_MORE_ESTIMATES_SHARE = 0.25
 # ... and, where nothing holding its tensors has run (another precision), predicted at most
@@ -241,7 +241,7 @@ def _fresh_ranked(records: list[TrialRecord], budget_bytes: int, since: float | 
 
 def one_more(tuner: Tuner) -> None:
     """Before the re-measures: while a move of the best's shape (`_promising`) is predicted
-    at least `ONE_MORE_GAIN` times the best's speed and its trial fits in half of the time left
+    at `ONE_MORE_GAIN` times the best's speed or more and its trial fits in half of the time left
     (`affordable_after_search`), measure it; each trial refits the step model, and one that did
     not run (out of memory or time) ends it. Not while an older session's figure leads (the
     re-measures refresh it first). The search's share ended with such a move planned but too
@@ -254,27 +254,30 @@ def one_more(tuner: Tuner) -> None:
         if not ranked or any(r.samples_per_s > ranked[0].samples_per_s for r in ranked):
             return  # nothing ran, or an older session's figure leads: the re-measures settle that first
         best, model = ranked[0].record, step_model.fitted(records, tuner.space)
-        config = tuner.planned_within(ONE_MORE_ESTIMATES_SHARE, lambda: _promising(tuner, records, best, model))
-        if config is None:
+        found = tuner.planned_within(ONE_MORE_ESTIMATES_SHARE, lambda: _promising(tuner, records, best, model))
+        if found is None:
             return
-        logger.info("one more trial before the re-measures: {} (the step model predicts {:.2f}x the best)",
-                    config.short(), model.ratio(config, best.config, tuner.space))
+        gain, config = found
+        logger.info("one more trial before the re-measures: {} (predicted {:.2f}x the best)", config.short(), gain)
         record = tuner.measure_now(config, records, unless_busy=True)
         if record is None or record.status != "ok":
             return  # another worker's, or out of memory or time: the fit or the price was wrong
 
 
 def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
-               model: step_model.StepModel) -> TrainConfig | None:
-    """The move after the search (`one_more`): the best's shape moved to its own micro batch or
-    the two next to it, in its precision or another whose speed the best's predicts
-    (`_alike_precisions`: a 16-bit best's shapes in the other 16-bit precisions, whose smaller
-    tensors may need fewer blocks), each with the fewest blocks checkpointed predicted to fit and
-    the best's other knobs kept (a compiled best's moves are compiled); not measured yet,
-    numerics not seen to drift, coherent and affordable. Of those `model` puts at
-    `ONE_MORE_GAIN` or more, the largest predicted gain per device-second (a trial's steps take
-    in inverse proportion to its speed). Estimates go where the gain can be largest first, only to
-    depths that would be worth it, and not to a shape whose bound a move found already reaches;
+               model: step_model.StepModel) -> tuple[float, TrainConfig] | None:
+    """The move after the search (`one_more`) and its predicted gain over the best: the best's
+    shape moved to its own micro batch or the two next to it, in its precision or another whose
+    speed the best's predicts (`_alike_precisions`: a 16-bit best's shapes in the other 16-bit
+    precisions, whose smaller tensors may need fewer blocks), each with the fewest blocks
+    checkpointed predicted to fit and the best's other knobs kept (a compiled best's moves are
+    compiled); not measured yet, numerics not seen to drift, coherent and affordable. Its gain is
+    `model`'s along the shape times its precision's speed over the best's where the two ran at
+    one shape (`seeding.speed_ratio`; alike where they did not). The moves are looked for at
+    each of `ONE_MORE_BARS` in turn, the highest first; of the first bar's moves still
+    affordable, the largest predicted gain per device-second (a trial's steps take in inverse
+    proportion to its speed). Estimates go where the gain can be largest first, only to depths
+    that would reach the bar, and not to a shape whose bound a move found already reaches;
     they stop where their share runs out or where one more would leave the move's trial
     unaffordable (each spends device time the trial needs), and the fewest blocks seen to fit
     by then stands."""
@@ -287,26 +290,48 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     lines = [config.replace(precision=p) for p in (config.precision, *_alike_precisions(space, config.precision))
              if coherent(config.to_dict() | {"precision": p})]
     shapes = [(line, m) for line in lines if not drifts(line, seen) for m in sizes[max(0, here - 1):here + 2]]
+    # The model reads the shape only; another precision's speed is what the trials say of it.
+    scale = {line.precision: seeding.speed_ratio(space, records, space.seed_group(config), space.seed_group(line))
+             or 1.0 for line in lines}
+
+    def gain(line: TrainConfig, micro: int, blocks: int) -> float:
+        return scale[line.precision] * _gain(model, space, config, micro, blocks)
+
     # The gain with nothing checkpointed bounds what a shape's estimates can find.
-    bound = {shape: _gain(model, space, config, shape[1], 0) for shape in shapes}
+    bound = {(line, micro): gain(line, micro, 0) for line, micro in shapes}
     fits = tuner.fits_with_room(records, UNMEASURED_PEAK_SHARE)
     refined = {k.name: getattr(config, k.name) for k in space.refine_knobs()}
-    scored: list[tuple[float, TrainConfig]] = []
-    for line, micro in sorted((s for s in shapes if bound[s] >= ONE_MORE_GAIN), key=bound.get, reverse=True):
+    for bar in ONE_MORE_BARS:
+        # Past a pass whose estimates stopped, the next reads what they found (cached) first.
+        scored = _moves(tuner, records, config, gain, bound, fits, refined, bar)
+        # Of the moves still affordable now, the largest gain per device-second.
+        affordable = [(g, move) for g, move in scored if tuner.affordable_after_search(move, records)]
+        if affordable:
+            return max(affordable, key=lambda x: x[0] * (x[0] - 1), default=None)
+    return None
+
+
+def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
+           gain: Callable[[TrainConfig, int, int], float], bound: dict[tuple[TrainConfig, int], float],
+           fits: Callable[[TrainConfig], bool], refined: dict[str, object],
+           bar: float) -> list[tuple[float, TrainConfig]]:
+    """[(predicted gain, move)] of the shapes whose `bound` reaches `bar`, each at the fewest
+    blocks checkpointed that fit with its `gain` (line, micro batch, blocks) still at `bar`,
+    until the estimates stop (`_fewest_checkpointed`)."""
+    space, scored = tuner.space, []
+    for line, micro in sorted((s for s in bound if bound[s] >= bar), key=bound.get, reverse=True):
         if any(gain >= bound[(line, micro)] and tuner.affordable_after_search(move, records) for gain, move in scored):
             continue  # cannot beat a move found and still affordable
         most = max((k for k in range(space.checkpointable(config.freeze_blocks) + 1)
-                    if _gain(model, space, config, micro, k) >= ONE_MORE_GAIN), default=-1)
+                    if gain(line, micro, k) >= bar), default=-1)
         move, stopped = _fewest_checkpointed(tuner, records, fits, line, micro, most, refined)
         # Not a reference planned and not yet measured: that one runs uncapped, for its losses.
         if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line)
                 and tuner.known(move, records) is None and move not in tuner.references):
-            scored.append((model.ratio(move, config, space), move))
+            scored.append((gain(line, move.micro_batch_size, move.checkpoint_blocks), move))
         if stopped:
             break
-    # Of the moves still affordable now, the largest gain per device-second.
-    affordable = [(gain * (gain - 1), move) for gain, move in scored if tuner.affordable_after_search(move, records)]
-    return max(affordable, key=lambda x: x[0], default=(None, None))[1]
+    return scored
 
 
 class _Unaffordable(Exception):
