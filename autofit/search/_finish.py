@@ -307,7 +307,7 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
         # Of the moves still affordable now, the largest gain per device-second.
         affordable = [(g, move) for g, move in scored if tuner.affordable_after_search(move, records)]
         if affordable:
-            return max(affordable, key=lambda x: x[0] * (x[0] - 1), default=None)
+            return max(affordable, key=lambda x: x[0] * (x[0] - 1))
     return None
 
 
@@ -320,10 +320,10 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
     until the estimates stop (`_fewest_checkpointed`)."""
     space, scored = tuner.space, []
     for line, micro in sorted((s for s in bound if bound[s] >= bar), key=bound.get, reverse=True):
-        if any(gain >= bound[(line, micro)] and tuner.affordable_after_search(move, records) for gain, move in scored):
+        if any(g >= bound[(line, micro)] and tuner.affordable_after_search(move, records) for g, move in scored):
             continue  # cannot beat a move found and still affordable
-        most = max((k for k in range(space.checkpointable(config.freeze_blocks) + 1)
-                    if gain(line, micro, k) >= bar), default=-1)
+        # Depth 0 is the bound, at the bar.
+        most = max(k for k in range(space.checkpointable(config.freeze_blocks) + 1) if gain(line, micro, k) >= bar)
         move, stopped = _fewest_checkpointed(tuner, records, fits, line, micro, most, refined)
         # Not a reference planned and not yet measured: that one runs uncapped, for its losses.
         if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line)
