@@ -189,6 +189,18 @@ def test_bf16_autocast_stands_in_for_fp16_autocast_one_way_and_not_the_other_way
     assert health_problem(fp16_drifting, [elsewhere]) is None  # another freezing depth trains other weights
 
 
+def test_bf16_autocast_judges_bf16_weights_before_fp16_autocast_whichever_ran_first():
+    """bf16-true stands in front of both autocasts; the one its numerics share (bf16) judges
+    it, even where an fp16 autocast trial (here drifting like it) was measured first."""
+    space = LLAMA.space()
+    fp16_drifting = _record(0, space.config("16-mixed", 4, LLAMA.n_blocks), 3.4, losses=DRIFTING_LOSSES)
+    bf16 = _record(1, space.config("bf16-mixed", 4, LLAMA.n_blocks), 3.2)
+    bf16_true = _record(2, space.config("bf16-true", 4, LLAMA.n_blocks), 4.0, losses=DRIFTING_LOSSES)
+    problem = health_problem(bf16_true, [fp16_drifting, bf16, bf16_true])
+    assert problem is not None and "bf16-mixed" in problem
+    assert health_problem(bf16_true, [fp16_drifting, bf16_true]) is None  # fp16 judges where bf16 never ran
+
+
 def test_a_seed_predicted_well_below_the_best_is_measured_after_the_bests_refinements_not_dropped():
     from autofit.search.plan import Plan
 

@@ -14,6 +14,7 @@ A private stage of `search/tuner.py` (as optuna's `study/_tell.py` is of its `St
 `Tuner` it reads (the tuner imports this module, so this one does not import the tuner).
 """
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -65,7 +66,9 @@ BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at
 REFERENCE_ATTEMPTS = 4
 # After the search's share, one more trial of the best's shape moved (`_promising`) where it is
 # predicted faster than the best: a large gain looked for first (the estimates go to shallow
-# checkpointing, where it lies), then any. The time left otherwise re-measures leaders a few
+# checkpointing, where it lies), then any, or none: the best's shape in a 16-bit precision
+# never measured is predicted at exactly the best's speed (alike), and its trial is what tells
+# that precision's speed (a probe; bf16-true, without fp32 master weights, often runs faster). The time left otherwise re-measures leaders a few
 # percent apart. A bar of 1.1 alone left moves predicted at 1.0-1.07x unmeasured whose picks
 # came out 1.04-1.32x better (XLM-R large on 16 GiB at 120 s: 1.13x); a bar of 1.0 alone sent
 # the estimates down the best's own precision to 16 blocks (1.04x), and the 1.3 B decoder at
@@ -273,7 +276,7 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     checkpointed predicted to fit and the best's other knobs kept (a compiled best's moves are
     compiled); not measured yet, numerics not seen to drift, coherent and affordable. Its gain is
     `model`'s along the shape times its precision's speed over the best's where the two ran at
-    one shape (`seeding.speed_ratio`; alike where they did not). The moves are looked for at
+    one micro batch (`precision_speed`; alike where they did not). The moves are looked for at
     each of `ONE_MORE_BARS` in turn, the highest first; of the first bar's moves still
     affordable, the largest predicted gain per device-second (a trial's steps take in inverse
     proportion to its speed). Estimates go where the gain can be largest first, only to depths
@@ -291,8 +294,8 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
              if coherent(config.to_dict() | {"precision": p})]
     shapes = [(line, m) for line in lines if not drifts(line, seen) for m in sizes[max(0, here - 1):here + 2]]
     # The model reads the shape only; another precision's speed is what the trials say of it.
-    scale = {line.precision: seeding.speed_ratio(space, records, space.seed_group(config), space.seed_group(line))
-             or 1.0 for line in lines}
+    scale = {line.precision: precision_speed(space, records, line.precision, config.precision, model)
+             for line in lines}
 
     def gain(line: TrainConfig, micro: int, blocks: int) -> float:
         return scale[line.precision] * _gain(model, space, config, micro, blocks)
@@ -379,6 +382,23 @@ def _fewest_checkpointed(tuner: Tuner, records: list[TrialRecord], fits: Callabl
 def _gain(model: step_model.StepModel, space: SearchSpace, best: TrainConfig, micro: int, blocks: int) -> float:
     """What `model` predicts for the shape `micro` with `blocks` checkpointed, over `best`."""
     return model.shape_speed(micro, blocks, space) / model.speed(best, space)
+
+
+def precision_speed(space: SearchSpace, records: list[TrialRecord], precision: str, other: str,
+                    model: step_model.StepModel) -> float:
+    """`precision`'s speed over `other`'s with the shape taken out: over each pair of trials
+    in the two measured at one micro batch, freezing depth, compile setting, strategy and
+    memory knobs, their speed ratio over what `model` predicts of their checkpointed blocks;
+    the median pair. 1.0 (alike) where no pair ran. A pair whose blocks differ would
+    otherwise count the recomputation twice, here and in the model's gain along the shape."""
+    def matched(config: TrainConfig) -> tuple:
+        return config.micro_batch_size, config.freeze_blocks, config.compile, *space.seed_group(config)[1:]
+
+    runs = [r for r in records if r.status == "ok" and not r.repeat and r.samples_per_s > 0]
+    ratios = [mine.samples_per_s / theirs.samples_per_s / model.ratio(mine.config, theirs.config, space)
+              for mine in runs if mine.config.precision == precision
+              for theirs in runs if theirs.config.precision == other and matched(theirs.config) == matched(mine.config)]
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def _alike_precisions(space: SearchSpace, precision: str) -> list[str]:

@@ -257,7 +257,7 @@ def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = 
     for precision, strategy, knobs in seed_groups(space, allowed):
         kept = strategy | knobs  # eager, plain refinement knobs: those are tried on the leaders only
         group = space.seed_group(space.config(precision, best.micro_batch_size, **kept))
-        ratio = speed_ratio(space, records, mine, group)
+        ratio = _speed_ratio(space, records, mine, group)
         if group == mine or (ratio is not None and ratio < TWIN_FLOOR):
             continue
         at = fewest_checkpointed(space, fits, precision, best.micro_batch_size, best.freeze_blocks, kept,
@@ -273,7 +273,7 @@ def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = 
     return [c for _, same, _ in ranked for c in same] + [c for _, _, bigger in ranked for c in bigger]
 
 
-def speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple, group: tuple) -> float | None:
+def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple, group: tuple) -> float | None:
     """How fast seed group `group` ran against `mine`, at the same micro batch, freezing depth
     and compile setting: the largest ratio over such pairs. Without one, how its precision
     ran against `mine`'s at a shape matched in strategy and memory knobs too. None when

@@ -56,13 +56,14 @@ STAND_IN_PRECISIONS = ("bf16-mixed", "16-mixed")
 def _stand_in(config: TrainConfig, records: list[TrialRecord]) -> TrialRecord | None:
     """An autocast trial with fp32 optimizer state at `config`'s freezing depth, of a
     precision before `config`'s in `STAND_IN_PRECISIONS` where `config` is such a trial
-    itself. None where there is none."""
+    itself, the first precision there that ran (bf16 before fp16 whatever ran first). None
+    where there is none."""
     judges = STAND_IN_PRECISIONS
     if config.precision in STAND_IN_PRECISIONS and config.optimizer_bits == 32:
         judges = STAND_IN_PRECISIONS[:STAND_IN_PRECISIONS.index(config.precision)]
-    return next((r for r in records if r.config.precision in judges and r.config.optimizer_bits == 32
-                 and r.status == "ok" and r.measurement is not None and r.measurement.losses
-                 and r.config.freeze_blocks == config.freeze_blocks), None)
+    return next((r for precision in judges for r in records if r.config.precision == precision
+                 and r.config.optimizer_bits == 32 and r.status == "ok" and r.measurement is not None
+                 and r.measurement.losses and r.config.freeze_blocks == config.freeze_blocks), None)
 
 
 def health_problem(record: TrialRecord, records: list[TrialRecord]) -> str | None:
