@@ -65,16 +65,16 @@ BUSY_WAIT_S = 0.5  # how often a config another worker is measuring is looked at
 # point is smaller), and contenders at several freezing depths need one each.
 REFERENCE_ATTEMPTS = 4
 # After the search's share, one more trial of the best's shape moved (`_promising`) where it is
-# predicted faster than the best: a large gain looked for first (the estimates go to shallow
-# checkpointing, where it lies), then any, or none: the best's shape in a 16-bit precision
-# never measured is predicted at exactly the best's speed (alike), and its trial is what tells
-# that precision's speed (a probe; bf16-true, without fp32 master weights, often runs faster). The time left otherwise re-measures leaders a few
-# percent apart. A bar of 1.1 alone left moves predicted at 1.0-1.07x unmeasured whose picks
-# came out 1.04-1.32x better (XLM-R large on 16 GiB at 120 s: 1.13x); a bar of 1.0 alone sent
-# the estimates down the best's own precision to 16 blocks (1.04x), and the 1.3 B decoder at
-# 240 s lost its 1.17x move in bf16-true at 8 (benchmarks/results/2026-11-28-one-more-gain.md).
-ONE_MORE_BARS = (1.1, 1.0)
-ONE_MORE_GAIN = ONE_MORE_BARS[-1]  # the least gain a move is measured for
+# predicted no slower than the best: the best's shape in a 16-bit precision never measured is
+# predicted at exactly the best's speed (alike), and its trial is what tells that precision's
+# speed (a probe; bf16-true, without fp32 master weights, often runs faster). The time left
+# otherwise re-measures leaders a few percent apart. A bar of 1.1 left moves predicted at
+# 1.0-1.07x unmeasured whose picks came out 1.04-1.32x better (XLM-R large on 16 GiB at 120 s:
+# 1.13x, benchmarks/results/2026-11-28-one-more-gain.md); the estimates that find the moves go
+# where the gain can be largest first (`_moves`), so a low bar no longer sends them down one
+# precision to deep checkpointing before another's shallow move is looked at
+# (benchmarks/results/2026-11-29-best-first-depths.md).
+ONE_MORE_GAIN = 1.0
 # ... found with estimates (fake steps of device time) taking at most this share of the time left.
 ONE_MORE_ESTIMATES_SHARE = 0.25
 # ... and, where nothing holding its tensors has run (another precision), predicted at most
@@ -276,14 +276,13 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     checkpointed predicted to fit and the best's other knobs kept (a compiled best's moves are
     compiled); not measured yet, numerics not seen to drift, coherent and affordable. Its gain is
     `model`'s along the shape times its precision's speed over the best's where the two ran at
-    one micro batch (`precision_speed`; alike where they did not). The moves are looked for at
-    each of `ONE_MORE_BARS` in turn, the highest first; of the first bar's moves still
-    affordable, the largest predicted gain per device-second (a trial's steps take in inverse
-    proportion to its speed). Estimates go where the gain can be largest first, only to depths
-    that would reach the bar, and not to a shape whose bound a move found already reaches;
-    they stop where their share runs out or where one more would leave the move's trial
-    unaffordable (each spends device time the trial needs), and the fewest blocks seen to fit
-    by then stands."""
+    one micro batch (`precision_speed`; alike where they did not), at least `ONE_MORE_GAIN`. Of
+    the moves still affordable, the largest predicted gain per device-second (a trial's steps take in inverse
+    proportion to its speed). Each estimate goes to the shape whose gain can still be largest
+    (`_moves`), only to depths whose gain reaches it, and none to a shape that cannot beat
+    a move found; they stop where their share runs out or where one more would leave the
+    move's trial unaffordable (each spends device time the trial needs), and the fewest
+    blocks seen to fit by then stand."""
     space, config = tuner.space, best.config
     sizes = space.micro_batch_sizes
     if config.micro_batch_size not in sizes:  # a resumed study's best, from another space
@@ -304,79 +303,134 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     bound = {(line, micro): gain(line, micro, 0) for line, micro in shapes}
     fits = tuner.fits_with_room(records, UNMEASURED_PEAK_SHARE)
     refined = {k.name: getattr(config, k.name) for k in space.refine_knobs()}
-    for bar in ONE_MORE_BARS:
-        # Past a pass whose estimates stopped, the next reads what they found (cached) first.
-        scored = _moves(tuner, records, config, gain, bound, fits, refined, bar)
-        # Of the moves still affordable now, the largest gain per device-second.
-        affordable = [(g, move) for g, move in scored if tuner.affordable_after_search(move, records)]
-        if affordable:
-            return max(affordable, key=lambda x: x[0] * (x[0] - 1))
-    return None
+    scored = _moves(tuner, records, config, gain, bound, fits, refined)
+    # Of the moves still affordable now, the largest gain per device-second.
+    affordable = [(g, move) for g, move in scored if tuner.affordable_after_search(move, records)]
+    return max(affordable, key=lambda x: x[0] * (x[0] - 1), default=None)
+
+
+class _Depths:
+    """One shape's search for the fewest blocks to checkpoint: they lie in [`lo`, `hi`] once
+    `hi` (the fewest seen to fit) is known; before, the first estimate is at `most`."""
+
+    def __init__(self, line: TrainConfig, micro: int, most: int):
+        self.line, self.micro, self.most = line, micro, most
+        self.lo, self.hi, self.closed = 0, None, False
+
+    def next_blocks(self) -> int:
+        return self.most if self.hi is None else (self.lo + self.hi) // 2
+
+    def learn(self, blocks: int, fitted: bool) -> bool:
+        """Narrow the depths by the answer at `blocks`; whether the search is over."""
+        if fitted:
+            self.hi = blocks
+        elif self.hi is None:
+            return True  # the most worth it does not fit: no depth worth it does
+        else:
+            self.lo = blocks + 1
+        return self.lo == self.hi
 
 
 def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
            gain: Callable[[TrainConfig, int, int], float], bound: dict[tuple[TrainConfig, int], float],
-           fits: Callable[[TrainConfig], bool], refined: dict[str, object],
-           bar: float) -> list[tuple[float, TrainConfig]]:
-    """[(predicted gain, move)] of the shapes whose `bound` reaches `bar`, each at the fewest
-    blocks checkpointed that fit with its `gain` (line, micro batch, blocks) still at `bar`,
-    until the estimates stop (`_fewest_checkpointed`)."""
+           fits: Callable[[TrainConfig], bool],
+           refined: dict[str, object]) -> list[tuple[float, TrainConfig]]:
+    """[(predicted gain, move)] of the shapes whose `bound` reaches `ONE_MORE_GAIN`, each at the
+    fewest blocks checkpointed that fit with its `gain` (line, micro batch, blocks) still there.
+    One estimate at a time, on the shape whose gain can still be largest (at the fewest
+    blocks not ruled out), until none can beat an affordable move found: one precision's
+    deep search does not spend the estimates before another's shallow one is looked at.
+    A shape's first estimate is at the most blocks worth it, then a binary search. Where
+    the estimates' share runs out, or one more would leave a shape's trial unaffordable
+    (each is a fake step of device time that trial needs), the fewest blocks seen to fit
+    stand: early, not unsafe."""
     space, scored = tuner.space, []
-    for line, micro in sorted((s for s in bound if bound[s] >= bar), key=bound.get, reverse=True):
-        if any(g >= bound[(line, micro)] and tuner.affordable_after_search(move, records) for g, move in scored):
-            continue  # cannot beat a move found and still affordable
-        # Depth 0 is the bound, at the bar.
-        most = max(k for k in range(space.checkpointable(config.freeze_blocks) + 1) if gain(line, micro, k) >= bar)
-        move, stopped = _fewest_checkpointed(tuner, records, fits, line, micro, most, refined)
+    depth = space.checkpointable(config.freeze_blocks)
+    # Depth 0 is the bound, at `ONE_MORE_GAIN` or more.
+    searches = [_Depths(line, micro, max(k for k in range(depth + 1) if gain(line, micro, k) >= ONE_MORE_GAIN))
+                for line, micro in sorted((s for s in bound if bound[s] >= ONE_MORE_GAIN), key=bound.get,
+                                          reverse=True)]
+
+    def can_gain(search: _Depths) -> float:
+        return gain(search.line, search.micro, search.lo)
+
+    def underway(search: _Depths) -> tuple:
+        """The largest gain still possible; of a tie, a search under way (the narrowest), so the
+        estimates settle one move before they spread; then the larger bound, the best's own line."""
+        return can_gain(search), search.hi is not None, -(search.hi or 0) + search.lo
+
+    def close(search: _Depths) -> bool:
+        """Score `search`'s move, at the fewest blocks seen to fit; whether there was one."""
+        search.closed = True
+        move = None if search.hi is None else _move_at(tuner, fits, search, refined)
         # Not a reference planned and not yet measured: that one runs uncapped, for its losses.
-        if (move is not None and move != config and seeding.line_of(move) == seeding.line_of(line)
-                and tuner.known(move, records) is None and move not in tuner.references):
-            scored.append((gain(line, move.micro_batch_size, move.checkpoint_blocks), move))
-        if stopped:
+        if (move is None or move == config or seeding.line_of(move) != seeding.line_of(search.line)
+                or tuner.known(move, records) is not None or move in tuner.references):
+            return False
+        scored.append((gain(search.line, move.micro_batch_size, move.checkpoint_blocks), move))
+        return True
+
+    stopped = []  # part-way when the estimates stopped
+    while True:
+        live = [s for s in searches if not s.closed and not any(
+            g >= can_gain(s) and tuner.affordable_after_search(move, records) for g, move in scored)]
+        if not live:
+            break
+        search = max(live, key=underway)
+        try:
+            blocks = search.next_blocks()
+            over = search.learn(blocks, _fits_while_affordable(tuner, records, fits, search, blocks, refined))
+        except _Unaffordable:
+            search.closed = True
+            stopped.append(search)
+            continue
+        except SearchTimeUp:
+            stopped += live
+            break
+        if over:
+            close(search)
+    # Where they stopped, the fewest blocks seen to fit stand: the largest gain first, and one
+    # move (a compiled one's own estimate is reserved for one, `_fits_while_affordable`).
+    for search in sorted((s for s in stopped if s.hi is not None), key=lambda s: -gain(s.line, s.micro, s.hi)):
+        if any(g >= gain(search.line, search.micro, search.hi) for g, _ in scored) or close(search):
             break
     return scored
 
 
 class _Unaffordable(Exception):
-    """One more estimate would leave the move's trial unaffordable (`_fewest_checkpointed`)."""
+    """One more estimate would leave the move's trial unaffordable (`_fits_while_affordable`)."""
 
 
-def _fewest_checkpointed(tuner: Tuner, records: list[TrialRecord], fits: Callable[[TrainConfig], bool],
-                         line: TrainConfig, micro: int, most: int,
-                         refined: dict[str, object]) -> tuple[TrainConfig | None, bool]:
-    """(`line`'s move at `micro`: the fewest blocks checkpointed, up to `most`, predicted to
-    fit, the best's refinement knobs kept; whether its estimates stopped early). They stop
-    where their share of the time runs out, or where one more (and the move's own, where a
-    refinement knob such as compiling makes it another config) would leave the move's trial
-    unaffordable: each is a fake step of device time the trial needs. Then the fewest blocks
-    seen to fit stands. Each answer is judged so, a cached or read-off one too: early, not
-    unsafe."""
-    space, found = tuner.space, []
-    plain = space.config(line.precision, micro, 0, line.freeze_blocks, **space.kept(line))
+def _at_depth(space: SearchSpace, search: _Depths, blocks: int) -> TrainConfig:
+    line = search.line
+    return space.config(line.precision, search.micro, blocks, line.freeze_blocks, **space.kept(line),
+                        **({"checkpoint_policy": line.checkpoint_policy} if blocks else {}))
+
+
+def _fits_while_affordable(tuner: Tuner, records: list[TrialRecord], fits: Callable[[TrainConfig], bool],
+                           search: _Depths, blocks: int, refined: dict[str, object]) -> bool:
+    """Whether `search`'s shape at `blocks` fits, unless one more estimate (and the move's
+    own, where a refinement knob such as compiling makes it another config) would leave its
+    trial unaffordable. Each answer is judged so, a cached or read-off one too."""
+    plain = _at_depth(tuner.space, search, 0)
     priced = plain.replace(**refined)  # the trial's price reads its precision, micro batch and compiling
-    own_estimate = int(priced != plain)
+    if not tuner.affordable_after_search(priced, records, after_estimates=1 + int(priced != plain)):
+        raise _Unaffordable
+    return fits(_at_depth(tuner.space, search, blocks))
 
-    def fits_while_affordable(config: TrainConfig) -> bool:
-        if not tuner.affordable_after_search(priced, records, after_estimates=1 + own_estimate):
-            raise _Unaffordable
-        if not fits(config):
-            return False
-        found.append(config)
-        return True
 
+def _move_at(tuner: Tuner, fits: Callable[[TrainConfig], bool], search: _Depths,
+             refined: dict[str, object]) -> TrainConfig | None:
+    """`search`'s move at the fewest blocks seen to fit, the best's refinement knobs kept
+    (their estimate reserved in `_fits_while_affordable`); None where that does not fit."""
+    shape = _at_depth(tuner.space, search, search.hi)
+    move = shape.replace(**refined)
+    if move == shape:
+        return move
     try:
-        shape = seeding.fewest_checkpointed(space, fits_while_affordable, line.precision, micro, line.freeze_blocks,
-                                            space.kept(line), line.checkpoint_policy, most_blocks=most)
-        stopped = False
-    except (SearchTimeUp, _Unaffordable):
-        shape, stopped = min(found, key=lambda c: c.checkpoint_blocks, default=None), True
-    if shape is None or not own_estimate:
-        return shape, stopped
-    try:  # reserved above
-        move = shape.replace(**refined)
-        return (move if fits(move) else None), stopped
+        return move if fits(move) else None
     except SearchTimeUp:
-        return None, True
+        return None
 
 
 def _gain(model: step_model.StepModel, space: SearchSpace, best: TrainConfig, micro: int, blocks: int) -> float:

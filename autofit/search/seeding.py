@@ -41,26 +41,19 @@ def _at(space: SearchSpace, precision: str, micro: int, blocks: int, freeze_bloc
 
 def fewest_checkpointed(space: SearchSpace, fits: Fits, precision: str, micro: int,
                         freeze_blocks: int, strategy: dict | None = None,
-                        policy: str = "full", most_blocks: int | None = None) -> TrainConfig | None:
-    """The fewest blocks checkpointed with `policy` that make this micro batch fit (at most
-    `most_blocks`: fewer than a move needs to be worth it, `_finish._promising`). Peak
+                        policy: str = "full") -> TrainConfig | None:
+    """The fewest blocks checkpointed with `policy` that make this micro batch fit. Peak
     memory falls as more blocks are checkpointed, so a binary search over the depth needs
     about log2(L + 1) estimates instead of L + 1 (each is a fake step)."""
     def at(blocks: int) -> TrainConfig:
         return _at(space, precision, micro, blocks, freeze_blocks, strategy, policy)
 
+    if fits(at(0)):  # the common case on a roomy device: one estimate
+        return at(0)
     hi = space.checkpointable(freeze_blocks)
-    if most_blocks is not None:  # the most first: where it does not fit, no depth that is worth it does
-        hi = min(hi, most_blocks)
-        if hi < 0 or not fits(at(hi)):
-            return None
-        lo = 0
-    else:
-        if fits(at(0)):  # the common case on a roomy device: one estimate
-            return at(0)
-        lo = 1
-        if hi == 0 or not fits(at(hi)):
-            return None
+    lo = 1
+    if hi == 0 or not fits(at(hi)):
+        return None
     while lo < hi:  # invariant: at(hi) fits
         mid = (lo + hi) // 2
         if fits(at(mid)):
