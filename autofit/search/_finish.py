@@ -340,10 +340,10 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
     One estimate at a time, on the shape whose gain can still be largest (at the fewest
     blocks not ruled out), until none can beat an affordable move found: one precision's
     deep search does not spend the estimates before another's shallow one is looked at.
-    A shape's first estimate is at the most blocks worth it, then a binary search. Where
-    the estimates' share runs out, or one more would leave a shape's trial unaffordable
-    (each is a fake step of device time that trial needs), the fewest blocks seen to fit
-    stand: early, not unsafe."""
+    A shape's first estimate is at the most blocks worth it, then a binary search. A shape's
+    search stops where one more estimate would leave its trial unaffordable (each is a fake
+    step of device time that trial needs), and all stop where their share runs out; the
+    fewest blocks seen to fit then stand: early, not unsafe."""
     space, scored = tuner.space, []
     depth = space.checkpointable(config.freeze_blocks)
     # Depth 0 is the bound, at `ONE_MORE_GAIN` or more.
@@ -353,11 +353,6 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
 
     def can_gain(search: _Depths) -> float:
         return gain(search.line, search.micro, search.lo)
-
-    def underway(search: _Depths) -> tuple:
-        """The largest gain still possible; of a tie, a search under way (the narrowest), so the
-        estimates settle one move before they spread; then the larger bound, the best's own line."""
-        return can_gain(search), search.hi is not None, -(search.hi or 0) + search.lo
 
     def close(search: _Depths) -> bool:
         """Score `search`'s move, at the fewest blocks seen to fit; whether there was one."""
@@ -376,7 +371,7 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
             g >= can_gain(s) and tuner.affordable_after_search(move, records) for g, move in scored)]
         if not live:
             break
-        search = max(live, key=underway)
+        search = max(live, key=can_gain)  # the first of a tie: the larger bound, the best's own line
         try:
             blocks = search.next_blocks()
             over = search.learn(blocks, _fits_while_affordable(tuner, records, fits, search, blocks, refined))
@@ -389,10 +384,20 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
             break
         if over:
             close(search)
-    # Where they stopped, the fewest blocks seen to fit stand: the largest gain first, and one
-    # move (a compiled one's own estimate is reserved for one, `_fits_while_affordable`).
+    # Where they stopped, the fewest blocks seen to fit stand: the largest gain first, until one
+    # is still affordable (other shapes' estimates since may have spent its trial's time; a
+    # compiled move's own estimate is spent only where its trial stays affordable after it).
+    def affordable(move: TrainConfig, after_estimates: int = 0) -> bool:
+        return tuner.affordable_after_search(move, records, after_estimates=after_estimates)
+
     for search in sorted((s for s in stopped if s.hi is not None), key=lambda s: -gain(s.line, s.micro, s.hi)):
-        if any(g >= gain(search.line, search.micro, search.hi) for g, _ in scored) or close(search):
+        if any(g >= gain(search.line, search.micro, search.hi) and affordable(move) for g, move in scored):
+            break
+        shape = _at_depth(tuner.space, search, search.hi)
+        move = shape.replace(**refined)
+        if not affordable(move, after_estimates=int(move != shape)):
+            continue
+        if close(search) and affordable(scored[-1][1]):
             break
     return scored
 
