@@ -277,8 +277,8 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     compiled); not measured yet, numerics not seen to drift, coherent and affordable. Its gain is
     `model`'s along the shape times its precision's speed over the best's where the two ran at
     one micro batch (`precision_speed`; alike where they did not), at least `ONE_MORE_GAIN`. Of
-    the moves still affordable, the largest predicted gain per device-second (a trial's steps take in inverse
-    proportion to its speed). Each estimate goes to the shape whose gain can still be largest
+    the moves still affordable, the largest predicted gain per device-second (a trial's steps
+    take in inverse proportion to its speed). Each estimate goes to the shape whose gain can still be largest
     (`_moves`), only to depths whose gain reaches it, and none to a shape that cannot beat
     a move found; they stop where their share runs out or where one more would leave the
     move's trial unaffordable (each spends device time the trial needs), and the fewest
@@ -354,6 +354,9 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
     def can_gain(search: _Depths) -> float:
         return gain(search.line, search.micro, search.lo)
 
+    def affordable(move: TrainConfig, after_estimates: int = 0) -> bool:
+        return tuner.affordable_after_search(move, records, after_estimates=after_estimates)
+
     def close(search: _Depths) -> bool:
         """Score `search`'s move, at the fewest blocks seen to fit; whether there was one."""
         search.closed = True
@@ -368,13 +371,16 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
     stopped = []  # part-way when the estimates stopped
     while True:
         live = [s for s in searches if not s.closed and not any(
-            g >= can_gain(s) and tuner.affordable_after_search(move, records) for g, move in scored)]
+            g >= can_gain(s) and affordable(move) for g, move in scored)]
         if not live:
             break
         search = max(live, key=can_gain)  # the first of a tie: the larger bound, the best's own line
         try:
             blocks = search.next_blocks()
-            over = search.learn(blocks, _fits_while_affordable(tuner, records, fits, search, blocks, refined))
+            priced, own_estimates = _priced(tuner.space, search, refined)
+            if not affordable(priced, after_estimates=1 + own_estimates):
+                raise _Unaffordable
+            over = search.learn(blocks, fits(_at_depth(tuner.space, search, blocks)))
         except _Unaffordable:
             search.closed = True
             stopped.append(search)
@@ -387,47 +393,38 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
     # Where they stopped, the fewest blocks seen to fit stand: the largest gain first, until one
     # is still affordable (other shapes' estimates since may have spent its trial's time; a
     # compiled move's own estimate is spent only where its trial stays affordable after it).
-    def affordable(move: TrainConfig, after_estimates: int = 0) -> bool:
-        return tuner.affordable_after_search(move, records, after_estimates=after_estimates)
-
     for search in sorted((s for s in stopped if s.hi is not None), key=lambda s: -gain(s.line, s.micro, s.hi)):
         if any(g >= gain(search.line, search.micro, search.hi) and affordable(move) for g, move in scored):
             break
-        shape = _at_depth(tuner.space, search, search.hi)
-        move = shape.replace(**refined)
-        if not affordable(move, after_estimates=int(move != shape)):
-            continue
-        if close(search) and affordable(scored[-1][1]):
+        if affordable(*_priced(tuner.space, search, refined)) and close(search) and affordable(scored[-1][1]):
             break
     return scored
 
 
 class _Unaffordable(Exception):
-    """One more estimate would leave the move's trial unaffordable (`_fits_while_affordable`)."""
+    """One more estimate would leave the shape's trial unaffordable (`_moves`)."""
 
 
 def _at_depth(space: SearchSpace, search: _Depths, blocks: int) -> TrainConfig:
     line = search.line
-    return space.config(line.precision, search.micro, blocks, line.freeze_blocks, **space.kept(line),
-                        **({"checkpoint_policy": line.checkpoint_policy} if blocks else {}))
+    return seeding.shape_at(space, line.precision, search.micro, blocks, line.freeze_blocks, space.kept(line),
+                            line.checkpoint_policy)
 
 
-def _fits_while_affordable(tuner: Tuner, records: list[TrialRecord], fits: Callable[[TrainConfig], bool],
-                           search: _Depths, blocks: int, refined: dict[str, object]) -> bool:
-    """Whether `search`'s shape at `blocks` fits, unless one more estimate (and the move's
-    own, where a refinement knob such as compiling makes it another config) would leave its
-    trial unaffordable. Each answer is judged so, a cached or read-off one too."""
-    plain = _at_depth(tuner.space, search, 0)
-    priced = plain.replace(**refined)  # the trial's price reads its precision, micro batch and compiling
-    if not tuner.affordable_after_search(priced, records, after_estimates=1 + int(priced != plain)):
-        raise _Unaffordable
-    return fits(_at_depth(tuner.space, search, blocks))
+def _priced(space: SearchSpace, search: _Depths, refined: dict[str, object]) -> tuple[TrainConfig, int]:
+    """(What `search`'s trial is priced as, the estimates its move needs of its own): the price
+    reads the precision, micro batch and compiling; a refinement knob such as compiling makes
+    the move another config than the shape estimated, with an estimate of its own. Each answer
+    of the search is judged so, a cached or read-off one too: early, not unsafe."""
+    plain = _at_depth(space, search, 0)
+    priced = plain.replace(**refined)
+    return priced, int(priced != plain)
 
 
 def _move_at(tuner: Tuner, fits: Callable[[TrainConfig], bool], search: _Depths,
              refined: dict[str, object]) -> TrainConfig | None:
     """`search`'s move at the fewest blocks seen to fit, the best's refinement knobs kept
-    (their estimate reserved in `_fits_while_affordable`); None where that does not fit."""
+    (their estimate reserved, `_priced`); None where that does not fit."""
     shape = _at_depth(tuner.space, search, search.hi)
     move = shape.replace(**refined)
     if move == shape:

@@ -33,7 +33,7 @@ def _anything(config: TrainConfig) -> bool:
     return True
 
 
-def _at(space: SearchSpace, precision: str, micro: int, blocks: int, freeze_blocks: int,
+def shape_at(space: SearchSpace, precision: str, micro: int, blocks: int, freeze_blocks: int,
         strategy: dict | None, policy: str) -> TrainConfig:
     return space.config(precision, micro, blocks, freeze_blocks, **(strategy or {}),
                         **({"checkpoint_policy": policy} if blocks else {}))
@@ -46,7 +46,7 @@ def fewest_checkpointed(space: SearchSpace, fits: Fits, precision: str, micro: i
     memory falls as more blocks are checkpointed, so a binary search over the depth needs
     about log2(L + 1) estimates instead of L + 1 (each is a fake step)."""
     def at(blocks: int) -> TrainConfig:
-        return _at(space, precision, micro, blocks, freeze_blocks, strategy, policy)
+        return shape_at(space, precision, micro, blocks, freeze_blocks, strategy, policy)
 
     if fits(at(0)):  # the common case on a roomy device: one estimate
         return at(0)
@@ -73,11 +73,11 @@ def largest_fitting(space: SearchSpace, fits: Fits, precision: str, blocks: int,
     lo, hi = 0, len(sizes)  # invariant: sizes[:lo] fit as far as read, sizes[hi:] do not
     while lo < hi:
         mid = (lo + hi) // 2
-        if fits(_at(space, precision, sizes[mid], blocks, freeze_blocks, strategy, policy)):
+        if fits(shape_at(space, precision, sizes[mid], blocks, freeze_blocks, strategy, policy)):
             lo = mid + 1
         else:
             hi = mid
-    return None if lo == 0 else _at(space, precision, sizes[lo - 1], blocks, freeze_blocks, strategy, policy)
+    return None if lo == 0 else shape_at(space, precision, sizes[lo - 1], blocks, freeze_blocks, strategy, policy)
 
 
 def frontier(space: SearchSpace, fits: Fits, precision: str, freeze_blocks: int = 0,
