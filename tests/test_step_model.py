@@ -17,6 +17,7 @@ from autofit.search import _finish as finish, _known, _timing, seeding, step_mod
 from autofit.search._state import SearchTimeUp, Timing
 from autofit.search.deadline import Deadline
 from autofit.search.plan import outpaced
+from autofit.search.search_space import SearchSpace
 from autofit.search.step_model import fitted, PRIOR, StepModel
 from simulated import MEMORY_BOUND
 
@@ -468,3 +469,25 @@ def test_the_move_is_priced_at_the_steps_its_trials_cap_lets_it_take():
     unbounded = Timing(deadline=Deadline(None, clock=lambda: clock[0]), timeout_s=None,
                        should_stop=lambda: False, full_precision_slowdown=5.0)
     assert _timing.least_steps_s(unbounded, 11.0) == pytest.approx(44.0)
+
+
+def test_the_look_from_below_is_priced_as_its_cap_takes_its_steps():
+    """gen-2026-00's first trial: 32-true at micro batch 128, a 21.6 s step, done 48 s into a
+    180 s budget (60 s of the 108 s search left; a trial's cap 27 s). The look at an eighth of
+    it is priced at that speed (the step may be slow for its size), and its cap ends it after
+    two steps: 43 s, affordable. At four steps (86 s) it was not, and the search measured an
+    unpriced precision's seed at the slow micro batch instead (0.13 of the optimum, not 0.70).
+    Anything else at that micro batch is priced slower in proportion, and is not."""
+    clock = [0.0]
+    timing = Timing(deadline=Deadline(180.0, clock=lambda: clock[0]), timeout_s=None,
+                    should_stop=lambda: False, full_precision_slowdown=5.0, searching_since=0.0)
+    space = SearchSpace(global_batch_size=128, precisions=("32-true", "tf32"), micro_batch_sizes=(4, 8, 16, 32, 128),
+                        max_checkpoint_blocks=0, max_freeze_blocks=0)
+    first = space.config("32-true", 128, 0, 0)
+    records = [_record(0, first, 128 / 21.6)]
+    look = space.config("32-true", 16, 0, 0)
+    clock[0] = 48.0
+    assert _timing.affordable(timing, space, look, records, looks_down=True)
+    assert not _timing.affordable(timing, space, look, records)  # 1/8 the speed: 173 s a step
+    clock[0] = 70.0  # 38 s left: two steps do not fit
+    assert not _timing.affordable(timing, space, look, records, looks_down=True)

@@ -59,9 +59,9 @@ def affordable(timing: Timing, space: SearchSpace, config: TrainConfig, records:
     compiled config's `COMPILE_WARMUP_STEPS` before the cap's clock) at a step time predicted
     from the measured trials of its speed class (`speeds_alike`: the fastest of their
     samples/s, scaled down in proportion where `config`'s micro batch is smaller than theirs,
-    unless it is the look from below: `looks_down`), and a compiled config's compiling
-    (`compile_cost_s`), with `spare_s` more left over (of `left_s`, the search's time left by
-    default). A trial that runs past the search's share eats the time the re-measures and
+    unless it is the look from below: `looks_down`, priced as its cap takes its steps), and a
+    compiled config's compiling (`compile_cost_s`), with `spare_s` more left over (of
+    `left_s`, the search's time left by default). A trial that runs past the search's share eats the time the re-measures and
     validation need; one that runs past the budget gives nothing. Without a measured trial,
     or without a budget, any config is affordable."""
     deadline = timing.deadline
@@ -80,7 +80,11 @@ def affordable(timing: Timing, space: SearchSpace, config: TrainConfig, records:
         return True
     step_s = space.global_batch_size / max(speeds)
     least_s = LEAST_TRIAL_STEPS * step_s
-    if capped:
+    # The look from below is priced at the slow step it looks away from, which its trial's cap
+    # cuts to two steps: at four, gen-2026-00's look (a 21.6 s step, 60 s left of a 180 s
+    # budget's search) was never taken and an unmeasured precision's seed at the slow micro
+    # batch was, 0.13 of the optimum where the look found 0.70.
+    if capped or looks_down:
         least_s = least_steps_s(timing, step_s) + (COMPILE_WARMUP_STEPS * step_s if config.compile else 0.0)
     return least_s + (compile_cost_s(records) if config.compile else 0.0) <= left_s
 
