@@ -984,6 +984,7 @@ def test_a_slow_first_step_at_a_large_micro_batch_looks_down_to_an_eighth_of_it_
     assert after(first(at(48)), _stepped(1, at(24), 30.0, 3.0)) != at(6)
     plan = _plan(space, trials_within=lambda step_s: LOOK_DOWN_TRIALS / 2)
     assert after(first(at(48)), plan=plan, running={at(6)}) != at(6)
+    assert plan.look_down is None  # dropped: proposed again, it is priced as any config is
     assert after(first(at(48)), plan=plan) != at(6)
     # A slow step for its accumulation (a GPU's micro batch of 8 limited by memory, 12 of
     # them) is not a slow micro step.

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 
 from autofit.config.train_config import TrainConfig
 
+# On a CPU the memory tracker watches a trial's first steps (`steps.Steps.warm_up`): by the
+# second, weights, grads and optimizer state all exist. Here, not in `steps`, so the tune's
+# parent (which never imports torch) can price the steps they add (`Timing.steps_before_cap`).
+TRACKED_STEPS = 2
+
 # compile_error: the config asked for torch.compile and compiling failed (a graph break in a
 # block, a backend error); the model's eager configs are unaffected.
 STATUSES = ("ok", "oom", "unhealthy", "error", "timeout", "compile_error")

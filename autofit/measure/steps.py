@@ -30,11 +30,11 @@ from loguru import logger
 from autofit.device.load import HostLoad
 from autofit.device.memory import check_growth, HeapMeter, LiveBytesTracker
 from autofit.device.oom import is_oom
+from autofit.measure.measurement import TRACKED_STEPS
 from autofit.train import distributed
 from autofit.train.configure import compile_count
 from autofit.train.runner import Runner
 
-TRACKED_STEPS = 2  # CPU: by the second step weights, grads and optimizer state all exist
 MAX_COMPILE_STEPS = 4  # compile=true: warm-up steps that may compile (forward, backward, another shape)
 STEADY_RTOL = 0.10  # a warm-up step within this of the one before: steady, the clock starts
 # GradScaler starts at 2**16 and halves per overflow: 24 halvings reach 2**-8, below which

@@ -60,6 +60,9 @@ class Timing:
     # Before a full-precision trial has run: its step predicted this many times the 16-bit
     # steps measured (`_timing.affordable`); the device's prior (`FULL_PRECISION_SLOWDOWN`).
     full_precision_slowdown: float
+    # The steps every trial runs before its cap's clock starts: on a CPU the memory tracker's
+    # (`measure.measurement.TRACKED_STEPS`), real optimizer steps, and slower than the rest.
+    steps_before_cap: int = 0
     searching_since: float | None = None  # the search loop's start while it runs
     # Each measurement's round on the clock, this session: from the end of the one before
     # (the planning and estimates between count: they too come before the next trial).

@@ -59,11 +59,11 @@ def affordable(timing: Timing, space: SearchSpace, config: TrainConfig, records:
     compiled config's `COMPILE_WARMUP_STEPS` before the cap's clock) at a step time predicted
     from the measured trials of its speed class (`speeds_alike`: the fastest of their
     samples/s, scaled down in proportion where `config`'s micro batch is smaller than theirs,
-    unless it is the look from below: `looks_down`, priced as its cap takes its steps), and a
-    compiled config's compiling (`compile_cost_s`), with `spare_s` more left over (of
-    `left_s`, the search's time left by default). A trial that runs past the search's share eats the time the re-measures and
-    validation need; one that runs past the budget gives nothing. Without a measured trial,
-    or without a budget, any config is affordable."""
+    unless it is the look from below: `looks_down`, priced as its cap takes its steps), and
+    a compiled config's compiling (`compile_cost_s`), with `spare_s` more left over (of
+    `left_s`, the search's time left by default). A trial that runs past the search's share
+    eats the time the re-measures and validation need; one that runs past the budget gives
+    nothing. Without a measured trial, or without a budget, any config is affordable."""
     deadline = timing.deadline
     search_s = deadline.search_s()
     if search_s is None or (timing.searching_since is None and left_s is None):
@@ -80,10 +80,11 @@ def affordable(timing: Timing, space: SearchSpace, config: TrainConfig, records:
         return True
     step_s = space.global_batch_size / max(speeds)
     least_s = LEAST_TRIAL_STEPS * step_s
-    # The look from below is priced at the slow step it looks away from, which its trial's cap
-    # cuts to two steps: at four, gen-2026-00's look (a 21.6 s step, 60 s left of a 180 s
-    # budget's search) was never taken and an unmeasured precision's seed at the slow micro
-    # batch was, 0.13 of the optimum where the look found 0.70.
+    # The look from below is priced at the slow step it looks away from, as its trial's cap
+    # takes its steps (two of a step past half the cap, on a CPU after the tracked two): at
+    # four, gen-2026-00's look (a 21.6 s step, 60 s left of a 180 s budget's search) was never
+    # taken and an unmeasured precision's seed at the slow micro batch was, 0.13 of the
+    # optimum where the look found 0.70. A look slower a step than that runs over by as much.
     if capped or looks_down:
         least_s = least_steps_s(timing, step_s) + (COMPILE_WARMUP_STEPS * step_s if config.compile else 0.0)
     return least_s + (compile_cost_s(records) if config.compile else 0.0) <= left_s
@@ -94,13 +95,15 @@ def least_steps_s(timing: Timing, step_s: float) -> float:
     `LEAST_TRIAL_STEPS` steps, or under the trial's cap (`Deadline.trial_cap_s`) the whole
     steps that reach it, `CAPPED_TRIAL_STEPS` at least. Pricing a slow step at four steps
     where its trial takes two left a 1.3B decoder's 11 s steps unaffordable with 28 s left.
-    Steps before the cap's clock are not here: a compiled trial's (`affordable`), and on a
-    CPU the tracked steps (`measure.steps.TRACKED_STEPS`), which the uncapped four leave out too."""
+    Under the cap, the steps before its clock come on top: on a CPU the tracked steps
+    (`Timing.steps_before_cap`; the uncapped four count them as warm-up), and a compiled
+    trial's (`affordable`)."""
     least_s = LEAST_TRIAL_STEPS * step_s
     cap_s = timing.deadline.trial_cap_s()
     if cap_s is None:
         return least_s
-    return min(least_s, max(CAPPED_TRIAL_STEPS, math.ceil(cap_s / step_s)) * step_s)
+    capped_s = max(CAPPED_TRIAL_STEPS, math.ceil(cap_s / step_s)) * step_s
+    return min(least_s, timing.steps_before_cap * step_s + capped_s)
 
 
 def speeds_alike(timing: Timing, precision: str, records: list[TrialRecord],

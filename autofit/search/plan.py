@@ -134,8 +134,10 @@ class Plan:
         model = step_model.fitted(records, self.space)
         ready = self._ready(records, best, fits, allowed, running)
         down = _look_down(self, records, fits)
-        if down is not None and ready(down):
-            return down
+        if down is not None:
+            if ready(down):
+                return down
+            self.look_down = None  # dropped: proposed again later, it is priced as any config is
         floor = self._floor(records, best, model, ready)
         if floor is not None:
             return floor

@@ -9,6 +9,7 @@ from loguru import logger
 
 from autofit.base.sizes import format_bytes
 from autofit.measure import asks
+from autofit.measure.measurement import TRACKED_STEPS
 from autofit.measure.trial import trial_worker
 from autofit.search import FULL_PRECISION_SLOWDOWN, Tuner
 from autofit.search.shared import profiles_written, StudyLocks
@@ -54,7 +55,8 @@ def prepare(state: TuneState, cleanup: contextlib.ExitStack) -> None:
                         starts=_starts(state), locks=state.locks, worker=state.worker, deadline=state.deadline,
                         one_liner=ONE_LINER_CUDA if device.kind == "cuda" else ONE_LINER_CPU,
                         measure_reference=partial(run_reference, state),
-                        full_precision_slowdown=FULL_PRECISION_SLOWDOWN.get(device.kind, 1.0))
+                        full_precision_slowdown=FULL_PRECISION_SLOWDOWN.get(device.kind, 1.0),
+                        steps_before_cap=TRACKED_STEPS if device.kind == "cpu" else 0)
     # A resumed study may hold an answer already: then no trial gets the first one's grace.
     state.answered = any(r.status == "ok" for r in state.tuner.records())
 
