@@ -96,8 +96,8 @@ def least_steps_s(timing: Timing, step_s: float) -> float:
     steps that reach it, `CAPPED_TRIAL_STEPS` at least. Pricing a slow step at four steps
     where its trial takes two left a 1.3B decoder's 11 s steps unaffordable with 28 s left.
     Under the cap, the steps before its clock come on top: on a CPU the tracked steps
-    (`Timing.steps_before_cap`; the uncapped four count them as warm-up), and a compiled
-    trial's (`affordable`)."""
+    (`Timing.steps_before_cap`), so there a capped price never falls below the uncapped four,
+    which leave them out too; and a compiled trial's (`affordable`)."""
     least_s = LEAST_TRIAL_STEPS * step_s
     cap_s = timing.deadline.trial_cap_s()
     if cap_s is None:
@@ -162,9 +162,9 @@ def affordable_after_search(timing: Timing, space: SearchSpace, config: TrainCon
                             records: list[TrialRecord], after_s: float = 0.0, reference: bool = False) -> bool:
     """After the search (a `reference`, one more trial of the best's shape moved): its least cost
     fits in half of the budget's time left (the rest re-measures and validates), `after_s` from
-    now. The move is priced as its cap takes its steps (`least_steps_s`): it was chosen for
-    its gain, and four steps of a slow step left a move predicted 1.4x unmeasured with its
-    three affordable. A reference runs its three steps whatever the cap
+    now. The move is priced as its cap takes its steps (`least_steps_s`; on a CPU, four): it
+    was chosen for its gain, and four steps of a slow step left a move predicted 1.4x
+    unmeasured with its three affordable. A reference runs its three steps whatever the cap
     (`tuning._trials.run_reference`), at a full precision's speed that is the prior's until one
     ran: priced at `LEAST_TRIAL_STEPS` (at three, TinyLlama's 32-true reference at 240 s ran
     114 s, past the search's share). With a budget and nothing measured, none is: a
