@@ -278,9 +278,9 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     `model`'s along the shape times its precision's speed over the best's where the two ran at
     one micro batch (`precision_speed`; alike where they did not), at least `ONE_MORE_GAIN`. Of
     the moves still affordable, the largest predicted gain per device-second (a trial's steps
-    take in inverse proportion to its speed). Each estimate goes to the shape whose gain can still be largest
-    (`_moves`), only to depths whose gain reaches it, and none to a shape that cannot beat
-    a move found; they stop where their share runs out or where one more would leave the
+    take in inverse proportion to its speed). Each estimate goes to the shape whose gain can
+    still be largest (`_moves`), only to depths whose gain reaches it, and none to a shape
+    that cannot beat a move found; they stop where their share runs out or where one more would leave the
     move's trial unaffordable (each spends device time the trial needs), and the fewest
     blocks seen to fit by then stand."""
     space, config = tuner.space, best.config
@@ -375,16 +375,14 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
         if not live:
             break
         search = max(live, key=can_gain)  # the first of a tie: the larger bound, the best's own line
-        try:
-            blocks = search.next_blocks()
-            priced, own_estimates = _priced(tuner.space, search, refined)
-            if not affordable(priced, after_estimates=1 + own_estimates):
-                raise _Unaffordable
-            over = search.learn(blocks, fits(_at_depth(tuner.space, search, blocks)))
-        except _Unaffordable:
-            search.closed = True
+        priced, own_estimates = _priced(tuner.space, search, refined)
+        if not affordable(priced, after_estimates=1 + own_estimates):
+            search.closed = True  # one more estimate would leave its trial unaffordable
             stopped.append(search)
             continue
+        blocks = search.next_blocks()
+        try:
+            over = search.learn(blocks, fits(_at_depth(tuner.space, search, blocks)))
         except SearchTimeUp:
             stopped += live
             break
@@ -399,10 +397,6 @@ def _moves(tuner: Tuner, records: list[TrialRecord], config: TrainConfig,
         if affordable(*_priced(tuner.space, search, refined)) and close(search) and affordable(scored[-1][1]):
             break
     return scored
-
-
-class _Unaffordable(Exception):
-    """One more estimate would leave the shape's trial unaffordable (`_moves`)."""
 
 
 def _at_depth(space: SearchSpace, search: _Depths, blocks: int) -> TrainConfig:

@@ -34,7 +34,7 @@ def _anything(config: TrainConfig) -> bool:
 
 
 def shape_at(space: SearchSpace, precision: str, micro: int, blocks: int, freeze_blocks: int,
-        strategy: dict | None, policy: str) -> TrainConfig:
+             strategy: dict | None, policy: str) -> TrainConfig:
     return space.config(precision, micro, blocks, freeze_blocks, **(strategy or {}),
                         **({"checkpoint_policy": policy} if blocks else {}))
 
