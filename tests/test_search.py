@@ -909,6 +909,8 @@ def test_a_trial_another_worker_ends_while_this_one_plans_is_not_measured_again(
     measured = _trial.evaluate(tuner.trials, tuner.timing, theirs, space.suggest(theirs, space.params(config)), [])
 
     class Plan:  # the other worker tells its trial while this one plans, and this one plans the same config
+        look_down = None
+
         def next(self, records, best, running):
             assert not records  # theirs was running
             _trial.tell(tuner.trials, theirs, measured)
@@ -923,6 +925,31 @@ def test_a_trial_another_worker_ends_while_this_one_plans_is_not_measured_again(
                                              max_trials=tuner.max_trials, patience=tuner.patience)
     assert claimed is None and stop_reason is None and progress.skipped["known"] == 1
     assert len(landscape.calls) == 1  # measured once, by the other worker
+
+
+def test_a_look_from_below_pruned_when_claimed_is_priced_as_any_config_after():
+    """The look from below (`plan._look_down`) is priced at the speed measured, not scaled down
+    with its micro batch. One that the claim then prunes (its traced estimate does not fit) is
+    dropped: proposed again by the sampler, it is priced as any config is."""
+    from autofit.search import _claim
+    from autofit.search._state import Progress
+
+    landscape, space, study, tuner = _worker("pruned-look")
+    look = space.config("32-true", space.micro_batch_sizes[-1], 0, 0)
+    assert not tuner.trials.memory.fits(look, [])
+
+    class Plan:
+        look_down = look
+
+        def next(self, records, best, running):
+            return look
+
+    tuner.plan = Plan()
+    progress = Progress(best=None, since_best=0, start=time.monotonic())
+    claimed, stop_reason = _claim.claim_next(tuner.trials, tuner.timing, tuner.plan, progress,
+                                             max_trials=tuner.max_trials, patience=tuner.patience)
+    assert claimed is None and progress.skipped["pruned"] == 1
+    assert tuner.plan.look_down is None and not tuner._looks_down(look)
 
 
 def test_a_reference_another_worker_measured_since_the_records_were_read_is_not_measured_again():

@@ -46,6 +46,8 @@ def claim_next(trials: Trials, timing: Timing, plan: Plan, progress: Progress, *
                 # A config whose trial could not end in the time left is dropped like a stale plan.
                 _trial.skip(trials, plan, trial, config, known, stale=busy or late or (queued and config != planned),
                             best=progress.best, records=records)
+                if config == plan.look_down:
+                    plan.look_down = None  # the look is taken once: proposed again, priced as any config
                 return None, None
         except SearchTimeUp:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)  # not left RUNNING
