@@ -25,6 +25,7 @@ Allowed = Callable[[TrainConfig], bool]
 # A group measured below this fraction of the best's group at a matched micro batch gets no
 # twin: its precision or memory knobs cost more than a shape can win back.
 TWIN_FLOOR = 0.8
+SIXTEEN_BIT = "16-bit"  # the 16-bit precisions' speed class (`speed_class`)
 # An expanding step along the micro batches (`_stride`) goes at most this many sizes past the best.
 MAX_STRIDE_SIZES = 4
 
@@ -269,8 +270,9 @@ def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = 
 def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple, group: tuple) -> float | None:
     """How fast seed group `group` ran against `mine`, at the same micro batch, freezing depth
     and compile setting: the largest ratio over such pairs. Without one, how its precision
-    ran against `mine`'s at a shape matched in strategy and memory knobs too. None when
-    neither was measured. Precisions and memory knobs scale a config's speed about alike
+    ran against `mine`'s at a shape matched in strategy and memory knobs too; without that,
+    for a 16-bit group against a full-precision one, how any 16-bit precision ran there (they
+    run at about one speed: `speed_class`). None when none was measured. Precisions and memory knobs scale a config's speed about alike
     at every batch, so one matched pair says most of what a group can do."""
     def size(config: TrainConfig) -> tuple:
         return config.micro_batch_size, config.freeze_blocks, config.compile
@@ -279,7 +281,17 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     if found is None:
         found = _matched_ratio(records, lambda c: c.precision, lambda c: size(c) + space.seed_group(c)[1:],
                                group[0], mine[0])
+    if found is None and speed_class(group[0]) == SIXTEEN_BIT != speed_class(mine[0]):
+        found = _matched_ratio(records, lambda c: speed_class(c.precision),
+                               lambda c: size(c) + space.seed_group(c)[1:], speed_class(group[0]),
+                               speed_class(mine[0]))
     return found
+
+
+def speed_class(precision: str) -> str:
+    """The precisions that run at about one speed: the 16-bit ones (one 16-bit trial predicts
+    another's, `_timing.speeds_alike`); each full precision alone (tf32 may be 2x 32-true)."""
+    return precision if precision in REFERENCE_PRECISIONS else SIXTEEN_BIT
 
 
 def _matched_ratio(records: Sequence[TrialRecord], key: Callable, shape: Callable, theirs_key,
