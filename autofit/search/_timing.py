@@ -9,6 +9,7 @@ from collections.abc import Callable
 from loguru import logger
 
 from autofit.config.train_config import TrainConfig
+from autofit.search import seeding
 from autofit.search._state import SearchTimeUp, Timing
 from autofit.search.memory_model import EstimateDeferred
 from autofit.search.search_space import SearchSpace
@@ -110,18 +111,16 @@ def speeds_alike(timing: Timing, precision: str, records: list[TrialRecord],
                  scale: Callable[[TrialRecord], float] = lambda r: 1.0) -> list[float]:
     """The measured speeds that predict a trial's in `precision` (each scaled by `scale`): its
     own precision's trials; the 16-bit precisions run at about one speed, so their trials
-    predict one another (a full precision's do not: tf32 may be 2x 32-true). A full precision
+    predict one another (`seeding.speed_class`; a full precision's do not: tf32 may be 2x 32-true). A full precision
     with no trial of its own is predicted from the 16-bit trials, `full_precision_slowdown`
     times slower. [] where nothing predicts it."""
-    full = set(REFERENCE_PRECISIONS)
-
     def speeds_of(alike: Callable[[str], bool], slowdown: float = 1.0) -> list[float]:
         return [r.samples_per_s * scale(r) / slowdown for r in records
                 if r.status == "ok" and r.samples_per_s > 0 and alike(r.config.precision)]
 
-    speeds = speeds_of(lambda p: p == precision or not {p, precision} & full)
-    if not speeds and precision in full:
-        speeds = speeds_of(lambda p: p not in full, timing.full_precision_slowdown)
+    speeds = speeds_of(lambda p: seeding.speed_class(p) == seeding.speed_class(precision))
+    if not speeds and precision in REFERENCE_PRECISIONS:
+        speeds = speeds_of(lambda p: seeding.speed_class(p) == seeding.SIXTEEN_BIT, timing.full_precision_slowdown)
     return speeds
 
 

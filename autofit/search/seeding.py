@@ -272,8 +272,9 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     and compile setting: the largest ratio over such pairs. Without one, how its precision
     ran against `mine`'s at a shape matched in strategy and memory knobs too; without that,
     for a 16-bit group against a full-precision one, how any 16-bit precision ran there (they
-    run at about one speed: `speed_class`). None when none was measured. Precisions and memory knobs scale a config's speed about alike
-    at every batch, so one matched pair says most of what a group can do."""
+    run at about one speed: `speed_class`). None when none was measured. Precisions and
+    memory knobs scale a config's speed about alike at every batch, so one matched pair says
+    most of what a group can do."""
     def size(config: TrainConfig) -> tuple:
         return config.micro_batch_size, config.freeze_blocks, config.compile
 
