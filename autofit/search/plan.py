@@ -53,24 +53,25 @@ def outpaced(space: SearchSpace, config: TrainConfig, records: list[TrialRecord]
     """`config`'s predicted speed, from the fastest measured config of its seed group
     (precision, strategy, memory knobs) moved along the shape by the step model (`step_model`:
     fitted to the trials measured, the prior before), is below `DEFER_SHARE` of the best's;
-    against a full-precision best, a 16-bit group with none is predicted from the other 16-bit
-    precisions' trials in its strategy and memory knobs. False where nothing predicts it: a
-    group not yet measured is worth its trial."""
+    against a full-precision best, a bf16 group with none is predicted from the other bf16
+    precision's trials in its strategy and memory knobs, `seeding.ALIKE_SPREAD` times faster.
+    False where nothing predicts it: a group not yet measured is worth its trial."""
     if best is None or best.samples_per_s is None:
         return False
     group = space.seed_group(config)
     ran = [r for r in records if r.status == "ok" and r.samples_per_s and not r.loaded]
     anchors = [r for r in ran if space.seed_group(r.config) == group]
-    sixteen = seeding.speed_class(config.precision) == seeding.SIXTEEN_BIT
-    if not anchors and sixteen and seeding.speed_class(best.config.precision) != seeding.SIXTEEN_BIT:
-        # The 16-bit precisions run at about one speed: another's trials in its strategy and
-        # memory knobs speak for it against a full-precision best (on a CPU, 16 bits run
-        # several times slower than 32). Not against a 16-bit best: bf16-true may be 1.2x.
-        anchors = [r for r in ran if space.seed_group(r.config)[1:] == group[1:]
-                   and seeding.speed_class(r.config.precision) == seeding.SIXTEEN_BIT]
+    spread = 1.0
+    if not anchors and seeding.speed_class(best.config.precision) != seeding.SIXTEEN_BIT:
+        # Against a full-precision best, its matmul dtype's other 16-bit precision in its strategy
+        # and memory knobs speaks for it, at up to `ALIKE_SPREAD` times as fast (on a CPU
+        # without bf16 units, both bf16 precisions run several times slower than 32).
+        alike = seeding.alike_16_bit(config.precision)
+        anchors = [r for r in ran if r.config.precision == alike and space.seed_group(r.config)[1:] == group[1:]]
+        spread = seeding.ALIKE_SPREAD
     if not anchors:
         return False
-    predicted = max(model.predicted(config, r, space) for r in anchors)
+    predicted = spread * max(model.predicted(config, r, space) for r in anchors)
     return predicted < DEFER_SHARE * best.samples_per_s
 
 

@@ -26,6 +26,10 @@ Allowed = Callable[[TrainConfig], bool]
 # twin: its precision or memory knobs cost more than a shape can win back.
 TWIN_FLOOR = 0.8
 SIXTEEN_BIT = "16-bit"  # the 16-bit precisions' speed class (`speed_class`)
+# The most a 16-bit precision with no trial of its own may run faster than its matmul dtype's
+# other one (`alike_16_bit`: bf16-true without autocast's casts on a launch-bound step, about
+# 1.2-1.3x on a GPU), where that one's trials judge it against a full-precision best.
+ALIKE_SPREAD = 2.0
 # An expanding step along the micro batches (`_stride`) goes at most this many sizes past the best.
 MAX_STRIDE_SIZES = 4
 
@@ -271,8 +275,8 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     """How fast seed group `group` ran against `mine`, at the same micro batch, freezing depth
     and compile setting: the largest ratio over such pairs. Without one, how its precision
     ran against `mine`'s at a shape matched in strategy and memory knobs too; without that,
-    for a 16-bit group against a full-precision one, how any 16-bit precision ran there (they
-    run at about one speed: `speed_class`). None when none was measured. Precisions and
+    for a bf16 group against a full-precision one, `ALIKE_SPREAD` times how the other bf16
+    precision ran so (`alike_16_bit`). None when none was measured. Precisions and
     memory knobs scale a config's speed about alike at every batch, so one matched pair says
     most of what a group can do."""
     def size(config: TrainConfig) -> tuple:
@@ -282,11 +286,20 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     if found is None:
         found = _matched_ratio(records, lambda c: c.precision, lambda c: size(c) + space.seed_group(c)[1:],
                                group[0], mine[0])
-    if found is None and speed_class(group[0]) == SIXTEEN_BIT != speed_class(mine[0]):
-        found = _matched_ratio(records, lambda c: speed_class(c.precision),
-                               lambda c: size(c) + space.seed_group(c)[1:], speed_class(group[0]),
-                               speed_class(mine[0]))
+    if found is None and speed_class(mine[0]) != SIXTEEN_BIT:
+        # Against a full precision, a 16-bit group from its matmul dtype's other precision, at
+        # most `ALIKE_SPREAD` times as fast: a loaded host's figure says nothing here.
+        alike = _matched_ratio([r for r in records if not r.loaded], lambda c: c.precision,
+                               lambda c: size(c) + space.seed_group(c)[1:], alike_16_bit(group[0]), mine[0])
+        found = None if alike is None else ALIKE_SPREAD * alike
     return found
+
+
+def alike_16_bit(precision: str) -> str | None:
+    """The other 16-bit precision with `precision`'s matmul dtype (bf16-mixed and bf16-true);
+    None for the rest. Their speeds differ by autocast's casts and fp32 master weights
+    (`ALIKE_SPREAD`), not by the matmuls: fp16 and bf16 may not (a CPU with bf16 units only)."""
+    return {"bf16-mixed": "bf16-true", "bf16-true": "bf16-mixed"}.get(precision)
 
 
 def speed_class(precision: str) -> str:
