@@ -20,7 +20,7 @@ from autofit.profiles.profile import Profile
 from autofit.search import SearchResult, TrialRecord
 from autofit.search.trial_health import LossCurveCheck
 from autofit.tuning._tune_state import Chosen
-from autofit.tuning._validating import loaded, loss_reference
+from autofit.tuning._validating import halted_note, loaded, loss_reference
 from autofit.tuning.tune import _deadline, tune, TuneSetup
 from conftest import run_cli, TINY_GPT_ARGS, tiny_gpt_dict, write_spec
 
@@ -116,6 +116,24 @@ def test_at_the_budgets_end_the_best_measured_config_is_the_profile_marked_unval
     assert not profile.search.validated and "time budget of 60s ran out" in profile.search.unvalidated
     assert profile.measured.validated_steps == 0
     assert outcome.incomplete and "not validated" in outcome.incomplete
+
+
+def test_a_halted_profile_that_is_the_floor_does_not_say_its_speed_up_over_itself_was_missing():
+    """Seen on a CPU tune of a published GPT-NeoX: the search's choice and the one-liner both
+    validated, the one-liner faster, and the budget ran out in their pairs. The note said the
+    one-liner's "speed-up over the one-liner" was not measured; what was cut is the comparison."""
+    floor = TrainConfig(precision="32-true", micro_batch_size=4, grad_accum_steps=4)
+    choice = floor.replace(checkpoint_blocks=1)
+    why = "the time budget of 240s ran out"
+    note = halted_note(why, "one-liner", validated=True, profile=floor, searched=choice, baseline=floor)
+    assert "speed-up over" not in note and choice.short() in note and "in pairs" in note
+    assert note.endswith("the profile is the one-liner")
+    assert "speed-up over the one-liner was measured" in halted_note(why, "one-liner", validated=True, profile=choice,
+                                                                     searched=choice, baseline=floor)
+    alone = halted_note(why, "one-liner", validated=True, profile=floor, searched=floor, baseline=floor)
+    assert "speed-up" not in alone and "pairs" not in alone
+    assert halted_note(why, "one-liner", validated=False, profile=choice, searched=choice,
+                       baseline=floor).startswith("not validated")
 
 
 @pytest.mark.timing

@@ -9,6 +9,7 @@ from loguru import logger
 
 from autofit.base.errors import TrialTimeoutError
 from autofit.base.sizes import format_bytes
+from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
 from autofit.search import SearchResult, TrialRecord
 from autofit.search.trial_health import reference_for
@@ -117,12 +118,8 @@ def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
     winner = _not_below_the_floor(state, candidates[0], baseline)
     runs = passed(state, winner.config)
     validated = bool(runs)
-    if validated:
-        note = f"validated, but {why} before its speed-up over the {state.floor} was measured"
-    else:
-        note = f"not validated: {why} first; its figures are its search trial's (rerun to validate)"
-    if baseline is not None and winner.config == baseline.config:
-        note += f"; nothing measured beat the {state.floor}: the profile is the {state.floor}"
+    note = halted_note(why, state.floor, validated=validated, profile=winner.config,
+                       searched=candidates[0].config, baseline=baseline.config if baseline is not None else None)
     logger.warning("{}: the profile is {}, {}", why, winner.config.short(), note)
     chosen = Chosen(winner=winner, winner_runs=runs or [winner.measurement], baseline=baseline,
                     baseline_runs=passed(state, baseline.config) if baseline is not None else [], speedup=None,
@@ -132,6 +129,25 @@ def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
                            validate_steps=state.spec.search.validate_steps if validated else 0,
                            validations=state.validations, run_validation=lambda record: None)
     return chosen, point
+
+
+def halted_note(why: str, floor: str, *, validated: bool, profile: TrainConfig, searched: TrainConfig,
+                baseline: TrainConfig | None) -> str:
+    """What a halted tune's profile lacks (`why`: the halt). A profile that is the floor needs
+    no speed-up over itself: what was cut is the comparison with the search's choice, where
+    that is another config."""
+    if not validated:
+        note = f"not validated: {why} first; its figures are its search trial's (rerun to validate)"
+    elif profile != baseline:
+        note = f"validated, but {why} before its speed-up over the {floor} was measured"
+    elif searched != profile:
+        note = (f"validated, but {why} before the search's choice {searched.short()} was measured against the "
+                f"{floor} in pairs; by their figures so far it is not faster")
+    else:
+        note = f"validated, but {why} before validation was done"
+    if profile == baseline:
+        note += f"; nothing measured beat the {floor}: the profile is the {floor}"
+    return note
 
 
 def _not_below_the_floor(state: TuneState, winner: TrialRecord, baseline: TrialRecord | None) -> TrialRecord:
