@@ -951,6 +951,10 @@ def test_a_bf16_precision_measured_far_below_a_full_precision_best_speaks_for_th
     assert twins == set()  # 16-mixed and bf16-mixed measured below the floor, bf16-true judged by bf16-mixed
     assert "bf16-true" in {t.precision for t in seeding.twins(space, lambda c: True, best.config,
                                                                records=[best, fp16])}
+    # The spread bounds the floor; it ranks no twin above a group nothing measured (16-mixed here).
+    close = _ok(2, bf16.config, 15.0)  # 2 x 15 / 18.9: 1.6
+    ranked = [t.precision for t in seeding.twins(space, lambda c: True, best.config, records=[best, close])]
+    assert ranked[:2] == ["16-mixed", "bf16-true"], ranked
     plan = _plan(space)
     plan.queue = [seed]
     plan.seeds.add(seed)

@@ -276,7 +276,7 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     and compile setting: the largest ratio over such pairs. Without one, how its precision
     ran against `mine`'s at a shape matched in strategy and memory knobs too; without that,
     for a bf16 group against a full-precision one, `ALIKE_SPREAD` times how the other bf16
-    precision ran so (`alike_16_bit`). None when none was measured. Precisions and
+    precision ran so (`alike_16_bit`), at most 1.0. None when none was measured. Precisions and
     memory knobs scale a config's speed about alike at every batch, so one matched pair says
     most of what a group can do."""
     def size(config: TrainConfig) -> tuple:
@@ -287,11 +287,12 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
         found = _matched_ratio(records, lambda c: c.precision, lambda c: size(c) + space.seed_group(c)[1:],
                                group[0], mine[0])
     if found is None and speed_class(mine[0]) != SIXTEEN_BIT:
-        # Against a full precision, a 16-bit group from its matmul dtype's other precision, at
-        # most `ALIKE_SPREAD` times as fast: a loaded host's figure says nothing here.
+        # Against a full precision, a bf16 group from the other bf16 precision, at most
+        # `ALIKE_SPREAD` times as fast: a bound for the floor, not an estimate to rank by, so
+        # never above an unmeasured group's 1.0. A loaded host's figure says nothing here.
         alike = _matched_ratio([r for r in records if not r.loaded], lambda c: c.precision,
                                lambda c: size(c) + space.seed_group(c)[1:], alike_16_bit(group[0]), mine[0])
-        found = None if alike is None else ALIKE_SPREAD * alike
+        found = None if alike is None else min(1.0, ALIKE_SPREAD * alike)
     return found
 
 
@@ -303,8 +304,10 @@ def alike_16_bit(precision: str) -> str | None:
 
 
 def speed_class(precision: str) -> str:
-    """The precisions that run at about one speed: the 16-bit ones (one 16-bit trial predicts
-    another's, `_timing.speeds_alike`); each full precision alone (tf32 may be 2x 32-true)."""
+    """The precisions a trial's price is read from (`_timing.speeds_alike`): the 16-bit ones
+    together (a GPU's tensor cores run fp16 and bf16 alike), each full precision alone (tf32
+    may be 2x 32-true). A price may be rough; a seed deferred or a twin dropped on another
+    precision's figure asks more (`alike_16_bit`: a CPU may have bf16 units and no fp16)."""
     return precision if precision in REFERENCE_PRECISIONS else SIXTEEN_BIT
 
 
