@@ -152,8 +152,11 @@ def halted_note(why: str, floor: str, *, validated: bool, profile: TrainConfig, 
 
 def _not_below_the_floor(state: TuneState, winner: TrialRecord, baseline: TrialRecord | None) -> TrialRecord:
     """The search's choice (its ranking weighs the noise it saw), held by the floor to the
-    one-liner in like figures: validation runs where both have them, else search trials."""
+    one-liner in like figures: validation runs where both have them, else search trials. A
+    floor whose validation failed holds nothing (`validate` drops it too)."""
     if baseline is None or baseline.config == winner.config:
+        return winner
+    if state.validations.get(baseline.config) and not passed(state, baseline.config):
         return winner
     ours, theirs = passed(state, winner.config), passed(state, baseline.config)
     if ours and theirs:

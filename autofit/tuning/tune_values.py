@@ -59,8 +59,8 @@ class TuneOutcome:
     result: SearchResult
     validated: Measurement
     speedup: Speedup | None = None  # the interleaved pairs against the baseline, where there were any
-    # Why the profile's figures are incomplete (not validated, or its speed-up not measured,
-    # because the time budget ran out or a stop came); "" when they are whole.
+    # Why the profile's figures are incomplete (not validated, its speed-up or its comparison with
+    # the floor not measured, because the time budget ran out or a stop came); "" when whole.
     incomplete: str = ""
 
     @property
