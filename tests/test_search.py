@@ -655,7 +655,6 @@ class _StubTuner:
         self.session_start = None  # one session: every record is this session's (TrialRecord.fresh)
         self.references = set()  # the configs planned as references (measured for their losses)
         self.priced_as_reference: list[bool] = []  # each affordability check's `reference`
-        self.one_liner = self.fallback = None  # no floors planned
 
     def records(self):
         return list(self._records)

@@ -159,38 +159,6 @@ def test_a_resumed_study_measures_its_leaders_again_and_only_fresh_figures_decid
     assert second.ranked[0].config != old_leader  # its old figure did not decide
 
 
-def test_a_floor_measured_under_load_is_measured_again_and_ranked_by_its_quiet_figure():
-    """Seen on the CPU (a published ModernBERT under 100 MiB): the one-liner's trial ran while
-    other work held one of the two cores, at 1.6 samples/s; the fallback, measured quiet at 18.0,
-    became the floor and the profile, though the one-liner runs about 23 on a quiet host. A
-    floor is measured again, like a leader, where all its figures are loaded, and a config that
-    ran quiet too is ranked by its quiet runs."""
-    from autofit.search import make_study, Tuner
-    from simulated import LANDSCAPES, ONE_LINER_GPU
-
-    landscape = next(l for l in LANDSCAPES if l.name == "noisy")
-    landscape.reset()
-    loaded = []
-
-    def measure(config):
-        m = landscape.measure(config)
-        if not loaded and m.status == "ok" and config in (tuner.one_liner, tuner.fallback):  # under another load
-            loaded.append(config)
-            m = Measurement.from_dict(m.to_dict() | {"samples_per_s": m.samples_per_s / 10, "foreign_cores": 1.5,
-                                                     "cores": 2})
-        return m
-
-    tuner = Tuner(landscape.space(), study=make_study(study_name="loaded", storage=None, seed=0),
-                  budget=Budget(usable_bytes=landscape.budget_bytes), measure=measure, estimate=landscape.estimate,
-                  max_trials=12, patience=6, one_liner=ONE_LINER_GPU)
-    result = tuner.run()
-    floor = loaded[0]
-    assert landscape.calls.count(floor) >= 2  # measured again
-    ranked = {r.record.config: r.samples_per_s for r in choice.rank(result.records, result.budget_bytes)}
-    quiet = [r.samples_per_s for r in result.records if r.config == floor and r.status == "ok" and not r.loaded]
-    assert quiet and ranked[floor] == pytest.approx(choice.central(quiet))
-
-
 def test_a_validation_run_takes_no_more_steps_than_fit_its_share_of_the_budgets_rest(tmp_path):
     """Issue 33: on an H100 at 120 s, 10 s windows for the reference, the one-liner, the
     winner and their pairs did not fit the budget's rest; each run now fits a share of it."""

@@ -60,8 +60,7 @@ def rank(records: list[TrialRecord], budget_bytes: int, *, repeats: bool = True,
     (the search's own measurements only, without `repeats`). With `fresh_since` (when this
     session began), a config measured since is ranked by those measurements alone, ahead of
     every config known only from older ones: a figure taken another day, under another load,
-    never decides over a fresh one; nor one taken under foreign load (`loaded`) over one
-    of the same config taken without."""
+    never decides over a fresh one."""
     by_config: dict[TrainConfig, list[TrialRecord]] = {}
     for r in records:
         if (repeats or not r.repeat) and r.feasible(budget_bytes) and health_problem(r, records) is None:
@@ -69,9 +68,7 @@ def rank(records: list[TrialRecord], budget_bytes: int, *, repeats: bool = True,
     out = []
     for runs in by_config.values():
         fresh = [x for x in runs if x.fresh(fresh_since)]
-        # A figure taken while other work held the host is the host's: where the config also
-        # ran without such load, those runs alone rank it.
-        use = [x for x in fresh or runs if not x.loaded] or fresh or runs
+        use = fresh or runs
         out.append(Ranked(use[0], central([x.samples_per_s for x in use]), len(use), fresh=bool(fresh)))
     return sorted(out, key=lambda x: (x.fresh, x.samples_per_s), reverse=True)
 
