@@ -112,9 +112,8 @@ def speeds_alike(timing: Timing, precision: str, records: list[TrialRecord],
     """The measured speeds that predict a trial's in `precision` (each scaled by `scale`): its
     own precision's trials; the 16-bit precisions run at about one speed, so their trials
     predict one another (`seeding.speed_class`; a full precision's do not: tf32 may be 2x
-    32-true). A full precision
-    with no trial of its own is predicted from the 16-bit trials, `full_precision_slowdown`
-    times slower. [] where nothing predicts it."""
+    32-true). A full precision with no trial of its own is predicted from the 16-bit trials,
+    `full_precision_slowdown` times slower. [] where nothing predicts it."""
     def speeds_of(alike: Callable[[str], bool], slowdown: float = 1.0) -> list[float]:
         return [r.samples_per_s * scale(r) / slowdown for r in records
                 if r.status == "ok" and r.samples_per_s > 0 and alike(r.config.precision)]
