@@ -280,9 +280,9 @@ def _promising(tuner: Tuner, records: list[TrialRecord], best: TrialRecord,
     the moves still affordable, the largest predicted gain per device-second (a trial's steps
     take in inverse proportion to its speed). Each estimate goes to the shape whose gain can
     still be largest (`_moves`), only to depths whose gain reaches it, and none to a shape
-    that cannot beat a move found; they stop where their share runs out or where one more would leave the
-    move's trial unaffordable (each spends device time the trial needs), and the fewest
-    blocks seen to fit by then stand."""
+    that cannot beat a move found; they stop where their share runs out or where one more
+    would leave the move's trial unaffordable (each spends device time the trial needs), and
+    the fewest blocks seen to fit by then stand."""
     space, config = tuner.space, best.config
     sizes = space.micro_batch_sizes
     if config.micro_batch_size not in sizes:  # a resumed study's best, from another space
@@ -454,6 +454,5 @@ def precision_speed(space: SearchSpace, records: list[TrialRecord], precision: s
 def _alike_precisions(space: SearchSpace, precision: str) -> list[str]:
     """The space's other precisions a trial in `precision` predicts the speed of: the 16-bit
     ones run at about one speed (`_timing.speeds_alike`); a full precision predicts none."""
-    if precision in REFERENCE_PRECISIONS:
-        return []
-    return [p for p in space.precisions if p != precision and p not in REFERENCE_PRECISIONS]
+    return [p for p in space.precisions
+            if p != precision and seeding.speed_class(p) == seeding.speed_class(precision) == seeding.SIXTEEN_BIT]
