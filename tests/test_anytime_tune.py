@@ -20,7 +20,7 @@ from autofit.profiles.profile import Profile
 from autofit.search import SearchResult, TrialRecord
 from autofit.search.trial_health import LossCurveCheck
 from autofit.tuning._tune_state import Chosen
-from autofit.tuning._validating import _not_below_the_floor, halted_note, loaded, loss_reference
+from autofit.tuning._validating import halted_note, loaded, loss_reference, unvalidated
 from autofit.tuning.tune import _deadline, tune, TuneSetup
 from conftest import run_cli, TINY_GPT_ARGS, tiny_gpt_dict, write_spec
 
@@ -138,20 +138,29 @@ def test_a_halted_profile_that_is_the_floor_does_not_say_its_speed_up_over_itsel
 
 def test_a_halted_tune_does_not_hold_its_profile_to_a_floor_whose_validation_failed():
     """`validate` drops a floor whose validation failed; a halted tune held the search's choice
-    to it all the same, and its search trial's figure could make the failed floor the profile."""
+    to it all the same, and its search trial's figure could make the failed floor the profile.
+    Nor is that floor the profile's baseline."""
     floor = TrainConfig(precision="32-true", micro_batch_size=4, grad_accum_steps=4)
     choice = floor.replace(checkpoint_blocks=1)
 
-    def record(config, samples_per_s):
-        m = Measurement(status="ok", config=config, samples_per_s=samples_per_s, budget_bytes=10**6)
-        return TrialRecord(number=0, config=config, status="ok", predicted_peak_bytes=1, measurement=m,
+    def record(number, config, samples_per_s):
+        m = Measurement(status="ok", config=config, samples_per_s=samples_per_s, budget_bytes=10**6,
+                        peak_memory_bytes=10**5)
+        return TrialRecord(number=number, config=config, status="ok", predicted_peak_bytes=1, measurement=m,
                            budget_bytes=10**6)
 
+    records = [record(0, floor, 30.0), record(1, choice, 20.0)]
+    result = SearchResult(records=records, budget_bytes=10**6, wall_s=1.0, resumed=0, stop_reason="time",
+                          ranked=[records[1], records[0]], one_liner=floor)
     failed = Measurement(status="unhealthy", config=floor, samples_per_s=30.0, budget_bytes=10**6)
-    state = types.SimpleNamespace(validations={floor: [failed]}, budget=Budget(usable_bytes=10**6))
-    assert _not_below_the_floor(state, record(choice, 20.0), record(floor, 30.0)).config == choice
+    state = types.SimpleNamespace(validations={floor: [failed]}, budget=Budget(usable_bytes=10**6), demoted=set(),
+                                  stop_event=None, deadline=types.SimpleNamespace(budget_s=60.0), floor="",
+                                  spec=types.SimpleNamespace(search=types.SimpleNamespace(validate_steps=50)))
+    chosen, _ = unvalidated(state, result)
+    assert chosen.winner.config == choice and chosen.baseline is None
     state.validations = {}  # not validated: its search trial holds the choice to it
-    assert _not_below_the_floor(state, record(choice, 20.0), record(floor, 30.0)).config == floor
+    chosen, _ = unvalidated(state, result)
+    assert chosen.winner.config == floor and chosen.baseline.config == floor
 
 
 @pytest.mark.timing

@@ -13,6 +13,7 @@ from autofit.config.train_config import TrainConfig
 from autofit.device.budget import Budget
 from autofit.measure.measurement import Measurement
 from autofit.search import _trial, make_study, MemoryModel, SearchSpace, seeding, TrialRecord, Tuner
+from autofit.search.fallback import floor_record
 from autofit.search.memory_model import fit_points
 from simulated import generated, GiB, LANDSCAPES, Landscape, search, SHAPED
 
@@ -655,6 +656,8 @@ class _StubTuner:
         self.session_start = None  # one session: every record is this session's (TrialRecord.fresh)
         self.references = set()  # the configs planned as references (measured for their losses)
         self.priced_as_reference: list[bool] = []  # each affordability check's `reference`
+        self.one_liner = self.fallback = None  # no floors planned
+        self.loaded: set = set()  # configs measured from now on while other work holds the host
 
     def records(self):
         return list(self._records)
@@ -676,8 +679,16 @@ class _StubTuner:
 
     def measure_now(self, config, records, *, repeat=False, unless_busy=False):
         record = _ok(len(self._records), config, self._measure(config), repeat=repeat).replace(measured_at=time.time())
+        if config in self.loaded:
+            record = _loaded(record)
         self._records.append(record)
         return record
+
+
+def _loaded(record):
+    """`record` as measured while other work held one and a half of the host's two cores."""
+    m = dataclasses.replace(record.measurement, foreign_cores=1.5, cores=2)
+    return record.replace(measurement=m)
 
 
 RACE = SearchSpace(global_batch_size=64, precisions=("32-true",), micro_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
@@ -749,6 +760,44 @@ def test_a_resumed_race_runs_on_this_session_s_figures_only():
     assert rounds > 1 and repeats[b] == rounds + 1 and repeats[a] == 2 + rounds + 1  # the old repeats count 2
     assert noise < 0.01
     assert choice.rank(tuner.records(), tuner.budget.usable_bytes, fresh_since=tuner.session_start)[0].record.config == a
+
+
+def test_a_contender_whose_re_measures_run_under_load_keeps_its_quiet_figure_and_the_race_ends():
+    """A config that ran quiet and loaded is ranked by its quiet runs (a loaded figure is the
+    host's), while every run counts as a round: the race ends though the leader's re-measures
+    all come back loaded (counting quiet runs only, it stayed at round 0 until the budget
+    ended)."""
+    from autofit.search import _finish as finish, choice
+
+    a, b = RACE.config("32-true", 64), RACE.config("32-true", 32)
+    runs = {a: iter([50.0] * 40), b: iter([99.0, 99.4] * 20)}
+    tuner = _StubTuner(RACE, [_ok(0, a, 100.0), _ok(1, b, 99.5)], lambda config: next(runs[config]))
+    tuner.loaded = {a}
+    noise, rounds = finish.remeasure_contenders(tuner)
+    repeats = _repeats(tuner)
+    assert 1 <= rounds <= choice.MAX_ROUNDS and repeats[a] == repeats[b] == rounds
+    best = choice.rank(tuner.records(), tuner.budget.usable_bytes)[0]
+    assert best.record.config == a and best.samples_per_s == 100.0 and best.measurements == 1
+    assert best.runs == rounds + 1
+
+
+def test_a_floor_that_ran_only_under_load_is_measured_again_before_the_race():
+    """Seen on the CPU (a published ModernBERT under 100 MiB): the one-liner's trial ran while
+    other work held one of the two cores, at 1.6 samples/s; the fallback, measured quiet at 18.0,
+    became the floor and the profile, though the one-liner runs about 23 on a quiet host. A
+    floor is measured again, as a leader is, where its figures are all loaded."""
+    from autofit.search import _finish as finish, choice
+
+    one, fallback, best = RACE.config("32-true", 64), RACE.config("32-true", 16, 2), RACE.config("32-true", 32)
+    figures = {one: 23.0, fallback: 18.0, best: 24.0}
+    tuner = _StubTuner(RACE, [_loaded(_ok(0, one, 1.6)), _ok(1, fallback, 18.0), _ok(2, best, 24.0)],
+                       lambda config: figures[config])
+    tuner.one_liner, tuner.fallback = one, fallback
+    finish.remeasure_contenders(tuner)
+    assert _repeats(tuner)[one] >= 1
+    ranked = {r.record.config: r.samples_per_s for r in choice.rank(tuner.records(), tuner.budget.usable_bytes)}
+    assert ranked[one] == 23.0
+    assert floor_record(tuner.records(), (one, fallback), tuner.budget.usable_bytes).config == one
 
 
 def test_the_leaders_are_the_contenders_and_at_least_three():

@@ -41,6 +41,8 @@ class Tuner(Protocol):
     references: set[TrainConfig]  # the configs planned as references
     session_start: float  # time.time() when this session began
     warned_no_reference: set[int]  # freezing depths said to have no reference
+    one_liner: TrainConfig | None  # the floors planned (`_state.Floors`)
+    fallback: TrainConfig | None
 
     def records(self) -> list[TrialRecord]: ...
 
@@ -157,29 +159,35 @@ def _unreferenced(tuner: Tuner, records: list[TrialRecord]) -> tuple[int | None,
 
 
 def refresh_leaders(tuner: Tuner, records: list[TrialRecord]) -> list[TrialRecord]:
-    """The leaders (the search's fastest configs, `choice.leaders`), where any of them has
-    figures that are all old (read back from another session: another day, another load) or
-    taken under heavy foreign load, measured again, interleaved, before any of those figures
-    decides. Returns the records after."""
+    """The leaders (the search's fastest configs, `choice.leaders`) and the floors that ran
+    (the one-liner, the expert's fallback: the profile is held to the faster), where any of
+    them has figures that are all old (read back from another session: another day, another
+    load) or taken under heavy foreign load, measured again, interleaved, before any of those
+    figures decides. Returns the records after."""
     since = tuner.session_start
-    leaders = choice.leaders(choice.rank(records, tuner.budget.usable_bytes, repeats=False))
+    leaders = [r.record for r in choice.leaders(choice.rank(records, tuner.budget.usable_bytes, repeats=False))]
+    # The floors that ran: one measured under load ranks below what beat only its load.
+    for floor in (tuner.one_liner, tuner.fallback):
+        ran = next((r for r in records if r.config == floor and r.feasible(tuner.budget.usable_bytes)), None)
+        if ran is not None and floor not in {r.config for r in leaders}:
+            leaders.append(ran)
 
     def trusted(config) -> bool:
         return any(r.config == config and r.measurement is not None and r.fresh(since) and not r.loaded
                    for r in records)
 
-    stale = [r.record for r in leaders if not trusted(r.record.config)]
+    stale = [r for r in leaders if not trusted(r.config)]
     if not stale:
         return records
     old = [r.measured_at for r in stale if r.measured_at is not None and r.measured_at < since]
     why = (f"measured {age_text(since - max(old))} to {age_text(since - min(old))} before this run" if old else
            "measured while other work held the host")
     logger.info("measuring the {} leaders again, interleaved, before their figures ({}) decide: {}", len(leaders),
-                why, ", ".join(r.record.config.short() for r in leaders))
+                why, ", ".join(r.config.short() for r in leaders))
     for leader in leaders:
         if tuner.halted():
             break
-        tuner.measure_now(leader.record.config, records, repeat=True)
+        tuner.measure_now(leader.config, records, repeat=True)
     return tuner.records()
 
 
@@ -218,7 +226,7 @@ def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
             # winner's curse, otherwise).
             field.append(ranked[0].record.config)
         race = [r for r in ranked if r.record.config in field]
-        rounds = min(r.measurements for r in race) - 1
+        rounds = min(r.runs for r in race) - 1
         if rounds >= choice.MIN_ROUNDS:
             noise = choice.decision_noise(records, prior, since)
             race = [r for r in race if not choice.behind(r, race[0], noise)]
@@ -226,7 +234,7 @@ def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
             if (len(race) < 2 or choice.settled(race, noise) or choice.futile(noise)
                     or rounds >= choice.MAX_ROUNDS):
                 return choice.observed_noise(records, since), rounds
-        level = {r.record.config for r in race if r.measurements == rounds + 1}
+        level = {r.record.config for r in race if r.runs == rounds + 1}
         for config in field:
             if config in level:
                 if tuner.halted():

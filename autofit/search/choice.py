@@ -48,9 +48,10 @@ def central(values: list[float]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Ranked:
-    record: TrialRecord  # the config's first measured record (its first fresh one, where it has one)
-    samples_per_s: float  # central value of its measurements (its fresh ones only, where it has any), repeats included
+    record: TrialRecord  # the first of the records samples_per_s is taken from
+    samples_per_s: float  # central value of its measurements (fresh ones, quiet ones, where it has any), repeats included
     measurements: int  # how many went into samples_per_s
+    runs: int  # how many ran (fresh ones, where it has any), loaded or not: the re-measure race's rounds
     fresh: bool = True  # measured in this session: ranked ahead of every config known only from older ones
 
 
@@ -60,7 +61,8 @@ def rank(records: list[TrialRecord], budget_bytes: int, *, repeats: bool = True,
     (the search's own measurements only, without `repeats`). With `fresh_since` (when this
     session began), a config measured since is ranked by those measurements alone, ahead of
     every config known only from older ones: a figure taken another day, under another load,
-    never decides over a fresh one."""
+    never decides over a fresh one; nor one taken under foreign load (`loaded`) over one of
+    the same config taken without (every run counts as a round of the re-measures)."""
     by_config: dict[TrainConfig, list[TrialRecord]] = {}
     for r in records:
         if (repeats or not r.repeat) and r.feasible(budget_bytes) and health_problem(r, records) is None:
@@ -69,7 +71,10 @@ def rank(records: list[TrialRecord], budget_bytes: int, *, repeats: bool = True,
     for runs in by_config.values():
         fresh = [x for x in runs if x.fresh(fresh_since)]
         use = fresh or runs
-        out.append(Ranked(use[0], central([x.samples_per_s for x in use]), len(use), fresh=bool(fresh)))
+        # A figure taken while other work held the host is the host's.
+        quiet = [x for x in use if not x.loaded] or use
+        out.append(Ranked(quiet[0], central([x.samples_per_s for x in quiet]), len(quiet), len(use),
+                          fresh=bool(fresh)))
     return sorted(out, key=lambda x: (x.fresh, x.samples_per_s), reverse=True)
 
 

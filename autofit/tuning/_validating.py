@@ -115,6 +115,8 @@ def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
         raise TrialTimeoutError(f"{why} before a config passed validation; rerun to resume the study")
     baseline = baseline_record(result, state.demoted)
     state.floor = floor_kind(result, baseline)
+    if baseline is not None and baseline.config in failed:
+        baseline = None  # it ran and did not validate: it holds nothing, as in `validate`
     winner = _not_below_the_floor(state, candidates[0], baseline)
     runs = passed(state, winner.config)
     validated = bool(runs)
@@ -152,11 +154,8 @@ def halted_note(why: str, floor: str, *, validated: bool, profile: TrainConfig, 
 
 def _not_below_the_floor(state: TuneState, winner: TrialRecord, baseline: TrialRecord | None) -> TrialRecord:
     """The search's choice (its ranking weighs the noise it saw), held by the floor to the
-    one-liner in like figures: validation runs where both have them, else search trials. A
-    floor whose validation failed holds nothing (`validate` drops it too)."""
+    one-liner in like figures: validation runs where both have them, else search trials."""
     if baseline is None or baseline.config == winner.config:
-        return winner
-    if state.validations.get(baseline.config) and not passed(state, baseline.config):
         return winner
     ours, theirs = passed(state, winner.config), passed(state, baseline.config)
     if ours and theirs:
