@@ -154,13 +154,46 @@ def test_a_halted_tune_does_not_hold_its_profile_to_a_floor_whose_validation_fai
                           ranked=[records[1], records[0]], one_liner=floor)
     failed = Measurement(status="unhealthy", config=floor, samples_per_s=30.0, budget_bytes=10**6)
     state = types.SimpleNamespace(validations={floor: [failed]}, budget=Budget(usable_bytes=10**6), demoted=set(),
-                                  stop_event=None, deadline=types.SimpleNamespace(budget_s=60.0), floor="",
+                                  stop_event=None, deadline=types.SimpleNamespace(budget_s=60.0), floor="", paired=None,
                                   spec=types.SimpleNamespace(search=types.SimpleNamespace(validate_steps=50)))
     chosen, _ = unvalidated(state, result)
     assert chosen.winner.config == choice and chosen.baseline is None
     state.validations = {}  # not validated: its search trial holds the choice to it
     chosen, _ = unvalidated(state, result)
     assert chosen.winner.config == floor and chosen.baseline.config == floor
+
+
+def test_a_tune_halted_in_the_floor_s_own_validation_after_the_pairs_says_the_pairs_ran():
+    """On a GPU the pairs validate the floor too: where they do not keep the winner, the floor's
+    own validation follows, and the budget may run out in it. The note said the search's choice
+    was never measured against the floor in pairs; the pairs' verdict now decides, as in
+    `validate`, and the note gives their figures."""
+    from autofit.tuning.speedup import Speedup
+
+    floor = TrainConfig(precision="bf16-mixed", micro_batch_size=4, grad_accum_steps=4)
+    choice = floor.replace(precision="bf16-true")
+
+    def run(config, samples_per_s):
+        return Measurement(status="ok", config=config, samples_per_s=samples_per_s, budget_bytes=10**6,
+                           peak_memory_bytes=10**5)
+
+    records = [TrialRecord(number=i, config=c, status="ok", predicted_peak_bytes=1, measurement=run(c, sps),
+                           budget_bytes=10**6) for i, (c, sps) in enumerate(((floor, 30.0), (choice, 33.0)))]
+    result = SearchResult(records=records, budget_bytes=10**6, wall_s=1.0, resumed=0, stop_reason="time",
+                          ranked=[records[1], records[0]], one_liner=floor)
+    # The pairs' windows: the choice's median above the floor's, their ratios below 1.0 in two of three.
+    pairs = Speedup(ratio=0.97, low=0.95, high=1.02, pairs=3)
+    state = types.SimpleNamespace(validations={floor: [run(floor, 30.0)], choice: [run(choice, 31.0)]},
+                                  budget=Budget(usable_bytes=10**6), demoted=set(), stop_event=None,
+                                  deadline=types.SimpleNamespace(budget_s=120.0), floor="", paired=None,
+                                  spec=types.SimpleNamespace(search=types.SimpleNamespace(validate_steps=50)))
+    chosen, _ = unvalidated(state, result)
+    assert chosen.winner.config == choice  # no pairs ended: held to the floor by the validation runs
+    state.paired = (choice, floor, pairs)
+    chosen, _ = unvalidated(state, result)
+    assert chosen.winner.config == floor
+    assert "in pairs and not kept (" in chosen.note and "0.97x" in chosen.note
+    assert "before the search's choice" not in chosen.note
 
 
 @pytest.mark.timing

@@ -67,6 +67,9 @@ class TuneState:
     curve: LossCurveCheck
     floor: str = "one-liner"  # what the profile's floor is ("fallback": the expert's, `search/fallback.py`)
     demoted: set = field(default_factory=set)  # configs training ran out of memory in: never chosen
+    # The winner's interleaved pairs against the floor, once they ended (`_validating`):
+    # (the winner's config, the floor's, their `speedup.Speedup`); None before.
+    paired: tuple | None = None
     # What `_prepare.prepare` sets up: the trial worker (the caller's, or started there), the
     # study, its locks and the profiles written to it before, the model's analysis, the
     # space, the tuner.

@@ -57,6 +57,7 @@ def _against_the_one_liner(state: TuneState, winner: TrialRecord, winner_m: Meas
     validated_before = bool(passed(state, baseline.config))
     speedup = measure_speedup(spec, winner, baseline, partial(run_long, state), partial(halted, state),
                               winner_run=winner_m)
+    state.paired = (winner.config, baseline.config, speedup)
     if not passed(state, baseline.config):
         return winner, None, None, ""  # none of its runs passed: nothing to claim against
     logger.info("speed-up of {} over the {} {}: {}", winner.config.short(), floor, baseline.config.short(),
@@ -107,7 +108,8 @@ def loss_reference(state: TuneState, result: SearchResult, baseline: TrialRecord
 def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
     """A halted tune's profile (the budget ran out, or a stop came): the best config measured
     so far, by its validation runs where it has passing ones, else by its search trial;
-    never below the one-liner's figure. Configs whose validation failed are passed over."""
+    never below the one-liner's figure, and the floor where the pairs against it ended and did
+    not keep the winner. Configs whose validation failed are passed over."""
     why = halt_reason(state)
     failed = {c for c, runs in state.validations.items() if runs and not passed(state, c)}
     candidates = [r for r in result.ranked if r.config not in state.demoted and r.config not in failed]
@@ -118,10 +120,17 @@ def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
     if baseline is not None and baseline.config in failed:
         baseline = None  # it ran and did not validate: it holds nothing, as in `validate`
     winner = _not_below_the_floor(state, candidates[0], baseline)
+    paired = None
+    if baseline is not None and state.paired is not None and state.paired[1] == baseline.config:
+        # The pairs ended and did not keep their winner (kept, no run follows them): the budget
+        # ran out in the floor's own validation, and the floor is the profile, as in `validate`.
+        winner, paired = baseline, state.paired
     runs = passed(state, winner.config)
     validated = bool(runs)
     note = halted_note(why, state.floor, validated=validated, profile=winner.config,
-                       searched=candidates[0].config, baseline=baseline.config if baseline is not None else None)
+                       searched=paired[0] if paired else candidates[0].config,
+                       baseline=baseline.config if baseline is not None else None,
+                       pairs=paired[2].text() if paired else "")
     logger.warning("{}: the profile is {}, {}", why, winner.config.short(), note)
     chosen = Chosen(winner=winner, winner_runs=runs or [winner.measurement], baseline=baseline,
                     baseline_runs=passed(state, baseline.config) if baseline is not None else [], speedup=None,
@@ -134,14 +143,18 @@ def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
 
 
 def halted_note(why: str, floor: str, *, validated: bool, profile: TrainConfig, searched: TrainConfig,
-                baseline: TrainConfig | None) -> str:
+                baseline: TrainConfig | None, pairs: str = "") -> str:
     """What a halted tune's profile lacks (`why`: the halt). A profile that is the floor needs
     no speed-up over itself: what was cut is the comparison with the search's choice, where
-    that is another config."""
+    that is another config, or (`pairs`: that comparison's figures, where it ended) the
+    floor's own validation after it."""
     if not validated:
         note = f"not validated: {why} first; its figures are its search trial's (rerun to validate)"
     elif profile != baseline:
         note = f"validated, but {why} before its speed-up over the {floor} was measured"
+    elif pairs:
+        note = (f"validated in pairs only: {why} during its own validation, after the search's choice "
+                f"{searched.short()} was measured against it in pairs and not kept ({pairs})")
     elif searched != profile:
         note = (f"validated, but {why} before the search's choice {searched.short()} was measured against the "
                 f"{floor} in pairs; by their figures so far it is not faster")
