@@ -396,6 +396,11 @@ def test_the_table_names_the_figure_that_decided_and_is_sorted_by_it():
     order = [next(c.short() for c in (a, b, c) if c.short() in line) for line in lines[1:]]
     assert order == [b.short(), c.short(), a.short()]  # 400 (trial), 100 (trial), 60 (median of 3 runs)
     assert "60.0  median of 3 runs" in lines[3] and "(one-liner)" in lines[2]
+    # A trial that ran under foreign load, measured again without: the re-measure's figure, named.
+    busy = dataclasses.replace(records[4].measurement, foreign_cores=1.5, cores=2, samples_per_s=1.6)
+    records[4:] = [records[4].replace(measurement=busy), _rec(5, c, sps=100.0, repeat=True)]
+    lines = trials_table(result, records[1], {}).splitlines()
+    assert "100.0  re-measure (1 under load left out) (one-liner)" in lines[2]
 
 
 def test_a_speedup_is_called_busy_only_when_other_work_was_measured():

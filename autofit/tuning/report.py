@@ -72,10 +72,20 @@ def _deciding_figures(result: SearchResult, validated: dict) -> dict:
     figures = {r.config: (r.samples_per_s, "trial") for r in result.records
                if r.status == "ok" and r.measurement is not None and not r.repeat}
     for k in choice.rank(result.records, result.budget_bytes, fresh_since=result.session_start):
-        figures[k.record.config] = (k.samples_per_s, f"median of {k.measurements} runs" if k.measurements > 1
-                                    else "trial")
+        figures[k.record.config] = (k.samples_per_s, _ranked_source(k))
     figures.update({c: (m.samples_per_s, "validated") for c, m in validated.items()})
     return figures
+
+
+def _ranked_source(ranked: choice.Ranked) -> str:
+    """What a ranked figure is: a trial, a re-measure or a median, and the runs under foreign
+    load it leaves out (`choice.rank`)."""
+    if ranked.measurements > 1:
+        text = f"median of {ranked.measurements} runs"
+    else:
+        text = "re-measure" if ranked.record.repeat else "trial"
+    left_out = ranked.runs - ranked.measurements
+    return text + (f" ({left_out} under load left out)" if left_out else "")
 
 
 def _svg(result: SearchResult, winner: TrialRecord | None, width: int = 760, height: int = 420) -> str:
