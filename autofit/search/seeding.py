@@ -275,10 +275,10 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     """How fast seed group `group` ran against `mine`, at the same micro batch, freezing depth
     and compile setting: the largest ratio over such pairs. Without one, how its precision
     ran against `mine`'s at a shape matched in strategy and memory knobs too; without that,
-    for a bf16 group whose precision never ran against a full-precision one, `ALIKE_SPREAD`
-    times how the other bf16 precision ran so (`alike_16_bit`), at most 1.0. None when none
-    was measured. Precisions and memory knobs scale a config's speed about alike at every
-    batch, so one matched pair says most of what a group can do."""
+    for a bf16 group against a full-precision one, `ALIKE_SPREAD` times how the other bf16
+    precision ran so (`alike_16_bit`), at most 1.0. None when none was measured. Precisions and
+    memory knobs scale a config's speed about alike at every batch, so one matched pair says
+    most of what a group can do."""
     def size(config: TrainConfig) -> tuple:
         return config.micro_batch_size, config.freeze_blocks, config.compile
 
@@ -286,19 +286,14 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     if found is None:
         found = _matched_ratio(records, lambda c: c.precision, lambda c: size(c) + space.seed_group(c)[1:],
                                group[0], mine[0])
-    if found is None and speed_class(mine[0]) != SIXTEEN_BIT and not _ran(records, group[0]):
-        # Against a full precision, a bf16 group that never ran, from the other bf16 precision,
-        # at most `ALIKE_SPREAD` times as fast: a bound for the floor, not an estimate to rank
-        # by, so never above an unmeasured group's 1.0. A loaded host's figure says nothing here.
+    if found is None and speed_class(mine[0]) != SIXTEEN_BIT:
+        # Against a full precision, a bf16 group from the other bf16 precision, at most
+        # `ALIKE_SPREAD` times as fast: a bound for the floor, not an estimate to rank by, so
+        # never above an unmeasured group's 1.0. A loaded host's figure says nothing here.
         alike = _matched_ratio([r for r in records if not r.loaded], lambda c: c.precision,
                                lambda c: size(c) + space.seed_group(c)[1:], alike_16_bit(group[0]), mine[0])
         found = None if alike is None else min(1.0, ALIKE_SPREAD * alike)
     return found
-
-
-def _ran(records: Sequence[TrialRecord], precision: str) -> bool:
-    """A search trial in `precision` ran (its own figure speaks for it, matched or not)."""
-    return any(r.status == "ok" and not r.repeat and r.config.precision == precision for r in records)
 
 
 def alike_16_bit(precision: str) -> str | None:
