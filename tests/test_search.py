@@ -765,6 +765,24 @@ def test_a_resumed_race_runs_on_this_session_s_figures_only():
     assert choice.rank(tuner.records(), tuner.budget.usable_bytes, fresh_since=tuner.session_start)[0].record.config == a
 
 
+def test_a_trial_whose_threads_other_work_took_a_core_from_is_loaded():
+    """Seen on the CPU (2 cores): a published ModernBERT's one-liner ran while two other
+    processes spun, at 3.4 samples/s (about 23 quiet), with other work on 0.95 cores: under
+    half the host's, so unmarked, though its two threads had one core between them. On a GPU
+    the steps need the one thread that launches kernels, and the host's half still decides."""
+    config = RACE.config("32-true", 4)
+
+    def record(foreign, cores, step_cores):
+        return _ok(0, config).replace(measurement=dataclasses.replace(
+            _ok(0, config).measurement, foreign_cores=foreign, cores=cores, step_cores=step_cores))
+
+    assert record(0.952, 2, 2).loaded and not record(0.112, 2, 2).loaded
+    assert not record(0.952, 2, None).loaded  # a record from before `step_cores`: the host's half alone
+    assert record(1.0, 2, None).loaded
+    assert not record(4.0, 16, 1).loaded and record(8.0, 16, 1).loaded  # a GPU host
+    assert record(0.5, 16, 16).loaded  # a CPU trial on every core of a larger host
+
+
 def test_a_contender_whose_re_measures_run_under_load_keeps_its_quiet_figure_and_the_race_ends():
     """A config that ran quiet and loaded is ranked by its quiet runs (a loaded figure is the
     host's), and a round whose run shared the host with other work ends the race: it tightens

@@ -42,6 +42,7 @@ def test_ok_trial_reports_speed_memory_and_losses(tiny_spec):
     # Two tracked steps, one untracked warm-up step (warmup_steps 1: at most one), two timed
     # ones, all from step 0.
     assert m.warmup_steps == 1 and len(m.losses) == 5 and all(3.0 < x < 5.0 for x in m.losses)
+    assert m.step_cores == m.threads >= 1  # on the CPU the steps' threads are its cores (`TrialRecord.loaded`)
     assert Measurement.from_dict(json.loads(json.dumps(m.to_dict()))) == m
 
 

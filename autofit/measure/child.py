@@ -117,6 +117,7 @@ class _Trial:
             stalled_params=list(stagnation.stalled), warmup_steps=len(log.warmup_times_s),
             step_time_spread=log.spread, foreign_cores=log.load.get("foreign_cores"), cores=log.load.get("cores"),
             optimizer=implementation(runner.optimizer), flags=process_flags(), threads=torch.get_num_threads(),
+            step_cores=torch.get_num_threads() if self.device.type == "cpu" else 1,
             compile_s=log.compile_s if self.config.compile else None, timed_recompiles=timed_recompiles)
 
     def _rates(self, workload: Workload, log: StepLog) -> tuple[float | None, float | None]:

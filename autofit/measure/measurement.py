@@ -43,6 +43,9 @@ class Measurement:
     foreign_cores: float | None = None
     cores: int | None = None
     threads: int | None = None  # torch's intra-op threads the steps ran with (a CPU figure holds for them)
+    # The cores the steps keep busy themselves: their intra-op threads on the CPU, the one
+    # thread that launches kernels on a GPU (what other work takes from them slows the steps).
+    step_cores: int | None = None
     # compile=true: the seconds the compiling warm-up steps took beyond steady-state steps.
     # Never part of step_time_s or samples_per_s.
     compile_s: float | None = None

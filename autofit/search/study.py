@@ -28,6 +28,10 @@ HEARTBEAT_INTERVAL_S = 10
 GRACE_PERIOD_S = 60
 STALE_RETRIES = 2  # a config whose trials keep killing their worker is given up after this
 LOADED_SHARE = 0.5  # of the cores busy with other work while a trial ran: its figure is marked
+# Or as much of a core taken from those the steps' own threads need (`Measurement.step_cores`):
+# on the CPU, whose threads wait on each other at every op, that slows a step several times
+# (seen: other work on 0.95 of 2 cores, a 2-thread step 7x slower, unmarked).
+CONTENDED_CORES = 0.5
 
 
 class StorageError(AutofitError):
@@ -72,11 +76,14 @@ class TrialRecord:
 
     @property
     def loaded(self) -> bool:
-        """Measured while other work kept at least LOADED_SHARE of the host's cores busy:
-        its figure is the host's, not the config's, until it is measured again."""
+        """Measured while other work kept at least LOADED_SHARE of the host's cores busy, or
+        CONTENDED_CORES of those the steps' own threads needed: its figure is the host's, not
+        the config's, until it is measured again."""
         m = self.measurement
-        return (m is not None and m.foreign_cores is not None and bool(m.cores)
-                and m.foreign_cores >= LOADED_SHARE * m.cores)
+        if m is None or m.foreign_cores is None or not m.cores:
+            return False
+        contended = m.step_cores is not None and m.foreign_cores >= m.cores - m.step_cores + CONTENDED_CORES
+        return contended or m.foreign_cores >= LOADED_SHARE * m.cores
 
     def fresh(self, since: float | None) -> bool:
         """Measured at or after `since` (this session), not read back from an older one."""
