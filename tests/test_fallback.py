@@ -99,6 +99,13 @@ def test_the_profiles_floor_is_the_faster_of_the_one_liner_and_the_fallback_and_
     slower = dataclasses.replace(result, records=[_record(0, one, 1.9), _record(1, fb, 1.5)])
     floor = baseline_record(slower)
     assert floor.config == one and floor_kind(slower, floor) == "one-liner"
+    # Resumed: the one-liner's faster figure is an older session's; measured again in this
+    # one (`refresh_leaders`), it runs slower than the fallback, which this session measured.
+    old = _record(0, one, 5.0).replace(measured_at=1.0)
+    again = _record(3, one, 1.9).replace(measured_at=2000.0, repeat=True)
+    resumed = dataclasses.replace(result, records=[old, _record(1, fb, 3.2).replace(measured_at=1500.0), again],
+                                  session_start=1000.0)
+    assert baseline_record(resumed).config == fb
 
 
 def _first_measured(landscape, **changes) -> tuple:

@@ -173,8 +173,7 @@ def refresh_leaders(tuner: Tuner, records: list[TrialRecord]) -> list[TrialRecor
             leaders.append(ran)
 
     def trusted(config) -> bool:
-        return any(r.config == config and r.measurement is not None and r.fresh(since) and not r.loaded
-                   for r in records)
+        return any(r.config == config and r.status == "ok" and r.fresh(since) and not r.loaded for r in records)
 
     stale = [r for r in leaders if not trusted(r.config)]
     if not stale:
@@ -209,7 +208,8 @@ def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
     when the lead is settled or the leaders are tied under the noise seen
     (`choice.settled`), or when the noise is too large for any number of rounds to settle
     it (`choice.futile`: a loaded host), or when a run of a round failed or shared the host
-    with other work (a round that tightens no figure); MIN_ROUNDS to MAX_ROUNDS rounds else.
+    with other work (it adds nothing to its config's figure); MIN_ROUNDS to MAX_ROUNDS rounds
+    else.
     Figures from this session decide: old or loaded leaders and floors are measured again
     first (`refresh_leaders`), and the field, its ranking and the noise come from this
     session's measurements only. Returns (noise seen in this session, rounds)."""
@@ -236,28 +236,20 @@ def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
                     or rounds >= choice.MAX_ROUNDS):
                 return choice.observed_noise(records, since), rounds
         level = {r.record.config for r in race if r.runs == rounds + 1}
-        quiet = _quiet_runs(records, since)
+        before = {r.record.config: r.measurements for r in ranked}
         for config in field:
             if config in level:
                 if tuner.halted():
                     return choice.observed_noise(records, since), rounds
                 tuner.measure_now(config, records, repeat=True)
         records = tuner.records()
-        now = _quiet_runs(records, since)
-        if any(now.get(c, 0) <= quiet.get(c, 0) for c in level):
+        after = {r.record.config: r.measurements for r in _fresh_ranked(records, budget_bytes, since)}
+        if any(after.get(c, 0) <= before[c] for c in level):
             # A run that failed, or that other work on the host slowed (`choice.rank` ranks by
-            # quiet runs where there are any), tightens no figure: more rounds now settle nothing.
+            # quiet runs where there are any), adds nothing to its config's figure: more rounds
+            # now settle nothing.
             logger.info("the re-measures stop: a run of their last round failed or shared the host with other work")
             return choice.observed_noise(records, since), rounds + 1
-
-
-def _quiet_runs(records: list[TrialRecord], since: float | None) -> dict[TrainConfig, int]:
-    """Each config's runs in this session that ran with no other work holding the host."""
-    counts: dict[TrainConfig, int] = {}
-    for r in records:
-        if r.status == "ok" and r.fresh(since) and not r.loaded:
-            counts[r.config] = counts.get(r.config, 0) + 1
-    return counts
 
 
 def _fresh_ranked(records: list[TrialRecord], budget_bytes: int, since: float | None) -> list:

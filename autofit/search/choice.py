@@ -67,15 +67,18 @@ def rank(records: list[TrialRecord], budget_bytes: int, *, repeats: bool = True,
     for r in records:
         if (repeats or not r.repeat) and r.feasible(budget_bytes) and health_problem(r, records) is None:
             by_config.setdefault(r.config, []).append(r)
-    out = []
-    for runs in by_config.values():
-        fresh = [x for x in runs if x.fresh(fresh_since)]
-        use = fresh or runs
-        # A figure taken while other work held the host is the host's.
-        quiet = [x for x in use if not x.loaded] or use
-        out.append(Ranked(quiet[0], central([x.samples_per_s for x in quiet]), len(quiet), len(use),
-                          fresh=bool(fresh)))
+    out = [figure_of(runs, fresh_since) for runs in by_config.values()]
     return sorted(out, key=lambda x: (x.fresh, x.samples_per_s), reverse=True)
+
+
+def figure_of(runs: list[TrialRecord], fresh_since: float | None = None) -> Ranked:
+    """One config's figure from its runs (as `rank` takes them): those since `fresh_since`
+    where it has any, of those the ones no other work slowed where it has any (a figure taken
+    while other work held the host is the host's), their central value."""
+    fresh = [x for x in runs if x.fresh(fresh_since)]
+    use = fresh or runs
+    quiet = [x for x in use if not x.loaded] or use
+    return Ranked(quiet[0], central([x.samples_per_s for x in quiet]), len(quiet), len(use), fresh=bool(fresh))
 
 
 def observed_noise(records: list[TrialRecord], since: float | None = None) -> float | None:

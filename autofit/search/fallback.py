@@ -15,6 +15,7 @@ information) and the fallback halves again from there (`after_oom`).
 from collections.abc import Callable, Sequence
 
 from autofit.config.train_config import TrainConfig
+from autofit.search import choice
 from autofit.search.search_space import SearchSpace
 from autofit.search.step_model import PRIOR, StepModel
 from autofit.search.study import TrialRecord
@@ -72,20 +73,20 @@ def before_retry(fallback_config: TrainConfig, retry: TrainConfig, space: Search
 
 
 def floor_record(records: Sequence[TrialRecord], floors: Sequence[TrainConfig | None], budget_bytes: int,
-                 keep: Callable[[TrialRecord], bool] = lambda r: True) -> TrialRecord | None:
-    """The floor of the profile: of the one-liner's and the fallback's measurements that ran
-    within the budget (and that `keep` keeps), the fastest; each config by its latest search
-    trial, or where that ran under foreign load (`TrialRecord.loaded`: its figure is the
-    host's), by its latest run without, a re-measure's too. None where neither ran."""
-    latest, quiet = {}, {}
+                 keep: Callable[[TrialRecord], bool] = lambda r: True,
+                 since: float | None = None) -> TrialRecord | None:
+    """The floor of the profile: of the one-liner and the fallback, where they ran within the
+    budget (and `keep` keeps their runs), the faster by the figure the search ranks them by
+    (`choice.figure_of`: this session's runs since `since` first, the ones no other work
+    slowed, their central value; re-measures included); its first run of those. None where
+    neither ran."""
+    by_config: dict[TrainConfig, list[TrialRecord]] = {}
     for r in records:
         if r.config in floors and r.feasible(budget_bytes) and keep(r):
-            if not r.repeat:
-                latest[r.config] = r
-            if not r.loaded:
-                quiet[r.config] = r
-    figures = [quiet.get(c, r) if r.loaded else r for c, r in latest.items()]
-    return max(figures, key=lambda r: r.samples_per_s, default=None)
+            by_config.setdefault(r.config, []).append(r)
+    figures = [choice.figure_of(runs, since) for runs in by_config.values()]
+    best = max(figures, key=lambda f: (f.fresh, f.samples_per_s), default=None)
+    return best.record if best is not None else None
 
 
 def floor_name(config: TrainConfig | None, fallback_config: TrainConfig | None) -> str:

@@ -176,11 +176,11 @@ def host_load() -> float | None:
 def baseline_record(result: SearchResult, demoted: set = frozenset()) -> TrialRecord | None:
     """The floor of the profile: what a user without autofit runs. The faster of the one-liner
     the search measured first (`search.seeding.one_liner`) and the expert's fallback it
-    measured next (`search.fallback`), where they ran within the budget (each by its latest
-    search trial, or its latest quiet run where that trial ran under load:
-    `fallback.floor_record`); else the 32-true reference (`reference_record`)."""
+    measured next (`search.fallback`), where they ran within the budget (each by the figure
+    the search ranks it by: `fallback.floor_record`); else the 32-true reference
+    (`reference_record`)."""
     floor = floor_record(result.records, (result.one_liner, result.fallback), result.budget_bytes,
-                         keep=lambda r: r.config not in demoted)
+                         keep=lambda r: r.config not in demoted, since=result.session_start)
     return floor if floor is not None else reference_record(result, demoted)
 
 
