@@ -161,6 +161,11 @@ def test_a_halted_tune_does_not_hold_its_profile_to_a_floor_whose_validation_fai
     state.validations = {}  # not validated: its search trial holds the choice to it
     chosen, _ = unvalidated(state, result)
     assert chosen.winner.config == floor and chosen.baseline.config == floor
+    # By the figure the search ranks it by (as the floor is chosen), not its first run's.
+    again = [record(2 + i, floor, 20.0).replace(repeat=True) for i in range(4)]
+    result.records[:] = [record(0, floor, 25.0), record(1, choice, 22.0), *again]
+    chosen, _ = unvalidated(state, result)
+    assert chosen.winner.config == choice
 
 
 def test_a_tune_halted_in_the_floor_s_own_validation_after_the_pairs_says_the_pairs_ran():

@@ -781,6 +781,7 @@ def test_a_trial_whose_threads_other_work_took_a_core_from_is_loaded():
     assert record(1.0, 2, None).loaded
     assert not record(4.0, 16, 1).loaded and record(8.0, 16, 1).loaded  # a GPU host
     assert record(0.5, 16, 16).loaded  # a CPU trial on every core of a larger host
+    assert not record(0.0, 1, 2).loaded  # more threads than the cores it may run on (OMP_NUM_THREADS)
 
 
 def test_a_contender_whose_re_measures_run_under_load_keeps_its_quiet_figure_and_the_race_ends():
@@ -798,6 +799,27 @@ def test_a_contender_whose_re_measures_run_under_load_keeps_its_quiet_figure_and
     assert rounds == 1 and _repeats(tuner) == {a: 1, b: 1}
     best = choice.rank(tuner.records(), tuner.budget.usable_bytes)[0]
     assert best.record.config == a and best.samples_per_s == 100.0 and best.measurements == 1 and best.runs == 2
+
+
+def test_a_contender_measured_quiet_at_last_races_on():
+    """A config whose figures were all loaded gets its first quiet run in a round: its figure
+    now rests on that run alone (fewer measurements than before), and the race goes on."""
+    from autofit.search import _finish as finish
+
+    a, b = RACE.config("32-true", 64), RACE.config("32-true", 32)
+    runs = {a: iter([99.0] + [100.0, 99.4] * 20), b: iter([98.6] + [99.2, 98.8] * 20)}
+    tuner = _StubTuner(RACE, [_loaded(_ok(0, a, 100.0)), _ok(1, b, 99.0)], lambda config: next(runs[config]))
+    tuner.loaded = {a}  # its search trial and its re-measure before the race (`refresh_leaders`)
+    measure_now = tuner.measure_now
+
+    def quiet_after_the_refresh(config, records, **kwargs):
+        if _repeats(tuner).get(a, 0) >= 1:
+            tuner.loaded = set()
+        return measure_now(config, records, **kwargs)
+
+    tuner.measure_now = quiet_after_the_refresh
+    noise, rounds = finish.remeasure_contenders(tuner)
+    assert rounds >= 2 and _repeats(tuner)[a] >= 3
 
 
 def test_a_contender_whose_re_measures_fail_ends_the_race():

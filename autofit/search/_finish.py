@@ -173,7 +173,8 @@ def refresh_leaders(tuner: Tuner, records: list[TrialRecord]) -> list[TrialRecor
             leaders.append(ran)
 
     def trusted(config) -> bool:
-        return any(r.config == config and r.status == "ok" and r.fresh(since) and not r.loaded for r in records)
+        return any(r.config == config and r.feasible(tuner.budget.usable_bytes) and r.fresh(since) and not r.loaded
+                   for r in records)
 
     stale = [r for r in leaders if not trusted(r.config)]
     if not stale:
@@ -236,20 +237,30 @@ def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
                     or rounds >= choice.MAX_ROUNDS):
                 return choice.observed_noise(records, since), rounds
         level = {r.record.config for r in race if r.runs == rounds + 1}
-        before = {r.record.config: r.measurements for r in ranked}
+        before = _quiet_runs(records, since)
         for config in field:
             if config in level:
                 if tuner.halted():
                     return choice.observed_noise(records, since), rounds
                 tuner.measure_now(config, records, repeat=True)
         records = tuner.records()
-        after = {r.record.config: r.measurements for r in _fresh_ranked(records, budget_bytes, since)}
-        if any(after.get(c, 0) <= before[c] for c in level):
+        after = _quiet_runs(records, since)
+        ranked_now = {r.record.config for r in _fresh_ranked(records, budget_bytes, since)}
+        if any(after.get(c, 0) <= before.get(c, 0) or c not in ranked_now for c in level):
             # A run that failed, or that other work on the host slowed (`choice.rank` ranks by
-            # quiet runs where there are any), adds nothing to its config's figure: more rounds
-            # now settle nothing.
+            # quiet runs where there are any), adds nothing to its config's figure (nor one
+            # whose config no longer ranks): more rounds now settle nothing.
             logger.info("the re-measures stop: a run of their last round failed or shared the host with other work")
             return choice.observed_noise(records, since), rounds + 1
+
+
+def _quiet_runs(records: list[TrialRecord], since: float | None) -> dict[TrainConfig, int]:
+    """Each config's runs in this session that ran ok with no other work holding the host."""
+    counts: dict[TrainConfig, int] = {}
+    for r in records:
+        if r.status == "ok" and r.fresh(since) and not r.loaded:
+            counts[r.config] = counts.get(r.config, 0) + 1
+    return counts
 
 
 def _fresh_ranked(records: list[TrialRecord], budget_bytes: int, since: float | None) -> list:

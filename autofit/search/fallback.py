@@ -76,16 +76,18 @@ def floor_record(records: Sequence[TrialRecord], floors: Sequence[TrainConfig | 
                  keep: Callable[[TrialRecord], bool] = lambda r: True,
                  since: float | None = None) -> TrialRecord | None:
     """The floor of the profile: of the one-liner and the fallback, where they ran within the
-    budget (and `keep` keeps their runs), the faster by the figure the search ranks them by
-    (`choice.figure_of`: this session's runs since `since` first, the ones no other work
-    slowed, their central value; re-measures included); its first run of those. None where
-    neither ran."""
+    budget (and `keep` keeps their runs), the faster by the figure the search ranks each by
+    (`choice.figure_of`: its runs since `since` where it has any, the ones no other work
+    slowed, their central value; re-measures included); its first run of those. An older
+    session's figure counts where a floor has none of this session's (its re-measure failed
+    or was cut): the profile is held to the faster floor, never let off by a failure. None
+    where neither ran."""
     by_config: dict[TrainConfig, list[TrialRecord]] = {}
     for r in records:
         if r.config in floors and r.feasible(budget_bytes) and keep(r):
             by_config.setdefault(r.config, []).append(r)
     figures = [choice.figure_of(runs, since) for runs in by_config.values()]
-    best = max(figures, key=lambda f: (f.fresh, f.samples_per_s), default=None)
+    best = max(figures, key=lambda f: f.samples_per_s, default=None)
     return best.record if best is not None else None
 
 

@@ -82,7 +82,10 @@ class TrialRecord:
         m = self.measurement
         if m is None or m.foreign_cores is None or not m.cores:
             return False
-        contended = m.step_cores is not None and m.foreign_cores >= m.cores - m.step_cores + CONTENDED_CORES
+        # More threads than the cores this process may run on (OMP_NUM_THREADS past the
+        # affinity mask) need no more than those cores.
+        contended = (m.step_cores is not None
+                     and m.foreign_cores >= m.cores - min(m.step_cores, m.cores) + CONTENDED_CORES)
         return contended or m.foreign_cores >= LOADED_SHARE * m.cores
 
     def fresh(self, since: float | None) -> bool:

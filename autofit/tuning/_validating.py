@@ -11,7 +11,7 @@ from autofit.base.errors import TrialTimeoutError
 from autofit.base.sizes import format_bytes
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
-from autofit.search import SearchResult, TrialRecord
+from autofit.search import choice, SearchResult, TrialRecord
 from autofit.search.trial_health import reference_for
 from autofit.tuning._halting import halt_reason, halted
 from autofit.tuning._trials import run_long
@@ -119,7 +119,7 @@ def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
     state.floor = floor_kind(result, baseline)
     if baseline is not None and baseline.config in failed:
         baseline = None  # it ran and did not validate: it holds nothing, as in `validate`
-    winner = _not_below_the_floor(state, candidates[0], baseline)
+    winner = _not_below_the_floor(state, result, candidates[0], baseline)
     paired = None
     if baseline is not None and state.paired is not None and state.paired[1] == baseline.config:
         # The pairs ended and did not keep their winner (kept, no run follows them): the budget
@@ -165,17 +165,25 @@ def halted_note(why: str, floor: str, *, validated: bool, profile: TrainConfig, 
     return note
 
 
-def _not_below_the_floor(state: TuneState, winner: TrialRecord, baseline: TrialRecord | None) -> TrialRecord:
+def _not_below_the_floor(state: TuneState, result: SearchResult, winner: TrialRecord,
+                         baseline: TrialRecord | None) -> TrialRecord:
     """The search's choice (its ranking weighs the noise it saw), held by the floor to the
-    one-liner in like figures: validation runs where both have them, else search trials."""
+    one-liner in like figures: validation runs where both have them, else the figures the
+    search ranks them by (`choice.figure_of`, as the floor was chosen)."""
     if baseline is None or baseline.config == winner.config:
         return winner
     ours, theirs = passed(state, winner.config), passed(state, baseline.config)
     if ours and theirs:
         slower = median_run(ours).samples_per_s < median_run(theirs).samples_per_s
     else:
-        slower = winner.samples_per_s < baseline.samples_per_s
+        slower = _ranked_figure(result, winner.config) < _ranked_figure(result, baseline.config)
     return baseline if slower else winner
+
+
+def _ranked_figure(result: SearchResult, config: TrainConfig) -> float:
+    """`config`'s figure from its runs within the budget, as the search ranks it."""
+    runs = [r for r in result.records if r.config == config and r.feasible(result.budget_bytes)]
+    return choice.figure_of(runs, result.session_start).samples_per_s if runs else 0.0
 
 
 def frontier(state: TuneState, result: SearchResult, chosen: Chosen, *, runs: bool = True) -> tuple:
