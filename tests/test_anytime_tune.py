@@ -163,8 +163,8 @@ def test_a_halted_tune_does_not_hold_its_profile_to_a_floor_whose_validation_fai
     assert chosen.winner.config == floor and chosen.baseline.config == floor
     # By the figure the search ranks it by (as the floor is chosen), not its first run's.
     again = [record(2 + i, floor, 20.0).replace(repeat=True) for i in range(4)]
-    result.records[:] = [record(0, floor, 25.0), record(1, choice, 22.0), *again]
-    chosen, _ = unvalidated(state, result)
+    records = [record(0, floor, 25.0), record(1, choice, 22.0), *again]
+    chosen, _ = unvalidated(state, dataclasses.replace(result, records=records, ranked=[records[1], records[0]]))
     assert chosen.winner.config == choice
 
 

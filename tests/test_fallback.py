@@ -106,10 +106,11 @@ def test_the_profiles_floor_is_the_faster_of_the_one_liner_and_the_fallback_and_
     resumed = dataclasses.replace(result, records=[old, _record(1, fb, 3.2).replace(measured_at=1500.0), again],
                                   session_start=1000.0)
     assert baseline_record(resumed).config == fb
-    # Its re-measure failed: no figure of this session's, so the older one holds it (a failure
-    # does not let the profile off with the slower floor).
+    # Its re-measure failed: this session tried it and has no figure of it, so the fallback
+    # that ran is the floor; never measured again (the tune halted first), its older figure.
     failed = again.replace(status="error")
-    assert baseline_record(dataclasses.replace(resumed, records=[old, resumed.records[1], failed])).config == one
+    assert baseline_record(dataclasses.replace(resumed, records=[old, resumed.records[1], failed])).config == fb
+    assert baseline_record(dataclasses.replace(resumed, records=[old, resumed.records[1]])).config == one
 
 
 def _first_measured(landscape, **changes) -> tuple:

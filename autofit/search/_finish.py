@@ -237,14 +237,14 @@ def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
                     or rounds >= choice.MAX_ROUNDS):
                 return choice.observed_noise(records, since), rounds
         level = {r.record.config for r in race if r.runs == rounds + 1}
-        before = _quiet_runs(records, since)
+        before = _quiet_runs(records, budget_bytes, since)
         for config in field:
             if config in level:
                 if tuner.halted():
                     return choice.observed_noise(records, since), rounds
                 tuner.measure_now(config, records, repeat=True)
         records = tuner.records()
-        after = _quiet_runs(records, since)
+        after = _quiet_runs(records, budget_bytes, since)
         ranked_now = {r.record.config for r in _fresh_ranked(records, budget_bytes, since)}
         if any(after.get(c, 0) <= before.get(c, 0) or c not in ranked_now for c in level):
             # A run that failed, or that other work on the host slowed (`choice.rank` ranks by
@@ -254,11 +254,12 @@ def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
             return choice.observed_noise(records, since), rounds + 1
 
 
-def _quiet_runs(records: list[TrialRecord], since: float | None) -> dict[TrainConfig, int]:
-    """Each config's runs in this session that ran ok with no other work holding the host."""
+def _quiet_runs(records: list[TrialRecord], budget_bytes: int, since: float | None) -> dict[TrainConfig, int]:
+    """Each config's runs in this session that ran within the budget with no other work
+    holding the host."""
     counts: dict[TrainConfig, int] = {}
     for r in records:
-        if r.status == "ok" and r.fresh(since) and not r.loaded:
+        if r.feasible(budget_bytes) and r.fresh(since) and not r.loaded:
             counts[r.config] = counts.get(r.config, 0) + 1
     return counts
 

@@ -78,13 +78,15 @@ def floor_record(records: Sequence[TrialRecord], floors: Sequence[TrainConfig | 
     """The floor of the profile: of the one-liner and the fallback, where they ran within the
     budget (and `keep` keeps their runs), the faster by the figure the search ranks each by
     (`choice.figure_of`: its runs since `since` where it has any, the ones no other work
-    slowed, their central value; re-measures included); its first run of those. An older
-    session's figure counts where a floor has none of this session's (its re-measure failed
-    or was cut): the profile is held to the faster floor, never let off by a failure. None
-    where neither ran."""
+    slowed, their central value; re-measures included); its first run of those. A floor
+    this session tried (since `since`) counts by this session's runs alone, none if they all
+    failed; one it never measured again (the search's share ran out first, or the tune
+    halted) by its older figure. None where neither ran."""
+    tried = {r.config for r in records if r.config in floors and r.fresh(since)}
     by_config: dict[TrainConfig, list[TrialRecord]] = {}
     for r in records:
-        if r.config in floors and r.feasible(budget_bytes) and keep(r):
+        if (r.config in floors and r.feasible(budget_bytes) and keep(r)
+                and (r.fresh(since) or r.config not in tried)):
             by_config.setdefault(r.config, []).append(r)
     figures = [choice.figure_of(runs, since) for runs in by_config.values()]
     best = max(figures, key=lambda f: f.samples_per_s, default=None)

@@ -107,9 +107,9 @@ def loss_reference(state: TuneState, result: SearchResult, baseline: TrialRecord
 
 def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
     """A halted tune's profile (the budget ran out, or a stop came): the best config measured
-    so far, by its validation runs where it has passing ones, else by its search trial;
-    never below the one-liner's figure, and the floor where the pairs against it ended and did
-    not keep the winner. Configs whose validation failed are passed over."""
+    so far, by its validation runs where it has passing ones, else by the figure the search
+    ranks it by; never below the floor's figure, and the floor where the pairs against it
+    ended and did not keep the winner. Configs whose validation failed are passed over."""
     why = halt_reason(state)
     failed = {c for c, runs in state.validations.items() if runs and not passed(state, c)}
     candidates = [r for r in result.ranked if r.config not in state.demoted and r.config not in failed]
