@@ -182,8 +182,8 @@ def refresh_leaders(tuner: Tuner, records: list[TrialRecord]) -> list[TrialRecor
     old = [r.measured_at for r in stale if r.measured_at is not None and r.measured_at < since]
     why = (f"measured {age_text(since - max(old))} to {age_text(since - min(old))} before this run" if old else
            "measured while other work held the host")
-    logger.info("measuring the {} leaders again, interleaved, before their figures ({}) decide: {}", len(leaders),
-                why, ", ".join(r.config.short() for r in leaders))
+    logger.info("measuring the {} leaders and floors again, interleaved, before their figures ({}) decide: {}",
+                len(leaders), why, ", ".join(r.config.short() for r in leaders))
     for leader in leaders:
         if tuner.halted():
             break
@@ -209,10 +209,9 @@ def remeasure_contenders(tuner: Tuner) -> tuple[float | None, int]:
     when the lead is settled or the leaders are tied under the noise seen
     (`choice.settled`), or when the noise is too large for any number of rounds to settle
     it (`choice.futile`: a loaded host), or when a run of a round failed or shared the host
-    with other work (it adds nothing to its config's figure); MIN_ROUNDS to MAX_ROUNDS rounds
-    else.
-    Figures from this session decide: old or loaded leaders and floors are measured again
-    first (`refresh_leaders`), and the field, its ranking and the noise come from this
+    with other work (it adds nothing to its config's figure); else MIN_ROUNDS to MAX_ROUNDS
+    rounds. Figures from this session decide: old or loaded leaders and floors are measured
+    again first (`refresh_leaders`), and the field, its ranking and the noise come from this
     session's measurements only. Returns (noise seen in this session, rounds)."""
     records, budget_bytes, since = tuner.records(), tuner.budget.usable_bytes, tuner.session_start
     records = refresh_leaders(tuner, records)
