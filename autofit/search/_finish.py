@@ -164,19 +164,15 @@ def refresh_leaders(tuner: Tuner, records: list[TrialRecord]) -> list[TrialRecor
     them has figures that are all old (read back from another session: another day, another
     load) or taken under heavy foreign load, measured again, interleaved, before any of those
     figures decides. Returns the records after."""
-    since = tuner.session_start
-    leaders = [r.record for r in choice.leaders(choice.rank(records, tuner.budget.usable_bytes, repeats=False))]
+    since, budget_bytes = tuner.session_start, tuner.budget.usable_bytes
+    leaders = [r.record for r in choice.leaders(choice.rank(records, budget_bytes, repeats=False))]
     # The floors that ran: one measured under load ranks below what beat only its load.
     for floor in (tuner.one_liner, tuner.fallback):
-        ran = next((r for r in records if r.config == floor and r.feasible(tuner.budget.usable_bytes)), None)
+        ran = next((r for r in records if r.config == floor and r.feasible(budget_bytes)), None)
         if ran is not None and floor not in {r.config for r in leaders}:
             leaders.append(ran)
-
-    def trusted(config) -> bool:
-        return any(r.config == config and r.feasible(tuner.budget.usable_bytes) and r.fresh(since) and not r.loaded
-                   for r in records)
-
-    stale = [r for r in leaders if not trusted(r.config)]
+    quiet = _quiet_runs(records, budget_bytes, since)  # the runs that can be trusted
+    stale = [r for r in leaders if not quiet.get(r.config)]
     if not stale:
         return records
     old = [r.measured_at for r in stale if r.measured_at is not None and r.measured_at < since]
