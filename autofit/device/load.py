@@ -1,7 +1,9 @@
-"""How busy the host was with other work while we measured: the CPU time other processes
-took (from /proc/stat less this process's own, from /proc/self/stat), as cores kept busy on
-average, and the intra-op threads torch ran with. A figure measured while other work held the
-cores is not the device's speed, so every measurement carries this (Linux; None elsewhere).
+"""How busy the host was with other work while we measured: the CPU time all processes took
+on the CPUs this process may run on (their lines of /proc/stat), less that of the processes
+whose work is ours (from /proc/PID/stat): this one, under torchrun its sibling ranks on those
+CPUs, and their descendants (compile workers, the compilers they start). Given as cores kept
+busy on average: a figure measured while other work held the cores is not the device's speed,
+so every measurement carries this (Linux; None elsewhere).
 
     meter = HostLoad(); meter.start(); ...timed steps...; meter.stop()  # {"foreign_cores": 1.2, ...}
 """
@@ -11,51 +13,123 @@ import os
 import time
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PROC = "/proc"  # a seam: tests read a made-up host
 
 
-def _busy_jiffies() -> int | None:
-    """CPU time all processes spent running, in clock ticks (not idle, not waiting on I/O)."""
+def _busy_jiffies(cpus: frozenset[int]) -> int | None:
+    """CPU time all processes spent running on `cpus`, in clock ticks (not idle, not waiting
+    on I/O). A job pinned to some CPUs is not slowed by work on the others."""
+    busy, seen = 0, 0
     with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
-        steal = fields[7] if len(fields) > 7 else 0
-        return user + nice + system + irq + softirq + steal
+        with open(f"{_PROC}/stat") as f:
+            for line in f:
+                name, *values = line.split()
+                if not name.startswith("cpu") or name == "cpu":
+                    continue
+                if not name[3:].isdigit() or int(name[3:]) not in cpus:
+                    continue
+                fields = [int(x) for x in values]
+                user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+                steal = fields[7] if len(fields) > 7 else 0
+                busy, seen = busy + user + nice + system + irq + softirq + steal, seen + 1
+        return busy if seen else None
     return None
 
 
-def _own_jiffies() -> int | None:
-    """This process's CPU time (all its threads), in clock ticks."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name; None once the process has gone."""
     with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime
+        with open(f"{_PROC}/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
     return None
+
+
+def _ticks(fields: list[str]) -> int:
+    """A process's CPU time and that of the children it has waited for, in clock ticks: a
+    compiler a compile worker ran and reaped was our work too."""
+    return sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """Every process on the host: pid -> (parent pid, CPU ticks)."""
+    table = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_PROC):
+            fields = _stat_fields(name) if name.isdigit() else None
+            with contextlib.suppress(ValueError, IndexError):
+                if fields is not None:
+                    table[int(name)] = (int(fields[1]), _ticks(fields))
+    return table
+
+
+def sibling_ranks(table: dict[int, tuple[int, int]] | None = None) -> list[int]:
+    """The pids of this rank's sibling ranks on this host: under torchrun (LOCAL_WORLD_SIZE > 1)
+    every local rank is a child of the one agent process, and its steps are ours, not other
+    work (4 ranks on 4 cores would otherwise each see 3 cores of other work)."""
+    with contextlib.suppress(ValueError):
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+            return []
+    table = _processes() if table is None else table
+    parent, own = os.getppid(), os.getpid()
+    return sorted(pid for pid, (ppid, _) in table.items() if ppid == parent and pid != own)
+
+
+def _family_ticks(cpus: frozenset[int]) -> dict[int, int] | None:
+    """CPU ticks of the processes whose work is ours: this one, its sibling ranks that may run
+    on `cpus`, and their descendants (compile workers and the compilers they start). None where
+    /proc cannot say."""
+    table, own = _processes(), os.getpid()
+    if own not in table:
+        return None
+    family = [own] + [pid for pid in sibling_ranks(table) if _shares_cpus(pid, cpus)]
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    for pid in family:  # grows as it goes: breadth first over the tree
+        family += [child for child in children.get(pid, []) if child not in family]
+    return {pid: table[pid][1] for pid in family}
+
+
+def _shares_cpus(pid: int, cpus: frozenset[int]) -> bool:
+    """The process may run on one of `cpus` (a rank pinned elsewhere takes none of ours)."""
+    try:
+        return bool(os.sched_getaffinity(pid) & cpus)
+    except (AttributeError, OSError):
+        return True
+
+
+def allowed_cpus() -> frozenset[int]:
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:
+        return frozenset(range(os.cpu_count() or 1))
 
 
 def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return len(allowed_cpus())
 
 
 class HostLoad:
-    """Other processes' CPU time over an interval, as cores they kept busy on average."""
+    """Other processes' CPU time over an interval on the CPUs we may use, as cores they kept
+    busy on average."""
 
     def __init__(self):
         self._start = None
 
     def start(self) -> None:
-        self._start = (time.monotonic(), _busy_jiffies(), _own_jiffies())
+        cpus = allowed_cpus()
+        self._start = (time.monotonic(), cpus, _busy_jiffies(cpus), _family_ticks(cpus))
 
     def stop(self) -> dict:
-        """{"foreign_cores": cores busy with other work on average, "cores": this host's};
+        """{"foreign_cores": cores busy with other work on average, "cores": those we may use};
         foreign_cores is None where /proc cannot say."""
-        started_s, busy0, own0 = self._start or (None, None, None)
-        busy1, own1, wall_s = _busy_jiffies(), _own_jiffies(), time.monotonic() - (started_s or 0.0)
+        started_s, cpus, busy0, ours0 = self._start or (None, allowed_cpus(), None, None)
+        busy1, ours1, wall_s = _busy_jiffies(cpus), _family_ticks(cpus), time.monotonic() - (started_s or 0.0)
         foreign = None
-        if None not in (busy0, own0, busy1, own1) and wall_s > 0:
-            foreign_s = max(0, (busy1 - busy0) - (own1 - own0)) / _CLOCK_TICKS
+        if None not in (busy0, busy1, ours0, ours1) and wall_s > 0:
+            # One that exited meanwhile cannot be read again: its time counts as other work
+            # (unless one of ours reaped it). One that started meanwhile: all its time is ours.
+            own_ticks = sum(ticks - ours0.get(pid, 0) for pid, ticks in ours1.items())
+            foreign_s = max(0, (busy1 - busy0) - own_ticks) / _CLOCK_TICKS
             foreign = round(foreign_s / wall_s, 3)
-        return {"foreign_cores": foreign, "cores": cpu_cores()}
+        return {"foreign_cores": foreign, "cores": len(cpus)}
