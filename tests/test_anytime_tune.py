@@ -168,6 +168,32 @@ def test_a_halted_tune_does_not_hold_its_profile_to_a_floor_whose_validation_fai
     assert chosen.winner.config == choice
 
 
+def test_a_halted_unvalidated_profile_gives_the_figure_it_was_ranked_by():
+    """The floor measured first under load (10), then twice again quiet (30, 31): the search
+    ranks it at 30.5 and the halted tune keeps it over the choice (25), but the profile gave
+    its first run's 10 samples/s."""
+    floor = TrainConfig(precision="32-true", micro_batch_size=4, grad_accum_steps=4)
+    choice = floor.replace(checkpoint_blocks=1)
+
+    def record(number, config, samples_per_s, foreign_cores=0.0):
+        m = Measurement(status="ok", config=config, samples_per_s=samples_per_s, budget_bytes=10**6,
+                        peak_memory_bytes=10**5, foreign_cores=foreign_cores, cores=2)
+        return TrialRecord(number=number, config=config, status="ok", predicted_peak_bytes=1, measurement=m,
+                           budget_bytes=10**6)
+
+    records = [record(0, floor, 10.0, foreign_cores=1.5), record(1, choice, 25.0),
+               record(2, floor, 30.0).replace(repeat=True), record(3, floor, 31.0).replace(repeat=True)]
+    result = SearchResult(records=records, budget_bytes=10**6, wall_s=1.0, resumed=0, stop_reason="time",
+                          ranked=[records[0], records[1]], one_liner=floor)
+    state = types.SimpleNamespace(validations={}, budget=Budget(usable_bytes=10**6), demoted=set(), stop_event=None,
+                                  deadline=types.SimpleNamespace(budget_s=60.0), floor="", paired=None,
+                                  spec=types.SimpleNamespace(search=types.SimpleNamespace(validate_steps=50)))
+    chosen, point = unvalidated(state, result)
+    assert chosen.winner.config == floor and not chosen.validated
+    assert chosen.validated_m.samples_per_s in (30.0, 31.0)
+    assert point[0].measured.samples_per_s in (30.0, 31.0)
+
+
 def test_a_tune_halted_in_the_floor_s_own_validation_after_the_pairs_says_the_pairs_ran():
     """On a GPU the pairs validate the floor too: where they do not keep the winner, the floor's
     own validation follows, and the budget may run out in it. The note said the search's choice
@@ -194,11 +220,16 @@ def test_a_tune_halted_in_the_floor_s_own_validation_after_the_pairs_says_the_pa
                                   spec=types.SimpleNamespace(search=types.SimpleNamespace(validate_steps=50)))
     chosen, _ = unvalidated(state, result)
     assert chosen.winner.config == choice  # no pairs ended: held to the floor by the validation runs
-    state.paired = (choice, floor, pairs)
+    state.paired = (choice, floor, pairs, 1)
     chosen, _ = unvalidated(state, result)
     assert chosen.winner.config == floor
-    assert "in pairs and not kept (" in chosen.note and "0.97x" in chosen.note
+    assert "in pairs only" in chosen.note and "in pairs and not kept (" in chosen.note and "0.97x" in chosen.note
     assert "before the search's choice" not in chosen.note
+    # Its own validation ended (one more passing run) just as the budget ran out: validated.
+    state.validations[floor].append(run(floor, 30.5))
+    chosen, _ = unvalidated(state, result)
+    assert chosen.winner.config == floor and chosen.validated
+    assert "in pairs only" not in chosen.note and "in pairs and not kept (" in chosen.note
 
 
 @pytest.mark.timing

@@ -77,8 +77,15 @@ def figure_of(runs: list[TrialRecord], fresh_since: float | None = None) -> Rank
     while other work held the host is the host's), their central value."""
     fresh = [x for x in runs if x.fresh(fresh_since)]
     use = fresh or runs
-    quiet = [x for x in use if not x.loaded] or use
+    quiet = figure_runs(runs, fresh_since)
     return Ranked(quiet[0], central([x.samples_per_s for x in quiet]), len(quiet), len(use), fresh=bool(fresh))
+
+
+def figure_runs(runs: list[TrialRecord], fresh_since: float | None = None) -> list[TrialRecord]:
+    """The runs `figure_of` takes a config's figure from: the fresh ones where it has any, of
+    those the quiet ones where it has any."""
+    use = [x for x in runs if x.fresh(fresh_since)] or runs
+    return [x for x in use if not x.loaded] or use
 
 
 def observed_noise(records: list[TrialRecord], since: float | None = None) -> float | None:

@@ -68,7 +68,8 @@ class TuneState:
     floor: str = "one-liner"  # what the profile's floor is ("fallback": the expert's, `search/fallback.py`)
     demoted: set = field(default_factory=set)  # configs training ran out of memory in: never chosen
     # The winner's interleaved pairs against the floor, once they ended (`_validating`):
-    # (the winner's config, the floor's, their `speedup.Speedup`); None before.
+    # (the winner's config, the floor's, their `speedup.Speedup`, how many of the floor's
+    # runs had passed by then: a validation of its own after them adds one); None before.
     paired: tuple | None = None
     # What `_prepare.prepare` sets up: the trial worker (the caller's, or started there), the
     # study, its locks and the profiles written to it before, the model's analysis, the
@@ -107,7 +108,7 @@ class Chosen:
     speedup: Speedup | None  # the interleaved pairs; None where there was nothing to compare
     note: str  # why the profile is the baseline, or what to distrust in its figures
     host_load: float | None
-    validated: bool = True  # False: the winner's figures are its search trial's (`unvalidated` says why)
+    validated: bool = True  # False: the winner's figures are the search's runs it ranks by (`unvalidated` says why)
     unvalidated: str = ""
     halted: bool = False  # chosen from what was measured when the tune was halted (`_validating.unvalidated`)
 

@@ -57,7 +57,7 @@ def _against_the_one_liner(state: TuneState, winner: TrialRecord, winner_m: Meas
     validated_before = bool(passed(state, baseline.config))
     speedup = measure_speedup(spec, winner, baseline, partial(run_long, state), partial(halted, state),
                               winner_run=winner_m)
-    state.paired = (winner.config, baseline.config, speedup)
+    state.paired = (winner.config, baseline.config, speedup, len(passed(state, baseline.config)))
     if not passed(state, baseline.config):
         return winner, None, None, ""  # none of its runs passed: nothing to claim against
     logger.info("speed-up of {} over the {} {}: {}", winner.config.short(), floor, baseline.config.short(),
@@ -130,9 +130,11 @@ def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
     note = halted_note(why, state.floor, validated=validated, profile=winner.config,
                        searched=paired[0] if paired else candidates[0].config,
                        baseline=baseline.config if baseline is not None else None,
-                       pairs=paired[2].text() if paired else "")
+                       pairs=paired[2].text() if paired else "",
+                       validated_after_pairs=paired is not None and len(runs) > paired[3])
     logger.warning("{}: the profile is {}, {}", why, winner.config.short(), note)
-    chosen = Chosen(winner=winner, winner_runs=runs or [winner.measurement], baseline=baseline,
+    chosen = Chosen(winner=winner, winner_runs=runs or _ranked_runs(result, winner.config) or [winner.measurement],
+                    baseline=baseline,
                     baseline_runs=passed(state, baseline.config) if baseline is not None else [], speedup=None,
                     note=note, host_load=host_load(), validated=validated, unvalidated="" if validated else why,
                     halted=True)
@@ -143,15 +145,18 @@ def unvalidated(state: TuneState, result: SearchResult) -> tuple[Chosen, tuple]:
 
 
 def halted_note(why: str, floor: str, *, validated: bool, profile: TrainConfig, searched: TrainConfig,
-                baseline: TrainConfig | None, pairs: str = "") -> str:
+                baseline: TrainConfig | None, pairs: str = "", validated_after_pairs: bool = False) -> str:
     """What a halted tune's profile lacks (`why`: the halt). A profile that is the floor needs
     no speed-up over itself: what was cut is the comparison with the search's choice, where
     that is another config, or (`pairs`: that comparison's figures, where it ended) the
-    floor's own validation after it."""
+    floor's own validation after it, unless that ended too (`validated_after_pairs`)."""
     if not validated:
-        note = f"not validated: {why} first; its figures are its search trial's (rerun to validate)"
+        note = f"not validated: {why} first; its figures are the search's (rerun to validate)"
     elif profile != baseline:
         note = f"validated, but {why} before its speed-up over the {floor} was measured"
+    elif pairs and validated_after_pairs:
+        note = (f"validated, after the search's choice {searched.short()} was measured against it in pairs and "
+                f"not kept ({pairs}); {why} after that")
     elif pairs:
         note = (f"validated in pairs only: {why} during its own validation, after the search's choice "
                 f"{searched.short()} was measured against it in pairs and not kept ({pairs})")
@@ -182,8 +187,18 @@ def _not_below_the_floor(state: TuneState, result: SearchResult, winner: TrialRe
 
 def _ranked_figure(result: SearchResult, config: TrainConfig) -> float:
     """`config`'s figure from its runs within the budget, as the search ranks it."""
-    runs = [r for r in result.records if r.config == config and r.feasible(result.budget_bytes)]
+    runs = _feasible_runs(result, config)
     return choice.figure_of(runs, result.session_start).samples_per_s if runs else 0.0
+
+
+def _ranked_runs(result: SearchResult, config: TrainConfig) -> list[Measurement]:
+    """The measurements the search ranks `config` by (its figure's runs: an unvalidated
+    profile's figure is their median run, not its first trial's)."""
+    return [r.measurement for r in choice.figure_runs(_feasible_runs(result, config), result.session_start)]
+
+
+def _feasible_runs(result: SearchResult, config: TrainConfig) -> list[TrialRecord]:
+    return [r for r in result.records if r.config == config and r.feasible(result.budget_bytes)]
 
 
 def frontier(state: TuneState, result: SearchResult, chosen: Chosen, *, runs: bool = True) -> tuple:
