@@ -40,6 +40,14 @@ class FakeHost:
             self.ticks[pid] += ticks
         self.write()
 
+    def reap(self, pid: int) -> None:
+        """`pid` exits and its parent waits for it: its whole CPU time moves to the parent's."""
+        self.ticks[self.parents[pid]] += self.ticks.pop(pid)
+        del self.parents[pid]
+        (self.root / str(pid) / "stat").unlink()
+        (self.root / str(pid)).rmdir()
+        self.write()
+
     def write(self) -> None:
         lines = [f"cpu  {sum(self.busy_ticks)} 0 0 999 0 0 0 0 0 0\n"]
         lines += [f"cpu{i} {t} 0 0 999 0 0 0 0 0 0\n" for i, t in enumerate(self.busy_ticks)]
@@ -98,14 +106,32 @@ def test_only_the_cpus_we_may_run_on_count(tmp_path, monkeypatch, tick):
 
 
 def test_a_sibling_that_exited_counts_as_other_work(tmp_path, monkeypatch, tick):
+    """Its time in the interval cannot be read again (its parent, the launcher, is not ours);
+    its time before the interval is not taken off ours."""
     monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     host = FakeHost(tmp_path, monkeypatch, cpus=2)
     host.add(90001, parent=os.getppid())
+    host.run(5.0, [500, 500], {90001: 500, os.getpid(): 500})
     meter = load.HostLoad()
     meter.start()
-    host.run(1.0, [100, 80], {os.getpid(): 100})
+    host.run(1.0, [100, 80], {os.getpid(): 100, 90001: 80})
     (tmp_path / "90001" / "stat").unlink()
+    assert meter.stop()["foreign_cores"] == 0.8
+
+
+def test_a_child_reaped_meanwhile_counts_only_its_time_in_the_interval(tmp_path, monkeypatch, tick):
+    """A compile worker of ours with 10 s of CPU behind it works 0.5 s more and exits; we wait
+    for it, and our reading then holds its whole life. A stranger took 0.8 of a core."""
+    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    host = FakeHost(tmp_path, monkeypatch, cpus=2)
+    host.add(90001, parent=os.getpid())
+    host.run(10.0, [1000, 1000], {90001: 1000, os.getpid(): 1000})
+    meter = load.HostLoad()
+    meter.start()
+    host.run(1.0, [115, 115], {os.getpid(): 100, 90001: 50})
+    host.reap(90001)
     assert meter.stop()["foreign_cores"] == 0.8
 
 

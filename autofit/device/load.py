@@ -74,10 +74,10 @@ def sibling_ranks(table: dict[int, tuple[int, int]] | None = None) -> list[int]:
     return sorted(pid for pid, (ppid, _) in table.items() if ppid == parent and pid != own)
 
 
-def _family_ticks(cpus: frozenset[int]) -> dict[int, int] | None:
-    """CPU ticks of the processes whose work is ours: this one, its sibling ranks that may run
-    on `cpus`, and their descendants (compile workers and the compilers they start). None where
-    /proc cannot say."""
+def _family(cpus: frozenset[int]) -> dict[int, tuple[int, int]] | None:
+    """The processes whose work is ours, pid -> (parent pid, CPU ticks): this one, its sibling
+    ranks that may run on `cpus`, and their descendants (compile workers and the compilers
+    they start). None where /proc cannot say."""
     table, own = _processes(), os.getpid()
     if own not in table:
         return None
@@ -87,7 +87,23 @@ def _family_ticks(cpus: frozenset[int]) -> dict[int, int] | None:
         children.setdefault(ppid, []).append(pid)
     for pid in family:  # grows as it goes: breadth first over the tree
         family += [child for child in children.get(pid, []) if child not in family]
-    return {pid: table[pid][1] for pid in family}
+    return {pid: table[pid] for pid in family}
+
+
+def _own_ticks() -> int | None:
+    fields = _stat_fields("self")
+    return None if fields is None else _ticks(fields)
+
+
+def _family_ticks_between(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> int:
+    """The CPU ticks our other processes took between two readings of `_family` (this one's
+    own are read apart, next to the host's). One that started meanwhile: all its time. One
+    that exited and was reaped by one of ours: its parent's reading holds its whole life, so
+    its time before is taken off; one reaped elsewhere cannot be read again, and its time
+    counts as other work."""
+    own = os.getpid()
+    ticks = sum(t - before.get(pid, (0, 0))[1] for pid, (_, t) in after.items() if pid != own)
+    return ticks - sum(t for pid, (ppid, t) in before.items() if pid not in after and ppid in after)
 
 
 def _shares_cpus(pid: int, cpus: frozenset[int]) -> bool:
@@ -105,10 +121,6 @@ def allowed_cpus() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 1))
 
 
-def cpu_cores() -> int:
-    return len(allowed_cpus())
-
-
 class HostLoad:
     """Other processes' CPU time over an interval on the CPUs we may use, as cores they kept
     busy on average."""
@@ -118,18 +130,19 @@ class HostLoad:
 
     def start(self) -> None:
         cpus = allowed_cpus()
-        self._start = (time.monotonic(), cpus, _busy_jiffies(cpus), _family_ticks(cpus))
+        family = _family(cpus)  # the scan before the interval, this process's ticks next to the host's
+        self._start = (cpus, family, _own_ticks(), _busy_jiffies(cpus), time.monotonic())
 
     def stop(self) -> dict:
         """{"foreign_cores": cores busy with other work on average, "cores": those we may use};
         foreign_cores is None where /proc cannot say."""
-        started_s, cpus, busy0, ours0 = self._start or (None, allowed_cpus(), None, None)
-        busy1, ours1, wall_s = _busy_jiffies(cpus), _family_ticks(cpus), time.monotonic() - (started_s or 0.0)
+        cpus, family0, own0, busy0, started_s = self._start or (allowed_cpus(), None, None, None, None)
+        wall_s = time.monotonic() - (started_s or 0.0)
+        busy1, own1 = _busy_jiffies(cpus), _own_ticks()
+        family1 = _family(cpus)  # the scan after the interval
         foreign = None
-        if None not in (busy0, busy1, ours0, ours1) and wall_s > 0:
-            # One that exited meanwhile cannot be read again: its time counts as other work
-            # (unless one of ours reaped it). One that started meanwhile: all its time is ours.
-            own_ticks = sum(ticks - ours0.get(pid, 0) for pid, ticks in ours1.items())
-            foreign_s = max(0, (busy1 - busy0) - own_ticks) / _CLOCK_TICKS
+        if None not in (family0, own0, busy0, busy1, own1, family1) and wall_s > 0:
+            ours = (own1 - own0) + _family_ticks_between(family0, family1)
+            foreign_s = max(0, (busy1 - busy0) - ours) / _CLOCK_TICKS
             foreign = round(foreign_s / wall_s, 3)
         return {"foreign_cores": foreign, "cores": len(cpus)}
