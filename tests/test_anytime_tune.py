@@ -18,6 +18,7 @@ from autofit.device.probe import cpu_device
 from autofit.measure.measurement import Measurement
 from autofit.profiles.profile import Profile
 from autofit.search import SearchResult, TrialRecord
+from autofit.search.choice import rank
 from autofit.search.trial_health import LossCurveCheck
 from autofit.tuning._tune_state import Chosen
 from autofit.tuning._validating import halted_note, loaded, loss_reference, unvalidated
@@ -169,9 +170,9 @@ def test_a_halted_tune_does_not_hold_its_profile_to_a_floor_whose_validation_fai
 
 
 def test_a_halted_unvalidated_profile_gives_the_figure_it_was_ranked_by():
-    """The floor measured first under load (10), then twice again quiet (30, 31): the search
-    ranks it at 30.5 and the halted tune keeps it over the choice (25), but the profile gave
-    its first run's 10 samples/s."""
+    """The floor measured first under load (10), then three times quiet (30, 40, 41): the
+    search ranks it at 40 (their median) and the halted tune keeps it over the choice (25),
+    but the profile gave its first quiet run's 30 samples/s."""
     floor = TrainConfig(precision="32-true", micro_batch_size=4, grad_accum_steps=4)
     choice = floor.replace(checkpoint_blocks=1)
 
@@ -182,16 +183,17 @@ def test_a_halted_unvalidated_profile_gives_the_figure_it_was_ranked_by():
                            budget_bytes=10**6)
 
     records = [record(0, floor, 10.0, foreign_cores=1.5), record(1, choice, 25.0),
-               record(2, floor, 30.0).replace(repeat=True), record(3, floor, 31.0).replace(repeat=True)]
+               *[record(2 + i, floor, sps).replace(repeat=True) for i, sps in enumerate((30.0, 40.0, 41.0))]]
+    ranked = [r.record for r in rank(records, 10**6)]
     result = SearchResult(records=records, budget_bytes=10**6, wall_s=1.0, resumed=0, stop_reason="time",
-                          ranked=[records[0], records[1]], one_liner=floor)
+                          ranked=ranked, one_liner=floor)
     state = types.SimpleNamespace(validations={}, budget=Budget(usable_bytes=10**6), demoted=set(), stop_event=None,
                                   deadline=types.SimpleNamespace(budget_s=60.0), floor="", paired=None,
                                   spec=types.SimpleNamespace(search=types.SimpleNamespace(validate_steps=50)))
     chosen, point = unvalidated(state, result)
     assert chosen.winner.config == floor and not chosen.validated
-    assert chosen.validated_m.samples_per_s in (30.0, 31.0)
-    assert point[0].measured.samples_per_s in (30.0, 31.0)
+    assert ranked[0].samples_per_s == 30.0  # the record the search ranks by: its first quiet run
+    assert chosen.validated_m.samples_per_s == point[0].measured.samples_per_s == 40.0
 
 
 def test_a_tune_halted_in_the_floor_s_own_validation_after_the_pairs_says_the_pairs_ran():

@@ -123,7 +123,7 @@ class Measured:
     optimizer: str | None = None
     flags: ProcessFlags = field(default_factory=dict)
     compile_s: float | None = None  # compile=true: seconds compiling took, apart from step_time_s
-    runs: int | None = None  # validation runs behind these figures (the median run's, the largest peak)
+    runs: int | None = None  # runs behind these figures (the median run's, the largest peak): validation runs, or where unvalidated the search's
     threads: int | None = None  # torch's intra-op threads the runs used: a CPU figure holds for them
 
     def to_dict(self) -> dict:
@@ -165,7 +165,7 @@ class SearchSummary:
     workers: dict[str, int] = field(default_factory=dict)  # search trials measured by each worker sharing the study
     validated_by: str = ""  # the worker that validated the winner and wrote the profile
     # False: the time budget ran out, or a stop came, before the winner's validation run: its
-    # figures are its search trial's, and `unvalidated` says why.
+    # figures are the median run of the search's runs it was ranked by, and `unvalidated` says why.
     validated: bool = True
     unvalidated: str = ""
     # What the baseline is: "one-liner" (the AMP one-liner on a GPU; on the CPU 32-true at the

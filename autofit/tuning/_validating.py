@@ -12,7 +12,7 @@ from autofit.base.sizes import format_bytes
 from autofit.config.train_config import TrainConfig
 from autofit.measure.measurement import Measurement
 from autofit.search import choice, SearchResult, TrialRecord
-from autofit.search.trial_health import reference_for
+from autofit.search.trial_health import health_problem, reference_for
 from autofit.tuning._halting import halt_reason, halted
 from autofit.tuning._trials import run_long
 from autofit.tuning._tune_state import Chosen, passed, TuneState
@@ -193,12 +193,14 @@ def _ranked_figure(result: SearchResult, config: TrainConfig) -> float:
 
 def _ranked_runs(result: SearchResult, config: TrainConfig) -> list[Measurement]:
     """The measurements the search ranks `config` by (its figure's runs: an unvalidated
-    profile's figure is their median run, not its first trial's)."""
+    profile's figure is their median run, not its first quiet trial's)."""
     return [r.measurement for r in choice.figure_runs(_feasible_runs(result, config), result.session_start)]
 
 
 def _feasible_runs(result: SearchResult, config: TrainConfig) -> list[TrialRecord]:
-    return [r for r in result.records if r.config == config and r.feasible(result.budget_bytes)]
+    """`config`'s runs as `choice.rank` takes them: within the budget, numerics not in doubt."""
+    return [r for r in result.records if r.config == config and r.feasible(result.budget_bytes)
+            and health_problem(r, result.records) is None]
 
 
 def frontier(state: TuneState, result: SearchResult, chosen: Chosen, *, runs: bool = True) -> tuple:
