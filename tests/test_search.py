@@ -1070,6 +1070,31 @@ def test_a_bf16_precision_measured_far_below_a_full_precision_best_speaks_for_th
     assert not outpaced(space, space.config("bf16-true", 1, 0, 0), [fast], fast)
 
 
+def test_a_twin_whose_group_ran_at_another_shape_is_judged_by_that_trial_moved_along_the_shape():
+    """A CPU without bf16 units: bf16-true ran at micro batch 2, at a fifth of the 32-true
+    best's speed at 4, and bf16-mixed never ran. Matched at no shape, the bf16-true twin
+    ranked as unmeasured (1.0) and its slow trial came again; its own trial moved to the
+    best's shape by the step model (`predict`) puts it below `TWIN_FLOOR`. Where the step
+    model moves it above the floor, the twin stays."""
+    from autofit.search.step_model import PRIOR
+
+    space = SearchSpace(global_batch_size=16, precisions=("32-true", "bf16-mixed", "bf16-true"),
+                        micro_batch_sizes=(1, 2, 4, 8, 16), max_checkpoint_blocks=3, max_freeze_blocks=0)
+    best = _ok(0, space.config("32-true", 4, 0, 0), 20.0)
+    slow = _ok(1, space.config("bf16-true", 2, 0, 0), 4.0)
+
+    def predict(config, anchor):
+        return PRIOR.predicted(config, anchor, space)
+
+    def twin_precisions(records, **kwargs):
+        return {t.precision for t in seeding.twins(space, lambda c: True, best.config, records=records, **kwargs)}
+
+    assert "bf16-true" in twin_precisions([best, slow])  # unmatched: as if unmeasured
+    assert twin_precisions([best, slow], predict=predict) == {"bf16-mixed"}
+    close = _ok(1, slow.config, 15.0)  # moved to micro batch 4 by the prior: 20.0, the best's
+    assert twin_precisions([best, close], predict=predict) == {"bf16-mixed", "bf16-true"}
+
+
 def test_a_look_from_below_pruned_when_claimed_is_priced_as_any_config_after():
     """The look from below (`plan._look_down`) is priced at the speed measured, not scaled down
     with its micro batch. One that the claim then prunes (its traced estimate does not fit) is

@@ -228,7 +228,8 @@ class Plan:
                 if config in self.seeds and self.known(config, records) is None and allowed(config):
                     self._replace_seed(config, records, seed_fits)
             if best is not None:
-                refined = seeding.refinements(self.space, fits, best.config, allowed, records)
+                refined = seeding.refinements(self.space, fits, best.config, allowed, records,
+                                              lambda config, anchor: model.predicted(config, anchor, self.space))
                 config = next((c for c in refined if ready(c)), None)
                 if config is not None:
                     return taking(config)

@@ -22,6 +22,9 @@ from autofit.search.trial_health import REFERENCE_PRECISIONS
 
 Fits = Callable[[TrainConfig], bool]
 Allowed = Callable[[TrainConfig], bool]
+# A config's samples/s predicted from a measured trial on its line, moved along the shape
+# (the plan passes its fitted `step_model`: that module builds on this one).
+Predict = Callable[[TrainConfig, TrialRecord], float]
 # A group measured below this fraction of the best's group at a matched micro batch gets no
 # twin: its precision or memory knobs cost more than a shape can win back.
 TWIN_FLOOR = 0.8
@@ -237,15 +240,16 @@ def replacement(space: SearchSpace, fits: Fits, seed: TrainConfig) -> TrainConfi
 
 
 def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = _anything,
-          records: Sequence[TrialRecord] = ()) -> list[TrainConfig]:
+          records: Sequence[TrialRecord] = (), predict: Predict | None = None) -> list[TrainConfig]:
     """The best's shape in the other seed groups: its micro batch and freezing depth, with
     the fewest checkpointed blocks that fit there (a group leaner in memory checkpoints
     fewer); then, for each group that fits a larger micro batch with fewer checkpointed
     blocks than the best's own group would need, that micro batch. Seeds compare groups at
     their own largest micro batches; where throughput peaks below those, or one group's
     saving buys another micro batch, only a comparison at the best's shape tells which wins.
-    Groups measured well below the best's group at a matched micro batch (`TWIN_FLOOR`)
-    are left out, and the others come fastest first."""
+    Groups measured well below the best's group at a matched micro batch (`TWIN_FLOOR`), or
+    against a full-precision best predicted so from their own trials at another shape
+    (`predict`), are left out, and the others come fastest first."""
     mine = space.seed_group(best)
     # The next larger micro batch, and the fewest blocks the best's own group needs there.
     larger = [(m, fewest_checkpointed(space, fits, best.precision, m, best.freeze_blocks, space.kept(best),
@@ -255,7 +259,9 @@ def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = 
     for precision, strategy, knobs in seed_groups(space, allowed):
         kept = strategy | knobs  # eager, plain refinement knobs: those are tried on the leaders only
         group = space.seed_group(space.config(precision, best.micro_batch_size, **kept))
-        ratio = _speed_ratio(space, records, mine, group)
+        ratio = _speed_ratio(space, records, mine, group, best_at=shape_at(
+            space, precision, best.micro_batch_size, best.checkpoint_blocks, best.freeze_blocks,
+            kept, best.checkpoint_policy), best=best, predict=predict)
         if group == mine or (ratio is not None and ratio < TWIN_FLOOR):
             continue
         at = fewest_checkpointed(space, fits, precision, best.micro_batch_size, best.freeze_blocks, kept,
@@ -271,14 +277,18 @@ def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = 
     return [c for _, same, _ in ranked for c in same] + [c for _, _, bigger in ranked for c in bigger]
 
 
-def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple, group: tuple) -> float | None:
+def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple, group: tuple, *,
+                 best_at: TrainConfig | None = None, best: TrainConfig | None = None,
+                 predict: Predict | None = None) -> float | None:
     """How fast seed group `group` ran against `mine`, at the same micro batch, freezing depth
     and compile setting: the largest ratio over such pairs. Without one, how its precision
     ran against `mine`'s at a shape matched in strategy and memory knobs too; without that,
-    for a bf16 group against a full-precision one, `ALIKE_SPREAD` times how the other bf16
-    precision ran so (`alike_16_bit`), at most 1.0. None when none was measured. Precisions and
-    memory knobs scale a config's speed about alike at every batch, so one matched pair says
-    most of what a group can do."""
+    against a full-precision group, `group` at the best's shape (`best_at`) predicted from
+    its own trials on that line (`predict`) over the best's figure, at most 1.0; without
+    that, for a bf16 group against a full-precision one, `ALIKE_SPREAD` times how the other
+    bf16 precision ran so (`alike_16_bit`), at most 1.0. None when none was measured. Precisions and memory knobs
+    scale a config's speed about alike at every batch, so one matched pair says most of what
+    a group can do."""
     def size(config: TrainConfig) -> tuple:
         return config.micro_batch_size, config.freeze_blocks, config.compile
 
@@ -286,7 +296,14 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     if found is None:
         found = _matched_ratio(records, lambda c: c.precision, lambda c: size(c) + space.seed_group(c)[1:],
                                group[0], mine[0])
-    if found is None and speed_class(mine[0]) != SIXTEEN_BIT:
+    full_precision_best = speed_class(mine[0]) != SIXTEEN_BIT
+    if found is None and full_precision_best and predict is not None and best_at is not None:
+        # Against a full precision (a CPU's bf16 without units runs several times slower), the
+        # group's own trials at another shape, moved along it: a bound for the floor, never
+        # above an unmeasured group's 1.0 (the step model's move can be far off on a GPU).
+        predicted = _predicted_ratio(records, best_at, best, predict)
+        found = None if predicted is None else min(1.0, predicted)
+    if found is None and full_precision_best:
         # Against a full precision, a bf16 group from the other bf16 precision, at most
         # `ALIKE_SPREAD` times as fast: a bound for the floor, not an estimate to rank by, so
         # never above an unmeasured group's 1.0. A loaded host's figure says nothing here.
@@ -309,6 +326,21 @@ def speed_class(precision: str) -> str:
     may be 2x 32-true). A price may be rough; a seed deferred or a twin dropped on another
     precision's figure asks more (`alike_16_bit`: a CPU may have bf16 units and no fp16)."""
     return precision if precision in REFERENCE_PRECISIONS else SIXTEEN_BIT
+
+
+def _predicted_ratio(records: Sequence[TrialRecord], config: TrainConfig, best: TrainConfig,
+                     predict: Predict) -> float | None:
+    """`config` predicted from the trials on its line (the fastest prediction: no other work
+    held the host) over the best's fastest figure; None where either has none."""
+    def quiet(r: TrialRecord) -> bool:
+        return r.status == "ok" and not r.repeat and not r.loaded and r.samples_per_s > 0
+
+    line = line_of(config)
+    anchors = [r for r in records if quiet(r) and line_of(r.config) == line]
+    ours = max((r.samples_per_s for r in records if quiet(r) and r.config == best), default=None)
+    if not anchors or ours is None:
+        return None
+    return max(predict(config, r) for r in anchors) / ours
 
 
 def _matched_ratio(records: Sequence[TrialRecord], key: Callable, shape: Callable, theirs_key,
@@ -370,7 +402,7 @@ def smallest(space: SearchSpace, estimate: Callable[[TrainConfig], int], allowed
 
 
 def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = _anything,
-                records: Sequence[TrialRecord] = ()) -> Iterator[TrainConfig]:
+                records: Sequence[TrialRecord] = (), predict: Predict | None = None) -> Iterator[TrainConfig]:
     """After a new best: its precision's frontier under the now-calibrated model at the micro
     batches next to the best's (under its checkpoint policy and memory knobs; first, where the
     best was reached by a move along them that paid, the next one that way twice as far:
@@ -404,7 +436,7 @@ def refinements(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allo
     near = (c for m in by_distance if m not in (best.micro_batch_size, ahead)
             for c in [at(m)] if c is not None and c != eager)
     yield from itertools.islice(near, 2)
-    yield from twins(space, fits, eager, allowed, records)
+    yield from twins(space, fits, eager, allowed, records, predict)
     yield from leader_twins(space, fits, best)
     # The other policy at the best's micro batch, and at its own largest one.
     others = [t for t in [policy_twin(space, fits, eager)] if t is not None]
