@@ -185,3 +185,21 @@ def test_our_descendants_are_not_other_work(tmp_path, monkeypatch, tick):
     host.add(90002, parent=90001)
     host.run(1.0, [100, 100], {os.getpid(): 100, 90001: 40, 90002: 50})
     assert meter.stop()["foreign_cores"] == 0.1
+
+
+def test_a_chain_reaped_meanwhile_counts_only_its_time_in_the_interval(tmp_path, monkeypatch, tick):
+    """A worker of ours (5 s behind it) whose compiler (10 s behind it) exits: the worker waits
+    for the compiler, exits, and we wait for the worker. Our reading then holds both lives;
+    their time before the interval is taken off, the stranger's 0.8 of a core stays."""
+    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    host = FakeHost(tmp_path, monkeypatch, cpus=2)
+    host.add(90001, parent=os.getpid())
+    host.add(90002, parent=90001)
+    host.run(10.0, [1000, 1000], {90001: 500, 90002: 1000, os.getpid(): 500})
+    meter = load.HostLoad()
+    meter.start()
+    host.run(1.0, [115, 115], {os.getpid(): 100, 90001: 20, 90002: 30})
+    host.reap(90002)
+    host.reap(90001)
+    assert meter.stop()["foreign_cores"] == 0.8

@@ -1091,8 +1091,20 @@ def test_a_twin_whose_group_ran_at_another_shape_is_judged_by_that_trial_moved_a
 
     assert "bf16-true" in twin_precisions([best, slow])  # unmatched: as if unmeasured
     assert twin_precisions([best, slow], predict=predict) == {"bf16-mixed"}
-    close = _ok(1, slow.config, 15.0)  # moved to micro batch 4 by the prior: 20.0, the best's
-    assert twin_precisions([best, close], predict=predict) == {"bf16-mixed", "bf16-true"}
+    assert twin_precisions([best, slow.replace(measurement=dataclasses.replace(
+        slow.measurement, foreign_cores=2.0, cores=2))], predict=predict) == {"bf16-mixed", "bf16-true"}  # loaded
+    # Moved to micro batch 4 by the prior, 15.0 is 22.5, above the best's 20.0: a bound for
+    # the floor only, so it ranks no higher than the unmeasured bf16-mixed (1.0), in the
+    # groups' order, not ahead of it.
+    close = _ok(1, slow.config, 15.0)
+    ranked = [t.precision for t in seeding.twins(space, lambda c: True, best.config, records=[best, close],
+                                                 predict=predict)]
+    assert ranked == ["bf16-mixed", "bf16-true"], ranked
+    # Against a 16-bit best the move along the shape judges no twin (on a GPU it skipped the
+    # optimum's group): bf16-true at a fifth of a bf16-mixed best's speed keeps its twin.
+    fast = _ok(0, space.config("bf16-mixed", 4, 0, 0), 20.0)
+    assert "bf16-true" in {t.precision for t in seeding.twins(space, lambda c: True, fast.config,
+                                                               records=[fast, slow], predict=predict)}
 
 
 def test_a_look_from_below_pruned_when_claimed_is_priced_as_any_config_after():

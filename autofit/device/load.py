@@ -11,6 +11,7 @@ so every measurement carries this (Linux; None elsewhere).
 import contextlib
 import os
 import time
+from typing import NamedTuple
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PROC = "/proc"  # a seam: tests read a made-up host
@@ -74,10 +75,15 @@ def sibling_ranks(table: dict[int, tuple[int, int]] | None = None) -> list[int]:
     return sorted(pid for pid, (ppid, _) in table.items() if ppid == parent and pid != own)
 
 
-def _family(cpus: frozenset[int]) -> dict[int, tuple[int, int]] | None:
-    """The processes whose work is ours, pid -> (parent pid, CPU ticks): this one, its sibling
-    ranks that may run on `cpus`, and their descendants (compile workers and the compilers
-    they start). None where /proc cannot say."""
+class _Reading(NamedTuple):
+    family: dict[int, tuple[int, int]]  # our processes: pid -> (parent pid, CPU ticks)
+    alive: frozenset[int]  # every process on the host
+
+
+def _family(cpus: frozenset[int]) -> _Reading | None:
+    """The processes whose work is ours: this one, its sibling ranks that may run on `cpus`,
+    and their descendants (compile workers and the compilers they start). None where /proc
+    cannot say."""
     table, own = _processes(), os.getpid()
     if own not in table:
         return None
@@ -87,7 +93,7 @@ def _family(cpus: frozenset[int]) -> dict[int, tuple[int, int]] | None:
         children.setdefault(ppid, []).append(pid)
     for pid in family:  # grows as it goes: breadth first over the tree
         family += [child for child in children.get(pid, []) if child not in family]
-    return {pid: table[pid] for pid in family}
+    return _Reading({pid: table[pid] for pid in family}, frozenset(table))
 
 
 def _own_ticks() -> int | None:
@@ -95,15 +101,23 @@ def _own_ticks() -> int | None:
     return None if fields is None else _ticks(fields)
 
 
-def _family_ticks_between(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> int:
-    """The CPU ticks our other processes took between two readings of `_family` (this one's
-    own are read apart, next to the host's). One that started meanwhile: all its time. One
-    that exited and was reaped by one of ours: its parent's reading holds its whole life, so
-    its time before is taken off; one reaped elsewhere cannot be read again, and its time
-    counts as other work."""
+def _family_ticks_between(before: _Reading, after: _Reading) -> int:
+    """The CPU ticks our other processes took between two readings (this one's own are read
+    apart, next to the host's). One that started meanwhile: all its time. One that exited
+    and was reaped within our tree (by its parent, and that one by its own, up to one of ours
+    still running): that one's reading holds its whole life, so its time before is taken off.
+    One reaped elsewhere (a sibling rank, by the launcher) cannot be read again, and its time
+    meanwhile counts as other work."""
     own = os.getpid()
-    ticks = sum(t - before.get(pid, (0, 0))[1] for pid, (_, t) in after.items() if pid != own)
-    return ticks - sum(t for pid, (ppid, t) in before.items() if pid not in after and ppid in after)
+    ticks = sum(t - before.family.get(pid, (0, 0))[1] for pid, (_, t) in after.family.items() if pid != own)
+
+    def reaped_within(pid: int) -> bool:
+        while pid in before.family and pid not in after.alive:
+            pid = before.family[pid][0]
+        return pid in after.family
+
+    return ticks - sum(t for pid, (_, t) in before.family.items()
+                       if pid not in after.alive and reaped_within(pid))
 
 
 def _shares_cpus(pid: int, cpus: frozenset[int]) -> bool:
@@ -130,16 +144,19 @@ class HostLoad:
 
     def start(self) -> None:
         cpus = allowed_cpus()
-        family = _family(cpus)  # the scan before the interval, this process's ticks next to the host's
+        # Each end reads our processes, then this one, then the host: a scan's own time falls
+        # outside the interval at the start and inside both readings at the stop, and what the
+        # others run during a scan falls on one side at the start and the other at the stop.
+        family = _family(cpus)
         self._start = (cpus, family, _own_ticks(), _busy_jiffies(cpus), time.monotonic())
 
     def stop(self) -> dict:
         """{"foreign_cores": cores busy with other work on average, "cores": those we may use};
         foreign_cores is None where /proc cannot say."""
         cpus, family0, own0, busy0, started_s = self._start or (allowed_cpus(), None, None, None, None)
+        family1 = _family(cpus)
+        own1, busy1 = _own_ticks(), _busy_jiffies(cpus)
         wall_s = time.monotonic() - (started_s or 0.0)
-        busy1, own1 = _busy_jiffies(cpus), _own_ticks()
-        family1 = _family(cpus)  # the scan after the interval
         foreign = None
         if None not in (family0, own0, busy0, busy1, own1, family1) and wall_s > 0:
             ours = (own1 - own0) + _family_ticks_between(family0, family1)

@@ -9,6 +9,7 @@ is fastest is measured, not assumed.
 """
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
@@ -259,10 +260,12 @@ def twins(space: SearchSpace, fits: Fits, best: TrainConfig, allowed: Allowed = 
     for precision, strategy, knobs in seed_groups(space, allowed):
         kept = strategy | knobs  # eager, plain refinement knobs: those are tried on the leaders only
         group = space.seed_group(space.config(precision, best.micro_batch_size, **kept))
+        if group == mine:
+            continue
         ratio = _speed_ratio(space, records, mine, group, best_at=shape_at(
             space, precision, best.micro_batch_size, best.checkpoint_blocks, best.freeze_blocks,
             kept, best.checkpoint_policy), best=best, predict=predict)
-        if group == mine or (ratio is not None and ratio < TWIN_FLOOR):
+        if ratio is not None and ratio < TWIN_FLOOR:
             continue
         at = fewest_checkpointed(space, fits, precision, best.micro_batch_size, best.freeze_blocks, kept,
                                  best.checkpoint_policy)
@@ -335,8 +338,8 @@ def _predicted_ratio(records: Sequence[TrialRecord], config: TrainConfig, best: 
     def quiet(r: TrialRecord) -> bool:
         return r.status == "ok" and not r.repeat and not r.loaded and r.samples_per_s > 0
 
-    line = line_of(config)
-    anchors = [r for r in records if quiet(r) and line_of(r.config) == line]
+    line = _line_key(config)
+    anchors = [r for r in records if quiet(r) and _line_key(r.config) == line]
     ours = max((r.samples_per_s for r in records if quiet(r) and r.config == best), default=None)
     if not anchors or ours is None:
         return None
@@ -465,6 +468,12 @@ def _stride(sizes: Sequence[int], best: TrainConfig, records: Sequence[TrialReco
         return None
     on_the_way = sizes[min(here, ahead) + 1:max(here, ahead)]
     return None if any(m in slower for m in on_the_way) else sizes[ahead]
+
+
+@functools.lru_cache(maxsize=4096)
+def _line_key(config: TrainConfig) -> tuple:
+    """`line_of` as a key, kept per config: the twins read every record's for every group."""
+    return tuple(sorted(line_of(config).items(), key=lambda item: item[0]))
 
 
 def line_of(config: TrainConfig) -> dict:
