@@ -203,3 +203,17 @@ def test_a_chain_reaped_meanwhile_counts_only_its_time_in_the_interval(tmp_path,
     host.reap(90002)
     host.reap(90001)
     assert meter.stop()["foreign_cores"] == 0.8
+
+
+def test_a_proc_that_lists_no_process_still_says_the_host_s_load(tmp_path, monkeypatch, tick):
+    """/proc of another pid namespace (or mounted to hide other users' processes): this process
+    alone is ours, read from /proc/self, as before there was a family to read."""
+    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    host = FakeHost(tmp_path, monkeypatch, cpus=2)
+    (tmp_path / str(os.getpid()) / "stat").unlink()  # /proc/self stays
+    meter = load.HostLoad()
+    meter.start()
+    host.run(1.0, [100, 60], {os.getpid(): 100})
+    (tmp_path / str(os.getpid()) / "stat").unlink()
+    assert meter.stop()["foreign_cores"] == 0.6

@@ -80,13 +80,12 @@ class _Reading(NamedTuple):
     alive: frozenset[int]  # every process on the host
 
 
-def _family(cpus: frozenset[int]) -> _Reading | None:
+def _family(cpus: frozenset[int]) -> _Reading:
     """The processes whose work is ours: this one, its sibling ranks that may run on `cpus`,
-    and their descendants (compile workers and the compilers they start). None where /proc
-    cannot say."""
+    and their descendants (compile workers and the compilers they start). Where /proc lists
+    no other process (another pid namespace's, or one that hides them), this one alone."""
     table, own = _processes(), os.getpid()
-    if own not in table:
-        return None
+    table.setdefault(own, (os.getppid(), 0))  # its own ticks are read apart (`_own_ticks`)
     family = [own] + [pid for pid in sibling_ranks(table) if _shares_cpus(pid, cpus)]
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
@@ -158,7 +157,7 @@ class HostLoad:
         own1, busy1 = _own_ticks(), _busy_jiffies(cpus)
         wall_s = time.monotonic() - (started_s or 0.0)
         foreign = None
-        if None not in (family0, own0, busy0, busy1, own1, family1) and wall_s > 0:
+        if None not in (family0, own0, busy0, busy1, own1) and wall_s > 0:
             ours = (own1 - own0) + _family_ticks_between(family0, family1)
             foreign_s = max(0, (busy1 - busy0) - ours) / _CLOCK_TICKS
             foreign = round(foreign_s / wall_s, 3)
