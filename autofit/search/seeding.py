@@ -286,12 +286,12 @@ def _speed_ratio(space: SearchSpace, records: Sequence[TrialRecord], mine: tuple
     """How fast seed group `group` ran against `mine`, at the same micro batch, freezing depth
     and compile setting: the largest ratio over such pairs. Without one, how its precision
     ran against `mine`'s at a shape matched in strategy and memory knobs too; without that,
-    against a full-precision group, `group` at the best's shape (`best_at`) predicted from
+    against a full-precision best, `group` at the best's shape (`best_at`) predicted from
     its own trials on that line (`predict`) over the best's figure, at most 1.0; without
     that, for a bf16 group against a full-precision one, `ALIKE_SPREAD` times how the other
-    bf16 precision ran so (`alike_16_bit`), at most 1.0. None when none was measured. Precisions and memory knobs
-    scale a config's speed about alike at every batch, so one matched pair says most of what
-    a group can do."""
+    bf16 precision ran so (`alike_16_bit`), at most 1.0. None when none was measured.
+    Precisions and memory knobs scale a config's speed about alike at every batch, so one
+    matched pair says most of what a group can do."""
     def size(config: TrainConfig) -> tuple:
         return config.micro_batch_size, config.freeze_blocks, config.compile
 
