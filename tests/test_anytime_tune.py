@@ -119,6 +119,24 @@ def test_at_the_budgets_end_the_best_measured_config_is_the_profile_marked_unval
     assert outcome.incomplete and "not validated" in outcome.incomplete
 
 
+def test_a_resumed_study_keeps_where_its_warm_start_came_from(tmp_path, simulated):
+    """The service retries a stopped tune on the study it left, and a resumed study gets no
+    warm start (`service/job.py`): its profile said `warm_start_from: ""` though its first
+    trials were the other kind's. Seen once as a failure of the service's warm-start test on a
+    loaded host."""
+    from autofit.search.warm_start import WarmStart
+
+    simulated(validation_blocks=False)
+    setup = dataclasses.replace(_setup(tmp_path, time_budget_s=None), storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    source = TrainConfig(precision="bf16-mixed", micro_batch_size=4, grad_accum_steps=2)
+    first = tune(dataclasses.replace(setup, warm=WarmStart(from_kind="nvidia-h100-elsewhere", ranked=(source,))))
+    assert first.profile.search.warm_start_from == "nvidia-h100-elsewhere"
+    again = tune(dataclasses.replace(setup, out_dir=tmp_path / "again"))  # resumed: no warm start given
+    assert again.profile.search.warm_start_from == "nvidia-h100-elsewhere"
+    cold = tune(dataclasses.replace(_setup(tmp_path, time_budget_s=None), out_dir=tmp_path / "cold"))
+    assert cold.profile.search.warm_start_from == ""  # a study without one says none
+
+
 def test_a_halted_profile_that_is_the_floor_does_not_say_its_speed_up_over_itself_was_missing():
     """Seen on a CPU tune of a published GPT-NeoX: the search's choice and the one-liner both
     validated, the one-liner faster, and the budget ran out in their pairs. The note said the

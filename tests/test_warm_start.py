@@ -73,9 +73,9 @@ def test_the_service_starts_a_new_kind_from_the_first_kinds_experience(tmp_path)
     profiles = {p.name: Profile.load(p) for p in (tmp_path / "profiles").glob("*.yaml")}
     (first,) = [p for name, p in profiles.items() if "h100" in name]
     (second,) = [p for name, p in profiles.items() if "a100" in name]
-    assert first.search.warm_start_from == ""  # nothing to start from: cold
-    assert second.search.warm_start_from == first.device.fingerprint
-    log = serve.log()
+    log = serve.log()  # said on failure: a warm start missing under load was seen once
+    assert first.search.warm_start_from == "", log[-4000:]  # nothing to start from: cold
+    assert second.search.warm_start_from == first.device.fingerprint, log[-4000:]
     assert f"warm start from {first.device.fingerprint}: measuring first" in log, log[-4000:]
     assert yaml.safe_load((tmp_path / "profiles" / next(n for n in profiles if "a100" in n)).read_text())[
         "search"]["warm_start_from"] == first.device.fingerprint

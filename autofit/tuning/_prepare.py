@@ -67,8 +67,22 @@ def _starts(state: TuneState) -> tuple:
     starts = _read_demotions(state)
     warm = tuple(c for c in warm_starts(state.setup.warm, state.space, partial(predict, state), state.budget)
                  if c not in state.demoted)  # where training ran out of memory is never a start
-    state.warm_from = state.setup.warm.from_kind if warm else ""
+    state.warm_from = _warm_from(state.study, state.setup.warm.from_kind if warm else "")
     return tuple(dict.fromkeys(starts + warm))
+
+
+WARM_ATTR = "autofit_warm_start_from"
+
+
+def _warm_from(study, kind: str) -> str:
+    """The kind the study's warm start came from: `kind` where its starts are planned now (kept
+    in the study), else the one an earlier run on it planned. A resumed study gets no warm start
+    (the service retries a stopped tune on the study it left), yet its first trials were that
+    kind's: its profile said it started cold."""
+    if kind:
+        study.set_user_attr(WARM_ATTR, kind)
+        return kind
+    return str(study.user_attrs.get(WARM_ATTR, ""))
 
 
 def _read_demotions(state: TuneState) -> tuple:
