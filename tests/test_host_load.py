@@ -18,15 +18,24 @@ def _stat_line(pid: int, parent: int, ticks: int) -> str:
 
 
 class FakeHost:
-    """/proc of a host with `cpus` CPUs, this process and the processes added; and a clock."""
+    """/proc of a host with `cpus` CPUs (this process may run on `allowed`, all by default),
+    this process and the processes added, 100 clock ticks a second; and a clock. `ranks`: the
+    LOCAL_WORLD_SIZE torchrun would set (None: not under torchrun)."""
 
-    def __init__(self, tmp_path, monkeypatch, cpus: int):
+    def __init__(self, tmp_path, monkeypatch, cpus: int, *, allowed=None, ranks: int | None = None):
         self.root, self.cpus, self.now_s = tmp_path, cpus, 0.0
         self.busy_ticks = [0] * cpus
         self.ticks = {os.getpid(): 0}
         self.parents = {os.getpid(): os.getppid()}
         monkeypatch.setattr(load, "_PROC", str(tmp_path))
+        monkeypatch.setattr(load, "_CLOCK_TICKS", 100)
         monkeypatch.setattr(load.time, "monotonic", lambda: self.now_s)
+        mine = frozenset(range(cpus) if allowed is None else allowed)
+        monkeypatch.setattr(load, "allowed_cpus", lambda: mine)
+        if ranks is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
         self.write()
 
     def add(self, pid: int, parent: int) -> None:
@@ -59,17 +68,10 @@ class FakeHost:
         (self.root / "self" / "stat").write_text(_stat_line(os.getpid(), os.getppid(), self.ticks[os.getpid()]))
 
 
-@pytest.fixture
-def tick(monkeypatch):
-    monkeypatch.setattr(load, "_CLOCK_TICKS", 100)
-
-
-def test_sibling_ranks_are_not_other_work(tmp_path, monkeypatch, tick):
+def test_sibling_ranks_are_not_other_work(tmp_path, monkeypatch):
     """Four ranks of one torchrun on four cores, each busy: before, each rank saw the other
     three as other work (3 of 4 cores) and every trial was marked loaded."""
-    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(4)))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    host = FakeHost(tmp_path, monkeypatch, cpus=4)
+    host = FakeHost(tmp_path, monkeypatch, cpus=4, ranks=4)
     siblings = [90001, 90002, 90003]
     for pid in siblings:
         host.add(pid, parent=os.getppid())
@@ -80,9 +82,7 @@ def test_sibling_ranks_are_not_other_work(tmp_path, monkeypatch, tick):
     assert meter.stop() == {"foreign_cores": 0.3, "cores": 4}
 
 
-def test_without_torchrun_a_same_parent_process_is_other_work(tmp_path, monkeypatch, tick):
-    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+def test_without_torchrun_a_same_parent_process_is_other_work(tmp_path, monkeypatch):
     host = FakeHost(tmp_path, monkeypatch, cpus=2)
     host.add(90001, parent=os.getppid())
     meter = load.HostLoad()
@@ -91,13 +91,11 @@ def test_without_torchrun_a_same_parent_process_is_other_work(tmp_path, monkeypa
     assert meter.stop()["foreign_cores"] == 1.0
 
 
-def test_only_the_cpus_we_may_run_on_count(tmp_path, monkeypatch, tick):
+def test_only_the_cpus_we_may_run_on_count(tmp_path, monkeypatch):
     """Pinned to CPUs 0-1 of 4: work on CPUs 2-3 does not slow our steps, and a sibling rank
     pinned there took none of our CPUs' time, so it is not subtracted from them either."""
-    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset({0, 1}))
     monkeypatch.setattr(load, "_shares_cpus", lambda pid, cpus: False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    host = FakeHost(tmp_path, monkeypatch, cpus=4)
+    host = FakeHost(tmp_path, monkeypatch, cpus=4, allowed={0, 1}, ranks=2)
     host.add(90001, parent=os.getppid())
     meter = load.HostLoad()
     meter.start()
@@ -105,12 +103,10 @@ def test_only_the_cpus_we_may_run_on_count(tmp_path, monkeypatch, tick):
     assert meter.stop() == {"foreign_cores": 0.5, "cores": 2}
 
 
-def test_a_sibling_that_exited_counts_as_other_work(tmp_path, monkeypatch, tick):
+def test_a_sibling_that_exited_counts_as_other_work(tmp_path, monkeypatch):
     """Its time in the interval cannot be read again (its parent, the launcher, is not ours);
     its time before the interval is not taken off ours."""
-    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    host = FakeHost(tmp_path, monkeypatch, cpus=2)
+    host = FakeHost(tmp_path, monkeypatch, cpus=2, ranks=2)
     host.add(90001, parent=os.getppid())
     host.run(5.0, [500, 500], {90001: 500, os.getpid(): 500})
     meter = load.HostLoad()
@@ -120,11 +116,9 @@ def test_a_sibling_that_exited_counts_as_other_work(tmp_path, monkeypatch, tick)
     assert meter.stop()["foreign_cores"] == 0.8
 
 
-def test_a_child_reaped_meanwhile_counts_only_its_time_in_the_interval(tmp_path, monkeypatch, tick):
+def test_a_child_reaped_meanwhile_counts_only_its_time_in_the_interval(tmp_path, monkeypatch):
     """A compile worker of ours with 10 s of CPU behind it works 0.5 s more and exits; we wait
     for it, and our reading then holds its whole life. A stranger took 0.8 of a core."""
-    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     host = FakeHost(tmp_path, monkeypatch, cpus=2)
     host.add(90001, parent=os.getpid())
     host.run(10.0, [1000, 1000], {90001: 1000, os.getpid(): 1000})
@@ -173,11 +167,9 @@ def test_sibling_ranks_are_found_in_the_real_proc():
     assert a_siblings == [b] and b_siblings == [a]
 
 
-def test_our_descendants_are_not_other_work(tmp_path, monkeypatch, tick):
+def test_our_descendants_are_not_other_work(tmp_path, monkeypatch):
     """A compile worker this process started, and a compiler started while we timed: ours.
     Before, a CPU compile's compiler processes counted as other work."""
-    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     host = FakeHost(tmp_path, monkeypatch, cpus=2)
     host.add(90001, parent=os.getpid())
     meter = load.HostLoad()
@@ -187,12 +179,10 @@ def test_our_descendants_are_not_other_work(tmp_path, monkeypatch, tick):
     assert meter.stop()["foreign_cores"] == 0.1
 
 
-def test_a_chain_reaped_meanwhile_counts_only_its_time_in_the_interval(tmp_path, monkeypatch, tick):
+def test_a_chain_reaped_meanwhile_counts_only_its_time_in_the_interval(tmp_path, monkeypatch):
     """A worker of ours (5 s behind it) whose compiler (10 s behind it) exits: the worker waits
     for the compiler, exits, and we wait for the worker. Our reading then holds both lives;
     their time before the interval is taken off, the stranger's 0.8 of a core stays."""
-    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     host = FakeHost(tmp_path, monkeypatch, cpus=2)
     host.add(90001, parent=os.getpid())
     host.add(90002, parent=90001)
@@ -205,11 +195,9 @@ def test_a_chain_reaped_meanwhile_counts_only_its_time_in_the_interval(tmp_path,
     assert meter.stop()["foreign_cores"] == 0.8
 
 
-def test_a_proc_that_lists_no_process_still_says_the_host_s_load(tmp_path, monkeypatch, tick):
+def test_a_proc_that_lists_no_process_still_says_the_host_s_load(tmp_path, monkeypatch):
     """/proc of another pid namespace (or mounted to hide other users' processes): this process
     alone is ours, read from /proc/self, as before there was a family to read."""
-    monkeypatch.setattr(load, "allowed_cpus", lambda: frozenset(range(2)))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     host = FakeHost(tmp_path, monkeypatch, cpus=2)
     (tmp_path / str(os.getpid()) / "stat").unlink()  # /proc/self stays
     meter = load.HostLoad()
