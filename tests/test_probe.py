@@ -193,3 +193,17 @@ def test_emulated_device_runs_on_the_cpu_under_its_own_identity():
     assert l4.memory_total_bytes == l4.memory_free_bytes == 24 * GiB
     with pytest.raises(DeviceError):
         emulated_device("broken", 0)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("fpu sse2 avx2 f16c", False),  # AVX2 only: torch converts, a bf16 step is several times 32-true's
+    ("fpu avx2 avx512f avx512_bf16", True),
+    ("fpu avx2 amx_tile amx_bf16", True),
+    ("fpu avx512f avx512_fp16", True),
+    (None, None),  # no flags line (an Arm CPU's cpuinfo): unknown
+])
+def test_a_cpu_that_multiplies_16_bit_floats_is_told_by_its_flags(tmp_path, flags, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\n" + (f"flags\t\t: {flags}\n" if flags else ""))
+    assert probe.cpu_multiplies_16_bit(str(cpuinfo)) is expected
+    assert probe.cpu_multiplies_16_bit(str(tmp_path / "absent")) is None

@@ -143,6 +143,24 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+# The x86 flags of units that multiply 16-bit floats natively (oneDNN's bf16 and fp16 paths);
+# without one, torch converts and a 16-bit step runs several times slower than fp32's.
+SIXTEEN_BIT_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
+
+
+def cpu_multiplies_16_bit(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU has a unit that multiplies 16-bit floats (`SIXTEEN_BIT_CPU_FLAGS`);
+    None where its flags cannot be read (not x86 Linux: an Arm CPU's bf16 has no such flag)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return bool(SIXTEEN_BIT_CPU_FLAGS & set(line.partition(":")[2].split()))
+    except OSError:
+        pass
+    return None
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))

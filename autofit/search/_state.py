@@ -58,7 +58,8 @@ class Timing:
     timeout_s: float | None  # the search loop's own limit, apart from the budget
     should_stop: Callable[[], bool]  # a stop request (a signal, the service shutting down)
     # Before a full-precision trial has run: its step predicted this many times the 16-bit
-    # steps measured (`_timing.affordable`); the device's prior (`FULL_PRECISION_SLOWDOWN`).
+    # steps measured, and the other way before a 16-bit one has (`_timing.speeds_alike`); the
+    # device's prior (`_timing.full_precision_slowdown`).
     full_precision_slowdown: float
     # The steps every trial runs before its cap's clock starts: on a CPU the memory tracker's
     # (`measure.measurement.TRACKED_STEPS`), real optimizer steps, and slower than the rest.

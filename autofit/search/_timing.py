@@ -30,8 +30,22 @@ COMPILE_WARMUP_STEPS = 2
 # said: on a GPU its matmuls leave the tensor cores (H100 dense: 67 against 990 TFLOP/s); GPT-2
 # small measured 6.5x on an H100 (32-true with 6 of 12 blocks checkpointed against bf16-mixed:
 # benchmarks/results/2026-11-28-h100-gpu-check-a6c9ec0.json), 5x without the recompute. A CPU
-# runs 16 bits no faster than 32: no prior (1).
+# runs 16 bits no faster than 32: no prior (1), and one without a unit that multiplies them
+# (`device.probe.cpu_multiplies_16_bit`) runs them slower: `CPU_16_BIT_SLOWDOWN`.
 FULL_PRECISION_SLOWDOWN = {"cuda": 5.0}
+# A 16-bit step over 32-true's on a CPU with no 16-bit multiply unit, the least measured (an
+# AMD EPYC with AVX2, 2 cores): the README's tiny GPT 6.5x (bf16-mixed) and 8x (16-mixed), a
+# 4-layer Gemma-2-style model's first bf16 trial about 6x, a 4-layer 256-wide transformer
+# layer stack 24x (`benchmarks/results/2026-11-29-cpu-16-bit.md`).
+CPU_16_BIT_SLOWDOWN = 6.0
+
+
+def full_precision_slowdown(device_kind: str, multiplies_16_bit: bool | None = None) -> float:
+    """The prior `Timing.full_precision_slowdown` of a device: a full-precision step over a
+    16-bit one before both have run (below 1: the 16-bit step is the slower)."""
+    if device_kind == "cpu" and multiplies_16_bit is False:
+        return 1 / CPU_16_BIT_SLOWDOWN
+    return FULL_PRECISION_SLOWDOWN.get(device_kind, 1.0)
 # What a compiled trial's compiling costs before one of this search has compiled (then: the
 # longest it measured). Inductor compiles a transformer's training step from a cold cache in
 # tens of seconds (30-40 s per graph on a 2-core CPU, docs/benchmarks.md); a compile twin
@@ -121,6 +135,13 @@ def speeds_alike(timing: Timing, precision: str, records: list[TrialRecord],
     speeds = speeds_of(lambda p: seeding.speed_class(p) == seeding.speed_class(precision))
     if not speeds and precision in REFERENCE_PRECISIONS:
         speeds = speeds_of(lambda p: seeding.speed_class(p) == seeding.SIXTEEN_BIT, timing.full_precision_slowdown)
+    elif not speeds:
+        # A 16-bit precision with none of its own is predicted from the full precisions' trials
+        # (the slower of them, 32-true, where both ran), `full_precision_slowdown` times faster:
+        # unpriced, a CPU's first bf16 trial (6x slower than 32-true there) started with 15 s of
+        # the search left and ran 56 s, into the time validation needed.
+        full = speeds_of(lambda p: p in REFERENCE_PRECISIONS)
+        speeds = [min(full) * timing.full_precision_slowdown] if full else []
     return speeds
 
 
