@@ -8,6 +8,7 @@ import time
 import types
 
 import pytest
+from loguru import logger
 
 from autofit.base.errors import EXIT_INCOMPLETE, OutOfTimeError, TrialTimeoutError
 from autofit.base.sizes import parse_duration
@@ -317,6 +318,27 @@ def test_with_time_the_profile_is_validated_and_states_its_speedup_over_the_one_
     assert (first.precision, first.checkpoint_blocks, first.micro_batch_size) == ("32-true", 0, 8)
     assert search.baseline["config"]["precision"] == "32-true"
     assert search.speedup is not None and search.speedup > 1.0 and search.speedup_over_32_true > 1.0
+
+
+def test_the_cpus_one_liner_is_said_to_validate_before_its_run_not_after(tmp_path, simulated):
+    """On a CPU the one-liner's validation run is the 32-true loss reference, taken first: a
+    Gemma-2-style tune sat 21 s silent after "search stopped", then logged "validating <the
+    one-liner>" for the run already taken."""
+    calls = simulated(validation_blocks=False)
+    said = []
+    sink = logger.add(lambda message: said.append((message.record["message"], len(calls))), level="INFO")
+    try:
+        outcome = _tune(tmp_path, time_budget_s=120.0)
+    finally:
+        logger.remove(sink)
+    one_liner = outcome.profile.search.baseline["config"]
+    runs = [i for i, (config, steps, _) in enumerate(calls)
+            if steps is not None and config.precision == one_liner["precision"]
+            and config.micro_batch_size == one_liner["micro_batch_size"]]
+    [(line, before)] = [(m, n) for m, n in said if m.startswith("validating the one-liner")]
+    assert before == runs[0] and "32-true reference" in line  # said before its first long run
+    short = TrainConfig.from_dict(one_liner).short()
+    assert not [m for m, _ in said if m.startswith(f"validating {short} over")]
 
 
 def test_nothing_beats_the_one_liner_so_it_is_the_profile_and_the_note_says_so(tmp_path, simulated):
