@@ -6,8 +6,8 @@ on a CPU with no 16-bit multiply unit (`autofit.search._timing.CPU_16_BIT_SLOWDO
 A stack of `torch.nn.TransformerEncoderLayer`s, forward and backward over one batch, in
 32-true, bf16 autocast, fp16 autocast and bf16 weights, interleaved round by round so other
 load falls on each alike; the first round (first-use work) is left out. Prints each
-precision's median step and its ratio to 32-true, and whether the CPU's flags name a 16-bit
-multiply unit (`autofit.device.probe.cpu_multiplies_16_bit`).
+precision's median step and its ratio to 32-true, and which 16-bit dtypes the CPU's flags name a
+multiply unit for (`autofit.device.probe.cpu_16_bit_units`).
 """
 
 import argparse
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from autofit.device.probe import cpu_multiplies_16_bit
+from autofit.device.probe import cpu_16_bit_units
 
 VARIANTS = {"32-true": (None, torch.float32), "bf16-mixed": (torch.bfloat16, torch.float32),
             "16-mixed": (torch.float16, torch.float32), "bf16-true": (None, torch.bfloat16)}
@@ -45,7 +45,7 @@ def main() -> None:
             y.float().square().mean().backward()
             if round_:
                 times_s[name].append(time.perf_counter() - began)
-    print(f"16-bit multiply unit: {cpu_multiplies_16_bit()}; {torch.get_num_threads()} threads; "
+    print(f"16-bit multiply units: {sorted(cpu_16_bit_units() or []) or 'none'}; {torch.get_num_threads()} threads; "
           f"width {args.width}, {args.layers} layers, batch {args.batch}x{args.seq}")
     base_s = statistics.median(times_s["32-true"])
     for name, steps in times_s.items():

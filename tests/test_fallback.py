@@ -186,33 +186,51 @@ def test_a_full_precision_trial_is_priced_from_the_16_bit_ones_before_its_own_ru
 
 def test_a_16_bit_trial_is_priced_from_the_full_precision_ones_before_its_own_run():
     """A CPU's one-liner is 32-true; its first bf16 trial was priced at nothing (no 16-bit
-    speed to predict it) and, 6x slower a step there, ran 56 s from 15 s before the search's
-    end. Now it is priced from 32-true's steps and the device's prior."""
+    speed to predict it) and, 7x slower a step there, ran 56 s from 15 s before the search's
+    end. Now it is priced from the fastest 32-true trial (not a slow fallback's) and the
+    device's prior."""
     tuner = _tuner(LLAMA, 120.0)
     tuner.timing.searching_since = 0.0  # the search loop runs; 72 s of it left
-    space = LLAMA.space()
-    full = _record(0, space.config("32-true", 4, LLAMA.n_blocks), LLAMA.global_batch_size / 4.0)  # 4 s a step
+    space, g = LLAMA.space(), LLAMA.global_batch_size
+    full = [_record(0, space.config("32-true", 4, LLAMA.n_blocks), g / 4.0),  # 4 s a step
+            _record(1, space.config("32-true", 2, LLAMA.n_blocks), g / 20.0)]  # 20 s a step: 80 s, were it the price
     bf16 = space.config("bf16-mixed", 4, LLAMA.n_blocks)
     tuner.timing.full_precision_slowdown = 1.0  # a CPU with 16-bit units: 4 steps of 4 s
-    assert tuner._affordable(bf16, [full])
-    tuner.timing.full_precision_slowdown = _timing.full_precision_slowdown("cpu", multiplies_16_bit=False)
-    assert not tuner._affordable(bf16, [full])  # 4 steps of 24 s: past the 72 s left
-    tuner.timing.full_precision_slowdown = 5.0  # a GPU: faster than the 32-true step
-    assert tuner._affordable(bf16, [full])
+    assert tuner._affordable(bf16, full)
+    tuner.timing.slow_16_bit = _timing.slow_16_bit(frozenset())  # none: 4 steps of 24 s, past the 72 s left
+    assert not tuner._affordable(bf16, full)
+    assert tuner._affordable(space.config("32-true", 4, LLAMA.n_blocks), full)
+    tuner.timing.slow_16_bit, tuner.timing.full_precision_slowdown = frozenset(), 5.0  # a GPU: faster than 32-true
+    assert tuner._affordable(bf16, full)
 
 
-def test_the_16_bit_prior_is_a_cpus_only_where_it_has_no_16_bit_multiply_unit():
-    assert _timing.full_precision_slowdown("cpu", multiplies_16_bit=False) == pytest.approx(1 / 6)
-    assert _timing.full_precision_slowdown("cpu", multiplies_16_bit=True) == 1.0
-    assert _timing.full_precision_slowdown("cpu", multiplies_16_bit=None) == 1.0  # flags unread: no prior
-    assert _timing.full_precision_slowdown("cuda") == _timing.FULL_PRECISION_SLOWDOWN["cuda"]
+def test_a_cpu_with_a_bf16_unit_and_none_for_fp16_prices_16_mixed_from_bf16_at_the_cpus_prior():
+    """Zen 4 multiplies bf16 and not fp16: a bf16-mixed trial at 32-true's speed does not
+    make a 16-mixed one as cheap (a 6x slower step), nor a 16-mixed trial a bf16 one as dear."""
+    tuner = _tuner(LLAMA, 120.0)
+    tuner.timing.searching_since = 0.0
+    tuner.timing.full_precision_slowdown = 1.0
+    tuner.timing.slow_16_bit = _timing.slow_16_bit(frozenset({"bf16"}))
+    assert tuner.timing.slow_16_bit == {"16-mixed"}
+    space, g = LLAMA.space(), LLAMA.global_batch_size
+    bf16 = [_record(0, space.config("bf16-mixed", 4, LLAMA.n_blocks), g / 4.0)]  # 4 s a step
+    assert _timing.speeds_alike(tuner.timing, "16-mixed", bf16) == [pytest.approx(g / 24.0)]
+    assert not tuner._affordable(space.config("16-mixed", 4, LLAMA.n_blocks), bf16)
+    fp16 = [_record(0, space.config("16-mixed", 4, LLAMA.n_blocks), g / 24.0)]
+    assert _timing.speeds_alike(tuner.timing, "bf16-true", fp16) == [pytest.approx(g / 4.0)]
+    assert _timing.speeds_alike(tuner.timing, "32-true", fp16) == [pytest.approx(g / 4.0)]
+
+
+def test_the_16_bit_prior_is_a_cpus_only_for_the_dtypes_it_has_no_multiply_unit_for():
+    assert _timing.slow_16_bit(frozenset()) == {"bf16-mixed", "bf16-true", "16-mixed"}
+    assert _timing.slow_16_bit(frozenset({"bf16", "fp16"})) == frozenset()
+    assert _timing.slow_16_bit(None) == frozenset()  # flags unread: no prior
 
 
 def test_the_search_stops_planning_once_no_trial_can_end_in_its_time_left():
     """Planning costs estimates (fake steps of device time): once four steps at the fastest
     speed measured outlast the search's time left, no config is affordable and the loop stops.
-    Not while a precision predicted faster can end in time (on a GPU a 16-bit step is priced
-    at a fifth of 32-true's before one ran)."""
+    Not while a precision nothing predicts may be affordable (tf32 here, with none of its own)."""
     tuner = _tuner(LLAMA, 120.0)
     tuner.timing.searching_since = 0.0  # the search loop runs; 72 s of it left
     space, g = LLAMA.space(), LLAMA.global_batch_size

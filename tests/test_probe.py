@@ -196,14 +196,15 @@ def test_emulated_device_runs_on_the_cpu_under_its_own_identity():
 
 
 @pytest.mark.parametrize("flags, expected", [
-    ("fpu sse2 avx2 f16c", False),  # AVX2 only: torch converts, a bf16 step is several times 32-true's
-    ("fpu avx2 avx512f avx512_bf16", True),
-    ("fpu avx2 amx_tile amx_bf16", True),
-    ("fpu avx512f avx512_fp16", True),
-    (None, None),  # no flags line (an Arm CPU's cpuinfo): unknown
+    ("fpu sse2 avx2 f16c", frozenset()),  # AVX2 only: torch converts, a bf16 step is several times 32-true's
+    ("fpu avx2 avx512f avx512_bf16", {"bf16"}),  # Cooper Lake, Zen 4: bf16, no fp16 unit
+    ("fpu avx2 amx_tile amx_bf16", {"bf16"}),
+    ("fpu avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_fp16", {"bf16", "fp16"}),
+    (None, None),  # no x86 flags line (an Arm CPU's cpuinfo): unknown
 ])
-def test_a_cpu_that_multiplies_16_bit_floats_is_told_by_its_flags(tmp_path, flags, expected):
+def test_a_cpus_16_bit_multiply_units_are_told_by_its_flags(tmp_path, flags, expected):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\n" + (f"flags\t\t: {flags}\n" if flags else ""))
-    assert probe.cpu_multiplies_16_bit(str(cpuinfo)) is expected
-    assert probe.cpu_multiplies_16_bit(str(tmp_path / "absent")) is None
+    processor = "processor\t: {}\nmodel name\t: Some CPU\n" + (f"flags\t\t: {flags}\n" if flags else "Features\t: fp asimd bf16\n")
+    cpuinfo.write_text(processor.format(0) + "\n" + processor.format(1))
+    assert probe.cpu_16_bit_units(str(cpuinfo)) == expected
+    assert probe.cpu_16_bit_units(str(tmp_path / "absent")) is None

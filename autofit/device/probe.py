@@ -143,19 +143,23 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-# The x86 flags of units that multiply 16-bit floats natively (oneDNN's bf16 and fp16 paths);
-# without one, torch converts and a 16-bit step runs several times slower than fp32's.
-SIXTEEN_BIT_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
+# The x86 flags of units that multiply 16-bit floats (oneDNN's fast bf16 and fp16 paths), by
+# dtype; without one, a 16-bit step runs several times slower than fp32's (torch converts, or
+# on AVX-512 without `avx512_bf16` emulates: about 3-4x, and counted as none here).
+SIXTEEN_BIT_CPU_FLAGS = {"bf16": frozenset({"avx512_bf16", "amx_bf16"}),
+                         "fp16": frozenset({"avx512_fp16", "amx_fp16"})}
 
 
-def cpu_multiplies_16_bit(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU has a unit that multiplies 16-bit floats (`SIXTEEN_BIT_CPU_FLAGS`);
-    None where its flags cannot be read (not x86 Linux: an Arm CPU's bf16 has no such flag)."""
+def cpu_16_bit_units(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The 16-bit dtypes ("bf16", "fp16") this x86 CPU has a multiply unit for, by the first
+    processor's flags (`SIXTEEN_BIT_CPU_FLAGS`); None where there is no x86 `flags` line (an Arm
+    CPU lists its `bf16` under `Features`: not judged here) or the file cannot be read."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
-                    return bool(SIXTEEN_BIT_CPU_FLAGS & set(line.partition(":")[2].split()))
+                    flags = set(line.partition(":")[2].split())
+                    return frozenset(dtype for dtype, names in SIXTEEN_BIT_CPU_FLAGS.items() if names & flags)
     except OSError:
         pass
     return None

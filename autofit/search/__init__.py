@@ -9,13 +9,13 @@
 - `tuner`: the ask/tell loop (`Tuner`).
 """
 
-from autofit.search._timing import full_precision_slowdown, FULL_PRECISION_SLOWDOWN
+from autofit.search._timing import FULL_PRECISION_SLOWDOWN, slow_16_bit
 from autofit.search.memory_model import MemoryModel
 from autofit.search.search_space import Knob, SearchSpace
 from autofit.search.study import make_study, read_records, SearchResult, TrialRecord
 from autofit.search.trial_health import FIRST_LOSS_RTOL, health_problem, MEAN_LOSS_RTOL, reference_for, REFERENCE_PRECISIONS
 from autofit.search.tuner import Tuner
 
-__all__ = ["FIRST_LOSS_RTOL", "FULL_PRECISION_SLOWDOWN", "full_precision_slowdown", "MEAN_LOSS_RTOL", "REFERENCE_PRECISIONS", "Knob", "MemoryModel", "SearchResult",
+__all__ = ["FIRST_LOSS_RTOL", "FULL_PRECISION_SLOWDOWN", "MEAN_LOSS_RTOL", "REFERENCE_PRECISIONS", "Knob", "MemoryModel", "SearchResult",
            "SearchSpace", "TrialRecord", "Tuner", "health_problem", "make_study", "read_records",
-           "reference_for"]
+           "reference_for", "slow_16_bit"]

@@ -59,8 +59,11 @@ class Timing:
     should_stop: Callable[[], bool]  # a stop request (a signal, the service shutting down)
     # Before a full-precision trial has run: its step predicted this many times the 16-bit
     # steps measured, and the other way before a 16-bit one has (`_timing.speeds_alike`); the
-    # device's prior (`_timing.full_precision_slowdown`).
+    # device's prior (`_timing.FULL_PRECISION_SLOWDOWN`; `_timing.over_full`).
     full_precision_slowdown: float
+    # The 16-bit precisions this CPU has no unit to multiply in (`_timing.slow_16_bit`): priced
+    # `_timing.CPU_16_BIT_SLOWDOWN` times a full precision's step, not `full_precision_slowdown`.
+    slow_16_bit: frozenset = frozenset()
     # The steps every trial runs before its cap's clock starts: on a CPU the memory tracker's
     # (`measure.measurement.TRACKED_STEPS`), real optimizer steps, and slower than the rest.
     steps_before_cap: int = 0

@@ -30,22 +30,26 @@ COMPILE_WARMUP_STEPS = 2
 # said: on a GPU its matmuls leave the tensor cores (H100 dense: 67 against 990 TFLOP/s); GPT-2
 # small measured 6.5x on an H100 (32-true with 6 of 12 blocks checkpointed against bf16-mixed:
 # benchmarks/results/2026-11-28-h100-gpu-check-a6c9ec0.json), 5x without the recompute. A CPU
-# runs 16 bits no faster than 32: no prior (1), and one without a unit that multiplies them
-# (`device.probe.cpu_multiplies_16_bit`) runs them slower: `CPU_16_BIT_SLOWDOWN`.
+# runs 16 bits no faster than 32: no prior (1); one with no unit that multiplies a 16-bit
+# dtype (`Timing.slow_16_bit`) runs that dtype's precisions `CPU_16_BIT_SLOWDOWN` times slower.
 FULL_PRECISION_SLOWDOWN = {"cuda": 5.0}
-# A 16-bit step over 32-true's on a CPU with no 16-bit multiply unit, the least measured (an
-# AMD EPYC with AVX2, 2 cores): the README's tiny GPT 6.5x (bf16-mixed) and 8x (16-mixed), a
-# 4-layer Gemma-2-style model's first bf16 trial about 6x, a 4-layer 256-wide transformer
-# layer stack 24x (`benchmarks/results/2026-11-29-cpu-16-bit.md`).
+# A 16-bit step over 32-true's on a CPU with no unit that multiplies its dtype, the least
+# measured (an AMD EPYC with AVX2, 2 cores): the README's tiny GPT 6.5x (bf16-mixed) and 8x
+# (16-mixed), a 4-layer Gemma-2-style model's bf16-mixed 6.8-7.1x, a 4-layer 256-wide
+# encoder stack 22-27x (`benchmarks/results/2026-11-29-cpu-16-bit.md`).
 CPU_16_BIT_SLOWDOWN = 6.0
+# The precisions each 16-bit dtype (as `device.probe.cpu_16_bit_units` names them) computes in.
+PRECISIONS_OF_16_BIT = {"bf16": ("bf16-mixed", "bf16-true"), "fp16": ("16-mixed",)}
 
 
-def full_precision_slowdown(device_kind: str, multiplies_16_bit: bool | None = None) -> float:
-    """The prior `Timing.full_precision_slowdown` of a device: a full-precision step over a
-    16-bit one before both have run (below 1: the 16-bit step is the slower)."""
-    if device_kind == "cpu" and multiplies_16_bit is False:
-        return 1 / CPU_16_BIT_SLOWDOWN
-    return FULL_PRECISION_SLOWDOWN.get(device_kind, 1.0)
+def slow_16_bit(units: frozenset[str] | None) -> frozenset[str]:
+    """The 16-bit precisions a CPU with these 16-bit multiply `units` has none for (`Timing.slow_16_bit`);
+    none where its units are unknown (None: no prior)."""
+    if units is None:
+        return frozenset()
+    return frozenset(p for dtype, precisions in PRECISIONS_OF_16_BIT.items() if dtype not in units for p in precisions)
+
+
 # What a compiled trial's compiling costs before one of this search has compiled (then: the
 # longest it measured). Inductor compiles a transformer's training step from a cold cache in
 # tens of seconds (30-40 s per graph on a 2-core CPU, docs/benchmarks.md); a compile twin
@@ -123,32 +127,41 @@ def least_steps_s(timing: Timing, step_s: float) -> float:
 
 def speeds_alike(timing: Timing, precision: str, records: list[TrialRecord],
                  scale: Callable[[TrialRecord], float] = lambda r: 1.0) -> list[float]:
-    """The measured speeds that predict a trial's in `precision` (each scaled by `scale`): its
-    own precision's trials; the 16-bit precisions run at about one speed, so their trials
-    predict one another (`seeding.speed_class`; a full precision's do not: tf32 may be 2x
-    32-true). A full precision with no trial of its own is predicted from the 16-bit trials,
-    `full_precision_slowdown` times slower. [] where nothing predicts it."""
-    def speeds_of(alike: Callable[[str], bool], slowdown: float = 1.0) -> list[float]:
-        return [r.samples_per_s * scale(r) / slowdown for r in records
-                if r.status == "ok" and r.samples_per_s > 0 and alike(r.config.precision)]
+    """The measured speeds that predict a trial's in `precision` (each scaled by `scale`, and
+    moved by the device's priors, `over_full`, where they are another precision's): its speed
+    class's trials (`seeding.speed_class`: the 16-bit precisions together, each full precision
+    alone, as tf32 may be 2x 32-true). A full precision with none of its own is predicted from
+    the 16-bit trials; a 16-bit precision with none, from the fastest trial of each full
+    precision, the slower of those (unpriced, a CPU's first bf16 trial, 7x slower than 32-true
+    there, started with 15 s of the search left and ran 56 s, into validation's time). []
+    where nothing predicts it."""
+    def speeds_of(alike: Callable[[str], bool]) -> list[float]:
+        return [r.samples_per_s * scale(r) * over_full(timing, precision) / over_full(timing, r.config.precision)
+                for r in records if r.status == "ok" and r.samples_per_s > 0 and alike(r.config.precision)]
 
     speeds = speeds_of(lambda p: seeding.speed_class(p) == seeding.speed_class(precision))
-    if not speeds and precision in REFERENCE_PRECISIONS:
-        speeds = speeds_of(lambda p: seeding.speed_class(p) == seeding.SIXTEEN_BIT, timing.full_precision_slowdown)
-    elif not speeds:
-        # A 16-bit precision with none of its own is predicted from the full precisions' trials
-        # (the slower of them, 32-true, where both ran), `full_precision_slowdown` times faster:
-        # unpriced, a CPU's first bf16 trial (6x slower than 32-true there) started with 15 s of
-        # the search left and ran 56 s, into the time validation needed.
-        full = speeds_of(lambda p: p in REFERENCE_PRECISIONS)
-        speeds = [min(full) * timing.full_precision_slowdown] if full else []
-    return speeds
+    if speeds:
+        return speeds
+    if precision in REFERENCE_PRECISIONS:
+        return speeds_of(lambda p: seeding.speed_class(p) == seeding.SIXTEEN_BIT)
+    fastest = [max(found) for full in REFERENCE_PRECISIONS for found in [speeds_of(lambda p: p == full)] if found]
+    return [min(fastest)] if fastest else []
+
+
+def over_full(timing: Timing, precision: str) -> float:
+    """A step's speed in `precision` over a full precision's, before both have run: 1 for a
+    full precision; for a 16-bit one, `full_precision_slowdown` (a GPU's tensor cores), or
+    1/`CPU_16_BIT_SLOWDOWN` where this CPU has no unit that multiplies its dtype
+    (`Timing.slow_16_bit`)."""
+    if precision in REFERENCE_PRECISIONS:
+        return 1.0
+    return 1 / CPU_16_BIT_SLOWDOWN if precision in timing.slow_16_bit else timing.full_precision_slowdown
 
 
 def least_trial_s(timing: Timing, space: SearchSpace, records: list[TrialRecord]) -> float | None:
-    """The least any trial can cost (`LEAST_TRIAL_STEPS` steps at the fastest speed measured),
-    where it is more than the search's time left: no config is affordable (`affordable`
-    predicts each from its own precision's trials, never faster), and planning more would
+    """The least any trial can cost (`LEAST_TRIAL_STEPS` steps at the fastest speed measured or
+    predicted, `speeds_alike`), where it is more than the search's time left: no config is
+    affordable (`affordable` prices each from the same speeds, never faster), and planning more would
     spend estimates (fake steps of device time) on proposals that cannot run. Else None."""
     search_s = timing.deadline.search_s()
     speeds = [speeds_alike(timing, p, records) for p in space.precisions]

@@ -51,10 +51,11 @@ class Tuner:
                  locks: StudyLocks | None = None, worker: str | None = None, deadline: Deadline | None = None,
                  one_liner: tuple[str, ...] = (),
                  measure_reference: Callable[[TrainConfig], Measurement] | None = None,
-                 full_precision_slowdown: float = 1.0, steps_before_cap: int = 0):
+                 full_precision_slowdown: float = 1.0, slow_16_bit: frozenset = frozenset(), steps_before_cap: int = 0):
         deadline = deadline or Deadline(None)  # the whole tune's time budget and its clock
         self.timing = Timing(deadline=deadline, timeout_s=timeout_s, should_stop=should_stop or (lambda: False),
-                             full_precision_slowdown=full_precision_slowdown, steps_before_cap=steps_before_cap)
+                             full_precision_slowdown=full_precision_slowdown, slow_16_bit=slow_16_bit,
+                             steps_before_cap=steps_before_cap)
         # Without locks (a study of this process alone): ones that serialise its threads.
         self.trials = Trials(space=space, study=study, budget=budget,
                              memory=MemoryModel(_timing.gated(self.timing, estimate), budget),

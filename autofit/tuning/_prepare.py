@@ -8,11 +8,11 @@ from functools import partial
 from loguru import logger
 
 from autofit.base.sizes import format_bytes
+from autofit.device.probe import cpu_16_bit_units
 from autofit.measure import asks
 from autofit.measure.measurement import TRACKED_STEPS
 from autofit.measure.trial import trial_worker
-from autofit.device.probe import cpu_multiplies_16_bit
-from autofit.search import full_precision_slowdown, Tuner
+from autofit.search import FULL_PRECISION_SLOWDOWN, slow_16_bit, Tuner
 from autofit.search.shared import profiles_written, StudyLocks
 from autofit.search.warm_start import warm_starts
 from autofit.profiles.demotions import read_demotions
@@ -56,8 +56,8 @@ def prepare(state: TuneState, cleanup: contextlib.ExitStack) -> None:
                         starts=_starts(state), locks=state.locks, worker=state.worker, deadline=state.deadline,
                         one_liner=ONE_LINER_CUDA if device.kind == "cuda" else ONE_LINER_CPU,
                         measure_reference=partial(run_reference, state),
-                        full_precision_slowdown=full_precision_slowdown(
-                            device.kind, cpu_multiplies_16_bit() if device.kind == "cpu" else None),
+                        full_precision_slowdown=FULL_PRECISION_SLOWDOWN.get(device.kind, 1.0),
+                        slow_16_bit=slow_16_bit(cpu_16_bit_units()) if device.kind == "cpu" else frozenset(),
                         steps_before_cap=TRACKED_STEPS if device.kind == "cpu" else 0)
     # A resumed study may hold an answer already: then no trial gets the first one's grace.
     state.answered = any(r.status == "ok" for r in state.tuner.records())
