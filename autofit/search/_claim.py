@@ -78,7 +78,7 @@ def _stop_reason(trials: Trials, timing: Timing, records: list[TrialRecord], pro
     if late_s is not None:
         left_s = max(0.0, timing.deadline.search_s() - timing.deadline.elapsed_s())
         return (f"no trial can end in the search's time left ({left_s:.1f}s; the least costs {late_s:.1f}s at "
-                f"the fastest speed measured); the rest re-measures and validates")
+                f"the fastest speed measured or predicted); the rest re-measures and validates")
     if sum(skipped.values()) >= 3 * patience:
         return (f"{sum(skipped.values())} proposals in a row measured nothing new: {skipped['known']} "
                 f"duplicates, {skipped['pruned']} predicted not to fit"
