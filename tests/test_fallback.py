@@ -221,6 +221,23 @@ def test_a_cpu_with_a_bf16_unit_and_none_for_fp16_prices_16_mixed_from_bf16_at_t
     assert _timing.speeds_alike(tuner.timing, "32-true", fp16) == [pytest.approx(g / 4.0)]
 
 
+def test_on_a_cpu_without_16_bit_units_the_search_stops_once_32_true_cannot_end_in_time():
+    """A CPU's space (no tf32): once 32-true's four steps outlast the time left, a 16-bit
+    precision with no trial, priced 6x slower, is no reason to plan on (unpriced, it kept the
+    loop planning, and a bf16 trial started). On a GPU the same 16-bit precision is priced at a
+    fifth of 32-true's step, and the loop goes on."""
+    cpu = dataclasses.replace(LLAMA, rate={p: r for p, r in LLAMA.rate.items() if p != "tf32"})
+    tuner = _tuner(cpu, 120.0)
+    tuner.timing.searching_since = 0.0  # 72 s of the search left
+    space = cpu.space()
+    assert "tf32" not in space.precisions
+    full = [_record(0, space.config("32-true", 4, cpu.n_blocks), cpu.global_batch_size / 20.0)]  # 20 s a step
+    tuner.timing.full_precision_slowdown, tuner.timing.slow_16_bit = 1.0, _timing.slow_16_bit(frozenset())
+    assert _timing.least_trial_s(tuner.timing, space, full) == pytest.approx(80.0)
+    tuner.timing.full_precision_slowdown, tuner.timing.slow_16_bit = 5.0, frozenset()
+    assert _timing.least_trial_s(tuner.timing, space, full) is None  # 16-bit: 4 steps of 4 s
+
+
 def test_the_16_bit_prior_is_a_cpus_only_for_the_dtypes_it_has_no_multiply_unit_for():
     assert _timing.slow_16_bit(frozenset()) == {"bf16-mixed", "bf16-true", "16-mixed"}
     assert _timing.slow_16_bit(frozenset({"bf16", "fp16"})) == frozenset()
