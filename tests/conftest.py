@@ -62,6 +62,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def cpu_without_16_bit_units(monkeypatch):
+    """The tunes run in this process price a CPU's 16-bit trials as on the machine the tests
+    were written on (AVX2, no bf16 or fp16 unit: `_timing.CPU_16_BIT_SLOWDOWN`), whatever this
+    host's flags say: a CI runner with `avx512_bf16` would price them otherwise."""
+    monkeypatch.setattr("autofit.tuning._prepare.cpu_16_bit_units", lambda: frozenset())
+
+
 @pytest.fixture
 def tiny_spec_path(tmp_path) -> Path:
     return write_spec(tmp_path, tiny_gpt_dict())

@@ -323,8 +323,10 @@ def test_with_time_the_profile_is_validated_and_states_its_speedup_over_the_one_
 def test_the_cpus_one_liner_is_said_to_validate_before_its_run_not_after(tmp_path, simulated):
     """On a CPU the one-liner's validation run is the 32-true loss reference, taken first: a
     Gemma-2-style tune sat 21 s silent after "search stopped", then logged "validating <the
-    one-liner>" for the run already taken."""
-    calls = simulated(validation_blocks=False)
+    one-liner>" for the run already taken. Here nothing beats the one-liner, so `validate`
+    reaches it first and finds its run taken."""
+    calls = simulated(validation_blocks=False, speed=lambda c: 100.0 if c.precision == "32-true"
+                      and c.micro_batch_size == 8 else 50.0)
     said = []
     sink = logger.add(lambda message: said.append((message.record["message"], len(calls))), level="INFO")
     try:
@@ -332,6 +334,7 @@ def test_the_cpus_one_liner_is_said_to_validate_before_its_run_not_after(tmp_pat
     finally:
         logger.remove(sink)
     one_liner = outcome.profile.search.baseline["config"]
+    assert outcome.profile.config == TrainConfig.from_dict(one_liner)
     runs = [i for i, (config, steps, _) in enumerate(calls)
             if steps is not None and config.precision == one_liner["precision"]
             and config.micro_batch_size == one_liner["micro_batch_size"]]

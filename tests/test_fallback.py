@@ -193,15 +193,17 @@ def test_a_16_bit_trial_is_priced_from_the_full_precision_ones_before_its_own_ru
     tuner.timing.searching_since = 0.0  # the search loop runs; 72 s of it left
     space, g = LLAMA.space(), LLAMA.global_batch_size
     full = [_record(0, space.config("32-true", 4, LLAMA.n_blocks), g / 4.0),  # 4 s a step
-            _record(1, space.config("32-true", 2, LLAMA.n_blocks), g / 20.0)]  # 20 s a step: 80 s, were it the price
+            _record(1, space.config("32-true", 2, LLAMA.n_blocks), g / 20.0),  # 20 s a step: 80 s, were it the price
+            _record(2, space.config("tf32", 4, LLAMA.n_blocks), g / 2.0)]  # the faster full precision: not the anchor
     bf16 = space.config("bf16-mixed", 4, LLAMA.n_blocks)
     tuner.timing.full_precision_slowdown = 1.0  # a CPU with 16-bit units: 4 steps of 4 s
+    assert _timing.speeds_alike(tuner.timing, "bf16-mixed", full) == [pytest.approx(g / 4.0)]
     assert tuner._affordable(bf16, full)
     tuner.timing.slow_16_bit = _timing.slow_16_bit(frozenset())  # none: 4 steps of 24 s, past the 72 s left
-    assert not tuner._affordable(bf16, full)
+    assert not tuner._affordable(bf16, full)  # (at tf32's step, 4 of 12 s would fit)
     assert tuner._affordable(space.config("32-true", 4, LLAMA.n_blocks), full)
     tuner.timing.slow_16_bit, tuner.timing.full_precision_slowdown = frozenset(), 5.0  # a GPU: faster than 32-true
-    assert tuner._affordable(bf16, full)
+    assert _timing.speeds_alike(tuner.timing, "bf16-mixed", full) == [pytest.approx(5 * g / 4.0)]
 
 
 def test_a_cpu_with_a_bf16_unit_and_none_for_fp16_prices_16_mixed_from_bf16_at_the_cpus_prior():
@@ -219,6 +221,13 @@ def test_a_cpu_with_a_bf16_unit_and_none_for_fp16_prices_16_mixed_from_bf16_at_t
     fp16 = [_record(0, space.config("16-mixed", 4, LLAMA.n_blocks), g / 24.0)]
     assert _timing.speeds_alike(tuner.timing, "bf16-true", fp16) == [pytest.approx(g / 4.0)]
     assert _timing.speeds_alike(tuner.timing, "32-true", fp16) == [pytest.approx(g / 4.0)]
+    # Once each has run, each is priced by its own: a prior never outbids a measurement (a
+    # 16-mixed step of 5 s, bound by fixed costs, made bf16's 4 s step 0.83 s).
+    both = [_record(0, space.config("bf16-mixed", 4, LLAMA.n_blocks), g / 4.0),
+            _record(1, space.config("16-mixed", 4, LLAMA.n_blocks), g / 5.0)]
+    assert _timing.speeds_alike(tuner.timing, "bf16-mixed", both) == [pytest.approx(g / 4.0)]
+    assert _timing.speeds_alike(tuner.timing, "16-mixed", both) == [pytest.approx(g / 5.0)]
+    assert _timing.speeds_alike(tuner.timing, "bf16-true", both) == [pytest.approx(g / 4.0)]
 
 
 def test_on_a_cpu_without_16_bit_units_the_search_stops_once_32_true_cannot_end_in_time():

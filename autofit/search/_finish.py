@@ -477,7 +477,8 @@ def precision_speed(space: SearchSpace, records: list[TrialRecord], precision: s
 
 def _alike_precisions(space: SearchSpace, precision: str) -> list[str]:
     """The space's other precisions a trial in `precision` predicts the speed of: the 16-bit
-    ones run at about one speed (as `_timing.speeds_alike` prices them); a full precision
-    predicts none (a trial's price takes one through a device's prior, a move does not)."""
+    ones run at about one speed (on a GPU; `_timing.speeds_alike` prices a CPU's bf16 and fp16
+    apart where it multiplies one natively, a move here does not); a full precision predicts
+    none (a trial's price takes one through a device's prior, a move does not)."""
     return [p for p in space.precisions
             if p != precision and seeding.speed_class(p) == seeding.speed_class(precision) == seeding.SIXTEEN_BIT]

@@ -19,8 +19,8 @@ from autofit.tuning._tune_state import Chosen, passed, TuneState
 from autofit.tuning.frontier import build_frontier, median_run
 from autofit.tuning.speedup import BUSY_CORES, foreign_load, keeps_winner, measure_speedup
 from autofit.tuning.validation import (baseline_record, floor_kind, host_load, LOADED_HOST, reference_record,
-                                       REFERENCE_STEPS, run_timeout_s, run_validation, validate as validate_best,
-                                       validation_steps)
+                                       REFERENCE_STEPS, run_timeout_s, run_validation, steps_within,
+                                       validate as validate_best, validation_steps)
 
 
 def validate(state: TuneState, result: SearchResult) -> Chosen:
@@ -88,8 +88,10 @@ def loss_reference(state: TuneState, result: SearchResult, baseline: TrialRecord
     checkpointed, the losses of a full-numerics search trial (`health.reference_for`,
     the winner's freezing depth first)."""
     if baseline is not None and baseline.config.precision == "32-true":
+        steps = steps_within(state.spec, state.searched.get(baseline.config), validation_steps(state.spec, baseline),
+                             state.deadline.left_s())  # as `run_long` will cut them
         logger.info("validating the {} {} over {} steps (its losses are the 32-true reference)", state.floor,
-                    baseline.config.short(), validation_steps(state.spec, baseline))
+                    baseline.config.short(), steps)
         state.curve.set_reference(run_validation(state.spec, baseline, partial(run_long, state)))
         return
     reference = reference_record(result, state.demoted)
