@@ -228,6 +228,7 @@ def test_a_cpu_with_a_bf16_unit_and_none_for_fp16_prices_16_mixed_from_bf16_at_t
     assert _timing.speeds_alike(tuner.timing, "bf16-mixed", both) == [pytest.approx(g / 4.0)]
     assert _timing.speeds_alike(tuner.timing, "16-mixed", both) == [pytest.approx(g / 5.0)]
     assert _timing.speeds_alike(tuner.timing, "bf16-true", both) == [pytest.approx(g / 4.0)]
+    assert _timing.speeds_alike(tuner.timing, "32-true", both) == [pytest.approx(g / 4.0)]  # from bf16's, unmoved
 
 
 def test_on_a_cpu_without_16_bit_units_the_search_stops_once_32_true_cannot_end_in_time():

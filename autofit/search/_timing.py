@@ -76,8 +76,9 @@ def affordable(timing: Timing, space: SearchSpace, config: TrainConfig, records:
     """The least a trial of `config` can cost fits in the search's time left:
     `LEAST_TRIAL_STEPS` steps (`capped`: as its cap takes them, `least_steps_s`, and a
     compiled config's `COMPILE_WARMUP_STEPS` before the cap's clock) at a step time predicted
-    from the measured trials of its speed class (`speeds_alike`: the fastest of their
-    samples/s, scaled down in proportion where `config`'s micro batch is smaller than theirs,
+    from the measured trials that predict it (`speeds_alike`: its speed class's, else another
+    class's moved by the device's prior; the fastest of their samples/s, scaled down in
+    proportion where `config`'s micro batch is smaller than theirs,
     unless it is the look from below: `looks_down`, priced as its cap takes its steps), and
     a compiled config's compiling (`compile_cost_s`), with `spare_s` more left over (of
     `left_s`, the search's time left by default). A trial that runs past the search's share
@@ -127,38 +128,42 @@ def least_steps_s(timing: Timing, step_s: float) -> float:
 
 def speeds_alike(timing: Timing, precision: str, records: list[TrialRecord],
                  scale: Callable[[TrialRecord], float] = lambda r: 1.0) -> list[float]:
-    """The measured speeds that predict a trial's in `precision` (each scaled by `scale`, and
-    moved by the device's priors, `over_full`, where they are another precision's): its speed
+    """The measured speeds that predict a trial's in `precision`, each scaled by `scale` and
+    moved by the device's priors (`over_full`) where it is another precision's. Its speed
     class's trials (`seeding.speed_class`: the 16-bit precisions together, each full precision
-    alone, as tf32 may be 2x 32-true). A full precision with none of its own is predicted from
-    the 16-bit trials; a 16-bit precision with none, from the fastest trial of each full
-    precision, the slower of those (unpriced, a CPU's first bf16 trial, 7x slower than 32-true
-    there, started with 15 s of the search left and ran 56 s, into validation's time). []
-    where nothing predicts it."""
+    alone, as tf32 may be 2x 32-true), those under its own prior first (a CPU with a unit for
+    bf16 and none for fp16 holds the two apart: a measurement beats a prior). A full precision
+    with none of its own is predicted from the 16-bit trials (those with a unit first); a
+    16-bit precision with none, from the fastest trial of each full precision, the slower of
+    those (unpriced, a CPU's first bf16 trial, 7x slower than 32-true there, started with 15 s
+    of the search left and ran 56 s, into validation's time). [] where nothing predicts it."""
     def speeds_of(alike: Callable[[str], bool]) -> list[float]:
         return [r.samples_per_s * scale(r) * over_full(timing, precision) / over_full(timing, r.config.precision)
                 for r in records if r.status == "ok" and r.samples_per_s > 0 and alike(r.config.precision)]
 
-    def alike(p: str) -> bool:
+    def in_class(p: str) -> bool:
         return seeding.speed_class(p) == seeding.speed_class(precision)
 
-    # A measurement beats a prior: a speed class's trials under this precision's own prior
-    # first (a CPU with a bf16 unit and none for fp16 holds the two apart), the others after.
-    speeds = (speeds_of(lambda p: alike(p) and over_full(timing, p) == over_full(timing, precision))
-              or speeds_of(alike))
+    def sixteen(p: str) -> bool:
+        return seeding.speed_class(p) == seeding.SIXTEEN_BIT
+
+    def unit(p: str) -> bool:  # multiplied natively where `precision` is, or a precision's own
+        return (p in timing.slow_16_bit) == (precision in timing.slow_16_bit and precision not in REFERENCE_PRECISIONS)
+
+    speeds = speeds_of(lambda p: in_class(p) and unit(p)) or speeds_of(in_class)
     if speeds:
         return speeds
     if precision in REFERENCE_PRECISIONS:
-        return speeds_of(lambda p: seeding.speed_class(p) == seeding.SIXTEEN_BIT)
+        return speeds_of(lambda p: sixteen(p) and unit(p)) or speeds_of(sixteen)
     fastest = [max(found) for full in REFERENCE_PRECISIONS for found in [speeds_of(lambda p: p == full)] if found]
     return [min(fastest)] if fastest else []
 
 
 def over_full(timing: Timing, precision: str) -> float:
-    """A step's speed in `precision` over a full precision's, where the one has not run: 1 for a
-    full precision; for a 16-bit one, `full_precision_slowdown` (a GPU's tensor cores), or
-    1/`CPU_16_BIT_SLOWDOWN` where this CPU has no unit that multiplies its dtype
-    (`Timing.slow_16_bit`)."""
+    """A step's speed in `precision` over a full precision's, where a trial of one predicts the
+    other (two 16-bit precisions: the ratio of theirs): 1 for a full precision; for a 16-bit
+    one, `full_precision_slowdown` (a GPU's tensor cores), or 1/`CPU_16_BIT_SLOWDOWN` where
+    this CPU has no unit that multiplies its dtype (`Timing.slow_16_bit`)."""
     if precision in REFERENCE_PRECISIONS:
         return 1.0
     return 1 / CPU_16_BIT_SLOWDOWN if precision in timing.slow_16_bit else timing.full_precision_slowdown

@@ -325,7 +325,8 @@ def alike_16_bit(precision: str) -> str | None:
 
 def speed_class(precision: str) -> str:
     """The precisions a trial's price is read from (`_timing.speeds_alike`): the 16-bit ones
-    together (a GPU's tensor cores run fp16 and bf16 alike), each full precision alone (tf32
+    together (a GPU's tensor cores run fp16 and bf16 alike; a CPU with a unit for one of them
+    only is priced through its priors), each full precision alone (tf32
     may be 2x 32-true). A price may be rough; a seed deferred or a twin dropped on another
     precision's figure asks more (`alike_16_bit`: a CPU may have bf16 units and no fp16)."""
     return precision if precision in REFERENCE_PRECISIONS else SIXTEEN_BIT
