@@ -132,15 +132,21 @@ def _meminfo_bytes() -> tuple[int, int]:
     return pages * page_size, os.sysconf("SC_AVPHYS_PAGES") * page_size
 
 
-def _cpu_name() -> str:
+def _cpuinfo_value(key: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The first processor's `key` line in `cpuinfo`, after its colon; None where there is none
+    or the file cannot be read."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.partition(":")[2].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "cpu"
+    return None
+
+
+def _cpu_name() -> str:
+    return _cpuinfo_value("model name") or platform.processor() or platform.machine() or "cpu"
 
 
 # The x86 flags of units that multiply 16-bit floats (oneDNN's fast bf16 and fp16 paths), by
@@ -154,15 +160,10 @@ def cpu_16_bit_units(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
     """The 16-bit dtypes ("bf16", "fp16") this x86 CPU has a multiply unit for, by the first
     processor's flags (`SIXTEEN_BIT_CPU_FLAGS`); None where there is no x86 `flags` line (an Arm
     CPU lists its `bf16` under `Features`: not judged here) or the file cannot be read."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.partition(":")[2].split())
-                    return frozenset(dtype for dtype, names in SIXTEEN_BIT_CPU_FLAGS.items() if names & flags)
-    except OSError:
-        pass
-    return None
+    flags = _cpuinfo_value("flags", cpuinfo)
+    if flags is None:
+        return None
+    return frozenset(dtype for dtype, names in SIXTEEN_BIT_CPU_FLAGS.items() if names & set(flags.split()))
 
 
 def _cpu_count() -> int:

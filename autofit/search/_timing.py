@@ -147,8 +147,8 @@ def speeds_alike(timing: Timing, precision: str, records: list[TrialRecord],
     def sixteen(p: str) -> bool:
         return seeding.speed_class(p) == seeding.SIXTEEN_BIT
 
-    def unit(p: str) -> bool:  # multiplied natively where `precision` is, or a precision's own
-        return (p in timing.slow_16_bit) == (precision in timing.slow_16_bit and precision not in REFERENCE_PRECISIONS)
+    def unit(p: str) -> bool:  # multiplied natively where `precision` is (a full precision always is)
+        return (p in timing.slow_16_bit) == (precision in timing.slow_16_bit)
 
     speeds = speeds_of(lambda p: in_class(p) and unit(p)) or speeds_of(in_class)
     if speeds:
