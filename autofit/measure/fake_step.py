@@ -36,6 +36,7 @@ from autofit.train.optim_state import fill_state, inferred_layout, state_layout,
 from autofit.train.runner import fp32_bytes, Runner
 from autofit.train.user_optim import count_state, CountedState, OptimizerStateError
 from autofit.measure.cuda_attention import CudaAttention
+from autofit.measure.fake_kernels import FakeKernels
 from autofit.measure.rank_memory import per_rank
 from autofit.measure.memory_estimate import EstimateError, MemoryEstimate
 from autofit.measure.host_estimate import host_counter, host_split, traced
@@ -220,7 +221,8 @@ def _run_steps(fake: _FakeStep, runner: Runner):
         with fake.fake_mode:
             batch = [_to_fake(fake.fake_mode, mb) for mb in real]
         counting = fake.counter.counting() if fake.counter else contextlib.nullcontext()
-        with fake.fake_mode, fake.tracker, fake.attention, counting:
+        # FakeKernels sits between the fake mode and the tracker: the tracker counts its outputs.
+        with fake.fake_mode, FakeKernels(), fake.tracker, fake.attention, counting:
             fake.tracker.track(t for mb in batch for t in tree_leaves(mb))
             runner.step(batch)
             del batch
