@@ -3,10 +3,12 @@ estimator's predictions, and what each trial's report sets in motion. Every run 
 through `state.seams` (`tuning.tune.measure`, `tuning.tune.estimate_memory`)."""
 
 import dataclasses
+import time
 
 from loguru import logger
 
 from autofit.base.errors import InputError
+from autofit.base.sizes import format_bytes
 from autofit.measure.memory_estimate import EstimateError
 from autofit.measure.host_fit import predicted_fit_bytes
 from autofit.measure.measurement import Measurement
@@ -89,9 +91,14 @@ def run_long(state: TuneState, config, steps: int, timeout_s: float, *, keep: bo
 def predict(state: TuneState, config) -> int:
     """Predicted peak (on CUDA the reserved one, which an OOM follows, replayed under the
     budget: the allocator frees its cache before it gives up); 0 (unknown: measure it) for
-    a config the estimator cannot run."""
+    a config the estimator cannot run. Said under --verbose with what it took: an estimate is a
+    fake step, seconds for which the log would be silent."""
+    started = time.perf_counter()
     try:
-        return predicted_fit_bytes(_estimate(state, config), config, state.budget)
+        fit_bytes = predicted_fit_bytes(_estimate(state, config), config, state.budget)
+        logger.debug("estimate {}: {} ({:.1f}s)", config.short(), format_bytes(fit_bytes),
+                     time.perf_counter() - started)
+        return fit_bytes
     except EstimateError as exc:
         logger.warning("{}; {} is measured without a prediction", exc, config.short())
         return 0
