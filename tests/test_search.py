@@ -1258,6 +1258,39 @@ def test_a_full_precision_far_below_a_healthy_16_bit_best_leaves_tf32_unseeded_t
     assert seeded(0.28 * 120.0).precision == "bf16-true"  # its refinements instead
 
 
+def _proposed(plan, records, best, trials=16):
+    """What `plan` proposes, each measured at half the best's speed, for up to `trials` trials."""
+    records, proposed = list(records), []
+    while len(proposed) < trials and (config := plan.next(records, best, set())) is not None:
+        proposed.append(config)
+        records.append(_ok(len(records), config, best.samples_per_s / 2))
+    return proposed
+
+
+@pytest.mark.parametrize("slow_16_bit, sixteen_bit_ran, proposed_16_bit", [
+    (frozenset({"16-mixed", "bf16-mixed"}), None, False),  # a CPU with no 16-bit unit: a bound says they lose
+    (frozenset(), None, True),  # a GPU: 16 bits may win
+    (frozenset({"16-mixed", "bf16-mixed"}), 95.0, True),  # measured close: a measurement beats a prior
+])
+def test_a_cpu_with_no_16_bit_unit_seeds_no_16_bit_precision_once_full_precision_ran(
+        slow_16_bit, sixteen_bit_ran, proposed_16_bit):
+    """On a CPU with no unit that multiplies a 16-bit dtype its precisions run at least 6x
+    slower than 32-true: once a 32-true trial ran and none of theirs, their seeds (each found by
+    estimates) are not planned. A Mixtral-style model spent 30 s of a 72 s search estimating
+    them and 42 s on one 16-mixed trial at a seventh of the one-liner's speed."""
+    space = SearchSpace(global_batch_size=8, precisions=("32-true", "16-mixed", "bf16-mixed"),
+                        micro_batch_sizes=(1, 2, 4, 8), max_checkpoint_blocks=2, max_freeze_blocks=0)
+    best = _ok(0, space.config("32-true", 8, 0, 0), 100.0)
+    records = [best]
+    if sixteen_bit_ran is not None:
+        records.append(_ok(1, space.config("16-mixed", 8, 0, 0), sixteen_bit_ran))
+    plan = _plan(space, first=("32-true",), slow_16_bit=slow_16_bit)
+    plan.new_best(best.config, records)
+    proposed = _proposed(plan, records, best)
+    assert proposed  # the search goes on, in 32-true
+    assert any(c.precision == "bf16-mixed" for c in proposed) == proposed_16_bit
+
+
 def test_a_probe_does_not_stand_for_its_seed_groups_seed():
     """After two OOMs the probe (the smallest config, or its shape well inside the budget)
     anchors the memory fit; it is not its group's seed, which is the group's largest config
@@ -1273,13 +1306,16 @@ def test_a_probe_does_not_stand_for_its_seed_groups_seed():
     records = [*ooms, _ok(2, probe, 50.0)]
     plan.new_best(probe, records)
     offered = []
-    while found := plan._unseeded(records, lambda config: config.micro_batch_size <= 2 or config.checkpoint_blocks):
+    def small_or_checkpointed(config):
+        return config.micro_batch_size <= 2 or config.checkpoint_blocks
+
+    while found := plan._unseeded(records, None, small_or_checkpointed):
         offered += found
     assert [c for c in offered if c.precision == "bf16-true"] == [space.config("bf16-true", 2, 0, 0)]  # its seed
     # A resumed study (or another worker's plan) knows the probe from the records alone.
     resumed = _plan(space)
     resumed.new_best(probe, records)
     offered = []
-    while found := resumed._unseeded(records, lambda config: config.micro_batch_size <= 2 or config.checkpoint_blocks):
+    while found := resumed._unseeded(records, None, small_or_checkpointed):
         offered += found
     assert [c for c in offered if c.precision == "bf16-true"] == [space.config("bf16-true", 2, 0, 0)]

@@ -101,7 +101,8 @@ class Plan:
                  peak_share: Callable[[TrainConfig, list[TrialRecord]], float] | None = None,
                  references: set | None = None,
                  last_chance: Callable[[TrainConfig, list[TrialRecord]], bool] = lambda config, records: False,
-                 trials_within: Callable[[float], float] = lambda step_s: float("inf")):
+                 trials_within: Callable[[float], float] = lambda step_s: float("inf"),
+                 slow_16_bit: frozenset[str] = frozenset()):
         self.space, self.known, self.fits_of, self.estimate = space, known, fits_of, estimate
         # False for a config whose trial cannot end in the time left (the tuner's time budget).
         self.affordable = affordable
@@ -109,6 +110,8 @@ class Plan:
         self.last_chance = last_chance
         # How many trials at a given step time the search's share of the time budget holds.
         self.trials_within = trials_within
+        # The 16-bit precisions this CPU has no unit to multiply (`Timing.slow_16_bit`, `_allowed`).
+        self.slow_16_bit = slow_16_bit
         # The look from below (`_look_down`), judged affordable at the speed measured; it is
         # decided once, at the first trial that ran.
         self.look_down: TrainConfig | None = None
@@ -140,7 +143,7 @@ class Plan:
         the fit as it is now, not as it was when the best was found), then the next wave of
         seeds (capped at the best's micro batch once a smaller one paid: `_seed_fits`). None:
         let the sampler propose."""
-        allowed, fits = allowed_of(records), self.fits_of(records)
+        allowed, fits = self._allowed(records, best), self.fits_of(records)
         model = step_model.fitted(records, self.space)
         ready = self._ready(records, best, fits, allowed, running)
         down = _look_down(self, records, fits)
@@ -213,7 +216,8 @@ class Plan:
             while self.queue:
                 config = self.queue.pop(0)
                 if config is UNSEEDED:
-                    found = self._unseeded(records, seed_fits)  # none: every group was offered since the last new best
+                    # None: every group was offered since the last new best.
+                    found = self._unseeded(records, best, seed_fits)
                     if found:
                         self.queue[:0] = [*found, UNSEEDED]
                     continue
@@ -260,6 +264,20 @@ class Plan:
             slow = self._slow(records, best)
             found = [g for g in found if g.precision not in slow]
         return found if groups else [g.seeds for g in found]
+
+    def _allowed(self, records: list[TrialRecord], best: TrialRecord | None) -> Callable[[TrainConfig], bool]:
+        """Configs worth a trial: numerics not seen to drift (`allowed_of`), in a precision that
+        can win. On a CPU with no unit that multiplies a 16-bit dtype, its precisions
+        (`slow_16_bit`) cannot, once something ran and none of them has: they run at least
+        `_timing.CPU_16_BIT_SLOWDOWN` times slower than full precision (the least measured),
+        more than any shape wins back. A Mixtral-style model's first 16-mixed trial spent 42 of
+        a 72 s search at a seventh of the one-liner's speed, and finding seeds and twins in
+        three such precisions 30 s of estimates. Once a trial of theirs ran, its speed speaks
+        instead: a measurement beats a prior."""
+        drift_free = allowed_of(records)
+        if best is None or any(r.status == "ok" and r.config.precision in self.slow_16_bit for r in records):
+            return drift_free
+        return lambda config: config.precision not in self.slow_16_bit and drift_free(config)
 
     def _slow(self, records: list[TrialRecord], best: TrialRecord | None) -> set[str]:
         """With `fast_first` and a 16-bit best: both full precisions, once one of their trials
@@ -357,7 +375,8 @@ class Plan:
         """A proposal that was measured already: look next door to `config` instead."""
         self.queue[:0] = self.space.neighbours(config)
 
-    def _unseeded(self, records: list[TrialRecord], fits: seeding.Fits) -> list[TrainConfig]:
+    def _unseeded(self, records: list[TrialRecord], best: TrialRecord | None,
+                  fits: seeding.Fits) -> list[TrainConfig]:
         """The next seed group (in wave order) with nothing measured yet at its seeds' freezing
         depth but a probe (its seed ran out of memory, or was dropped as no longer fitting), not offered
         since the last new best: its largest config predicted to fit now, to be measured
@@ -373,7 +392,7 @@ class Plan:
         measured = {key(r.config) for r in records
                     if r.measurement is not None and r.status != "oom" and r.config not in probes}
         queued = {key(c) for c in self.queue if c in self.seeds}
-        for group in self._seed_lists(fits, allowed_of(records), groups=True):
+        for group in self._seed_lists(fits, self._allowed(records, best), groups=True):
             if group.key in measured | queued | self.offered:
                 continue
             self.offered.add(group.key)

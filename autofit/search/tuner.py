@@ -133,7 +133,8 @@ class Tuner:
                     peak_share=lambda c, records: self.memory.corrected_peak(c, records) / self.budget.usable_bytes,
                     references=self.references,
                     first=precisions[:1] if one_liner is None else (one_liner.precision,),
-                    fast_first=any(p not in REFERENCE_PRECISIONS for p in precisions))
+                    fast_first=any(p not in REFERENCE_PRECISIONS for p in precisions),
+                    slow_16_bit=self.timing.slow_16_bit)
 
     def finish(self, searched: tuple[str, int, float]) -> SearchResult:
         """After `search()`: a full-precision reference at each contender's freezing depth
