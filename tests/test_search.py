@@ -1258,6 +1258,28 @@ def test_a_full_precision_far_below_a_healthy_16_bit_best_leaves_tf32_unseeded_t
     assert seeded(0.28 * 120.0).precision == "bf16-true"  # its refinements instead
 
 
+def test_a_seed_group_left_out_costs_no_estimate():
+    """The groups not yet seeded are read one at a time after a new best (`Plan._unseeded`);
+    finding a group's seed costs estimates. A full-precision group left out (`Plan._slow`) is
+    not read at all: its seed would only be dropped when its turn came."""
+    from autofit.search.plan import Plan
+
+    space = SearchSpace(global_batch_size=64, precisions=("32-true", "tf32", "bf16-true"),
+                        micro_batch_sizes=(1, 2, 4, 8, 16, 32, 64), max_checkpoint_blocks=2, max_freeze_blocks=0)
+    best = _ok(0, space.config("bf16-true", 8, 0, 0), 120.0)
+    records = [best, _ok(1, space.config("32-true", 8, 0, 0), 0.28 * 120.0)]
+    asked = []
+
+    def fits_of(records):
+        return lambda config: asked.append(config) or True
+
+    plan = Plan(space, (), known=lambda c, records: next((r for r in records if r.config == c), None),
+                fits_of=fits_of, estimate=lambda config: 1, fast_first=True, first=("bf16-true",))
+    plan.new_best(best.config, records)
+    assert plan.next(records, best, set()).precision == "bf16-true"
+    assert not [c for c in asked if c.precision == "tf32"]
+
+
 def _proposed(plan, records, best, trials=16):
     """What `plan` proposes, each measured at half the best's speed, for up to `trials` trials."""
     records, proposed = list(records), []

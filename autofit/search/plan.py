@@ -392,7 +392,7 @@ class Plan:
         measured = {key(r.config) for r in records
                     if r.measurement is not None and r.status != "oom" and r.config not in probes}
         queued = {key(c) for c in self.queue if c in self.seeds}
-        for group in self._seed_lists(fits, self._allowed(records, best), groups=True):
+        for group in self._seed_lists(fits, self._allowed(records, best), records, best, groups=True):
             if group.key in measured | queued | self.offered:
                 continue
             self.offered.add(group.key)
