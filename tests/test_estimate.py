@@ -242,7 +242,21 @@ def test_the_runner_sizes_the_fp32_build_on_the_meta_device(tiny_spec):
     assert _fp32_bytes(dataclasses.replace(workload, build_model=needs_real_tensors)) is None
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_fake_grouped_mm_makes_the_output_the_cpu_kernel_makes(dtype):
+    """`fake_kernels._grouped_mm_output` against the CPU's own `_grouped_mm`, in its four
+    layouts: a torch that changes the op's shapes fails here, loudly."""
+    from autofit.measure.fake_kernels import _grouped_mm_output
+
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    for mat_a, mat_b, groups in [((8, 16), (2, 16, 8), offs), ((16, 8), (8, 16), offs),
+                                 ((2, 8, 16), (16, 8), offs), ((2, 8, 16), (2, 16, 8), None)]:
+        a, b = torch.randn(mat_a, dtype=dtype), torch.randn(mat_b, dtype=dtype)
+        real, fake = torch._grouped_mm(a, b, offs=groups), _grouped_mm_output(a, b, groups)
+        assert (fake.shape, fake.dtype) == (real.shape, real.dtype), (mat_a, mat_b)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed", "bf16-true"])
 def test_a_mixture_of_experts_is_estimated_as_its_trial_measures(tmp_path, one_thread, precision):
     """Hugging Face's experts run `aten::_grouped_mm`, whose meta kernel takes bf16 only;
     the CPU runs it in every precision. Every precision is estimated, as measured."""
@@ -252,6 +266,7 @@ def test_a_mixture_of_experts_is_estimated_as_its_trial_measures(tmp_path, one_t
                                  "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64,
                                  "max_position_embeddings": 16, "num_local_experts": 4, "num_experts_per_tok": 2}}}
     spec = load_spec(write_spec(tmp_path, {**tiny_gpt_dict(), "model": mixtral}))
+    assert build_workload(spec).build_model().config._experts_implementation == "grouped_mm"  # what this covers
     for micro in (2, 8):
         config = TrainConfig(precision=precision, micro_batch_size=micro, grad_accum_steps=8 // micro)
         predicted, measured = estimate_memory(spec, config).peak_bytes, _tracked_peak(spec, config)

@@ -128,6 +128,8 @@ def test_validation_compares_the_winner_s_loss_curve_with_the_reference_s(tmp_pa
     monkeypatch.setattr("autofit.tuning.tune.measure", _simulated(20, drift))
     monkeypatch.setattr("autofit.tuning.tune.estimate_memory",
                         lambda spec, config, **_: types.SimpleNamespace(fit_bytes=1000 * config.micro_batch_size))
+    # bf16-mixed twice as fast as 32-true: a CPU with a bf16 unit.
+    monkeypatch.setattr("autofit.tuning._prepare.cpu_16_bit_units", lambda: frozenset({"bf16", "fp16"}))
     outcome = tune(TuneSetup(spec=spec, device=cpu_device(), budget=Budget(usable_bytes=10**6),
                              out_dir=tmp_path / "profiles", storage=None, report=False))
     curve = outcome.profile.search.loss_curve

@@ -12,7 +12,7 @@ Which side runs what:
 |---|---|---|
 | parent | `trial` (a trial asked and its reply read), `asks` (estimates, analysis, the batch-dimension probe), `worker` (starting a worker, a task's folder and timeout) | no |
 | both | `messages`, `measurement` (the reply), `wire` (the socket's lines), `process` (groups, parent death), `claims` (the child writes its CUDA claim, the service's guard reads it), `resident` (`Resident` in the parent, `serve` in its child) | no |
-| child | `worker_main` (the pre-loaded worker that forks each task), `tasks` (what a task runs), `child` (one trial's measurement), `steps`, `cuda_overhead`, `fake_step`, `rank_memory`, `cuda_attention` | yes |
+| child | `worker_main` (the pre-loaded worker that forks each task), `tasks` (what a task runs), `child` (one trial's measurement), `steps`, `cuda_overhead`, `fake_step`, `rank_memory`, `cuda_attention`, `fake_kernels` | yes |
 
 A child finds its task by the target string here (`module:function`): the parent must not
 import the child's modules (they import torch and the user's code), so the registry is the

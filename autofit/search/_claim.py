@@ -37,14 +37,18 @@ def claim_next(trials: Trials, timing: Timing, plan: Plan, progress: Progress, *
             config = space.suggest(trial, fixed)
             known = _known.known(config, records, budget_bytes)
             busy = known is None and config in running  # another worker measures it (or just did)
-            late = known is None and not busy and not _timing.affordable(
+            # The sampler's proposal in a precision that cannot win here (`Plan.slow_16_bit_now`).
+            slow = known is None and not busy and config.precision in plan.slow_16_bit_now(records, progress.best)
+            late = known is None and not busy and not slow and not _timing.affordable(
                 timing, space, config, records, looks_down=config == plan.look_down)
-            if known is None and not busy and not late:
+            if known is None and not busy and not late and not slow:
                 trials.memory.trace(config)  # what it is measured on is traced, not read off a line
-            if known is not None or busy or late or not trials.memory.fits(config, records):
-                progress.skipped["known" if known is not None or busy else "late" if late else "pruned"] += 1
-                # A config whose trial could not end in the time left is dropped like a stale plan.
-                _trial.skip(trials, plan, trial, config, known, stale=busy or late or (queued and config != planned),
+            if known is not None or busy or late or slow or not trials.memory.fits(config, records):
+                progress.skipped["known" if known is not None or busy else "late" if late else "slow" if slow
+                                 else "pruned"] += 1
+                # A config whose trial could not end in the time left, or cannot win, is dropped like a stale plan.
+                _trial.skip(trials, plan, trial, config, known,
+                            stale=busy or late or slow or (queued and config != planned),
                             best=progress.best, records=records)
                 if config == plan.look_down:
                     plan.look_down = None  # the look is taken once: proposed again, priced as any config
@@ -55,7 +59,7 @@ def claim_next(trials: Trials, timing: Timing, plan: Plan, progress: Progress, *
         if _timing.halted(timing):  # the stop came while planning (an estimate takes seconds): start nothing
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             return None, _timing.stop_text(timing)
-    progress.skipped = {"known": 0, "pruned": 0, "late": 0}
+    progress.skipped = {"known": 0, "pruned": 0, "late": 0, "slow": 0}
     return (trial, config, records), None
 
 
@@ -82,7 +86,9 @@ def _stop_reason(trials: Trials, timing: Timing, records: list[TrialRecord], pro
     if sum(skipped.values()) >= 3 * patience:
         return (f"{sum(skipped.values())} proposals in a row measured nothing new: {skipped['known']} "
                 f"duplicates, {skipped['pruned']} predicted not to fit"
-                + (f", {skipped['late']} too slow to end in the search's time left" if skipped["late"] else ""))
+                + (f", {skipped['late']} too slow to end in the search's time left" if skipped["late"] else "")
+                + (f", {skipped['slow']} in a 16-bit precision this CPU runs too slowly to win"
+                   if skipped["slow"] else ""))
     if timing.should_stop():
         return _timing.stop_text(timing)
     return None

@@ -105,7 +105,7 @@ class Progress:
     best: TrialRecord | None
     since_best: int
     start: float
-    skipped: dict = field(default_factory=lambda: {"known": 0, "pruned": 0, "late": 0})
+    skipped: dict = field(default_factory=lambda: {"known": 0, "pruned": 0, "late": 0, "slow": 0})
 
 
 class SearchTimeUp(Exception):

@@ -7,15 +7,15 @@ in the other groups and its refinements. A proposal that was measured already is
 from its record and its neighbours are planned instead.
 
 Nothing in the plan is a verdict: each config is re-checked when its turn comes (not
-measured yet, predicted to fit now, numerics not seen to drift, not being measured by
-another worker), and a seed that no longer fits is replaced by its group's largest config
-that does.
+measured yet, predicted to fit now, numerics not seen to drift, in a precision that can win
+here, not being measured by another worker), and a seed that no longer fits is replaced by
+its group's largest config that does.
 """
 
 from collections.abc import Callable
 
 from autofit.config.train_config import TrainConfig
-from autofit.search import seeding, step_model
+from autofit.search import _timing, seeding, step_model
 from autofit.search.search_space import SearchSpace
 from autofit.search.study import TrialRecord
 from autofit.search.trial_health import drifting, drifts, is_reference, reference_for, REFERENCE_PRECISIONS
@@ -110,7 +110,7 @@ class Plan:
         self.last_chance = last_chance
         # How many trials at a given step time the search's share of the time budget holds.
         self.trials_within = trials_within
-        # The 16-bit precisions this CPU has no unit to multiply (`Timing.slow_16_bit`, `_allowed`).
+        # The 16-bit precisions this CPU has no unit to multiply (`Timing.slow_16_bit`, `slow_16_bit_now`).
         self.slow_16_bit = slow_16_bit
         # The look from below (`_look_down`), judged affordable at the speed measured; it is
         # decided once, at the first trial that ran.
@@ -265,19 +265,29 @@ class Plan:
             found = [g for g in found if g.precision not in slow]
         return found if groups else [g.seeds for g in found]
 
+    def slow_16_bit_now(self, records: list[TrialRecord], best: TrialRecord | None) -> set[str]:
+        """The precisions no config of which can win, so none is planned (seed, twin or move)
+        and none the sampler proposes is measured (`_claim`): on a CPU with no unit that
+        multiplies a 16-bit dtype, its precisions (`slow_16_bit`) once something ran, while no
+        trial in that dtype ran within `seeding.TWIN_FLOOR` of the best. They run at least
+        `_timing.CPU_16_BIT_SLOWDOWN` times slower than full precision (the least measured),
+        more than any shape wins back: a Mixtral-style model's first 16-mixed trial spent 42 of
+        a 72 s search at a seventh of the one-liner's speed, and finding seeds and twins in
+        three such precisions 30 s of estimates. A trial in the dtype near the best says the
+        prior is wrong here: a measurement beats a prior."""
+        if best is None or not self.slow_16_bit:
+            return set()
+        near = {r.config.precision for r in records
+                if r.status == "ok" and r.samples_per_s >= seeding.TWIN_FLOOR * best.samples_per_s}
+        return {p for p in self.slow_16_bit if not near & set(_timing.same_dtype(p))}
+
     def _allowed(self, records: list[TrialRecord], best: TrialRecord | None) -> Callable[[TrainConfig], bool]:
         """Configs worth a trial: numerics not seen to drift (`allowed_of`), in a precision that
-        can win. On a CPU with no unit that multiplies a 16-bit dtype, its precisions
-        (`slow_16_bit`) cannot, once something ran and none of them has: they run at least
-        `_timing.CPU_16_BIT_SLOWDOWN` times slower than full precision (the least measured),
-        more than any shape wins back. A Mixtral-style model's first 16-mixed trial spent 42 of
-        a 72 s search at a seventh of the one-liner's speed, and finding seeds and twins in
-        three such precisions 30 s of estimates. Once a trial of theirs ran, its speed speaks
-        instead: a measurement beats a prior."""
-        drift_free = allowed_of(records)
-        if best is None or any(r.status == "ok" and r.config.precision in self.slow_16_bit for r in records):
+        can win (`slow_16_bit_now`)."""
+        drift_free, slow = allowed_of(records), self.slow_16_bit_now(records, best)
+        if not slow:
             return drift_free
-        return lambda config: config.precision not in self.slow_16_bit and drift_free(config)
+        return lambda config: config.precision not in slow and drift_free(config)
 
     def _slow(self, records: list[TrialRecord], best: TrialRecord | None) -> set[str]:
         """With `fast_first` and a 16-bit best: both full precisions, once one of their trials
