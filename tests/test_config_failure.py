@@ -26,7 +26,8 @@ def lstm_spec(folder, precisions: list[str]):
 
 
 def test_a_precision_the_model_cannot_run_is_dropped_and_the_tune_goes_on(tmp_path):
-    spec = lstm_spec(tmp_path, ["32-true", "bf16-mixed", "bf16-true"])
+    # No 32-true: on a CPU with no bf16 unit (this one) no bf16 config is tried once 32-true ran.
+    spec = lstm_spec(tmp_path, ["bf16-true", "bf16-mixed"])
     result = run_cli("tune", spec, "--out", tmp_path / "profiles", "--state-dir", tmp_path / "state",
                      "--memory-budget", "256MiB", "--no-report", cwd=tmp_path)
     assert_tuned(result)
@@ -34,7 +35,7 @@ def test_a_precision_the_model_cannot_run_is_dropped_and_the_tune_goes_on(tmp_pa
     lines = [line for line in result.stderr.splitlines() if REASON in line]
     assert len(lines) == 1 and " error " in lines[0]
     [path] = (tmp_path / "profiles").glob("*.yaml")
-    assert yaml.safe_load(path.read_text())["config"]["precision"] in ("32-true", "bf16-true")
+    assert yaml.safe_load(path.read_text())["config"]["precision"] == "bf16-true"
 
 
 def test_a_failure_in_every_precision_is_the_users_code(tmp_path):
