@@ -42,12 +42,6 @@ CPU_16_BIT_SLOWDOWN = 6.0
 PRECISIONS_OF_16_BIT = {"bf16": ("bf16-mixed", "bf16-true"), "fp16": ("16-mixed",)}
 
 
-def same_dtype(precision: str) -> tuple[str, ...]:
-    """The 16-bit precisions that compute in `precision`'s dtype (`PRECISIONS_OF_16_BIT`); ()
-    for a full precision."""
-    return next((ps for ps in PRECISIONS_OF_16_BIT.values() if precision in ps), ())
-
-
 def slow_16_bit(units: frozenset[str] | None) -> frozenset[str]:
     """The 16-bit precisions a CPU with these 16-bit multiply `units` has none for (`Timing.slow_16_bit`);
     none where its units are unknown (None: no prior)."""

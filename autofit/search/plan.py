@@ -15,7 +15,7 @@ its group's largest config that does.
 from collections.abc import Callable
 
 from autofit.config.train_config import TrainConfig
-from autofit.search import _timing, seeding, step_model
+from autofit.search import seeding, step_model
 from autofit.search.search_space import SearchSpace
 from autofit.search.study import TrialRecord
 from autofit.search.trial_health import drifting, drifts, is_reference, reference_for, REFERENCE_PRECISIONS
@@ -279,7 +279,7 @@ class Plan:
             return set()
         near = {r.config.precision for r in records
                 if r.status == "ok" and r.samples_per_s >= seeding.TWIN_FLOOR * best.samples_per_s}
-        return {p for p in self.slow_16_bit if not near & set(_timing.same_dtype(p))}
+        return {p for p in self.slow_16_bit if not near & {p, seeding.alike_16_bit(p)}}  # its dtype's
 
     def _allowed(self, records: list[TrialRecord], best: TrialRecord | None) -> Callable[[TrainConfig], bool]:
         """Configs worth a trial: numerics not seen to drift (`allowed_of`), in a precision that
